@@ -1,0 +1,27 @@
+"""mhaspec: a specification, golden data and one conformance verdict for multi-head attention.
+
+``import mhaspec`` imports no ML framework: a framework is imported only when
+its adapter is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .conformance import Report
+
+
+def check(adapter: Any, dtypes: Any = None, cases: Any = None, **options: Any) -> Report:
+    """Run the conformance suite against ``adapter`` (an object or a name) and return a Report.
+
+    See :func:`mhaspec.conformance.check`.
+    """
+    from .conformance import check as _check
+
+    return _check(adapter, dtypes=dtypes, cases=cases, **options)
+
+
+__all__ = ["__version__", "check"]

@@ -1,0 +1,265 @@
+"""The adapter contract, known deviations, and finding adapters by name."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import AdapterError
+from ..spec import DTYPES, STAGES, Case
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What the suite needs from an implementation under test."""
+
+    name: str
+
+    def run(self, case: Case) -> Mapping[str, Any]:
+        """Compute ``case`` in ``case.dtype``; return ``{"output": …}`` plus any other stages."""
+        ...
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A declared, explained difference from the spec.
+
+    ``case``, ``dtype`` and ``stage`` are shell-style patterns (``fnmatch``);
+    a stage verdict that fails and matches is reported as ``known deviation``
+    with ``reason`` instead of ``fail``.
+    """
+
+    reason: str
+    case: str = "*"
+    dtype: str = "*"
+    stage: str = "*"
+
+    def matches(self, case: str, dtype: str, stage: str) -> bool:
+        return (
+            fnmatch.fnmatchcase(case, self.case)
+            and fnmatch.fnmatchcase(dtype, self.dtype)
+            and fnmatch.fnmatchcase(stage, self.stage)
+        )
+
+    @property
+    def pattern(self) -> str:
+        return f"{self.case}/{self.dtype}/{self.stage}"
+
+
+def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Deviation]:
+    """Normalise an adapter's ``known_deviations``.
+
+    Accepted: a mapping ``"CASE[/DTYPE[/STAGE]]" -> reason``; or an iterable of
+    :class:`Deviation` or of dicts with ``reason`` and optional ``case``,
+    ``dtype``, ``stage``.
+    """
+    if declared is None:
+        return []
+    out: list[Deviation] = []
+    if isinstance(declared, Mapping):
+        for key, reason in declared.items():
+            parts = str(key).split("/")
+            if len(parts) > 3 or not all(parts):
+                raise AdapterError(f"{where}: pattern {key!r} is not CASE[/DTYPE[/STAGE]]")
+            parts += ["*"] * (3 - len(parts))
+            out.append(Deviation(reason=str(reason), case=parts[0], dtype=parts[1], stage=parts[2]))
+    elif isinstance(declared, Iterable) and not isinstance(declared, (str, bytes)):
+        for item in declared:
+            if isinstance(item, Deviation):
+                out.append(item)
+            elif isinstance(item, Mapping) and "reason" in item:
+                try:
+                    out.append(Deviation(**dict(item)))
+                except TypeError as exc:
+                    raise AdapterError(f"{where}: bad entry {item!r} ({exc})") from None
+            else:
+                raise AdapterError(f"{where}: entry {item!r} is neither a Deviation nor a dict with a reason")
+    else:
+        raise AdapterError(f"{where}: expected a mapping or a list, got {type(declared).__name__}")
+    for dev in out:
+        if not dev.reason.strip():
+            raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
+        if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES):
+            raise AdapterError(f"{where}: deviation {dev.pattern} matches no stage; stages are {', '.join(STAGES)}")
+        if not any(fnmatch.fnmatchcase(d, dev.dtype) for d in DTYPES):
+            raise AdapterError(f"{where}: deviation {dev.pattern} matches no dtype; dtypes are {', '.join(DTYPES)}")
+    return out
+
+
+@dataclass(frozen=True)
+class BuiltinAdapter:
+    """A built-in adapter: imported only when used."""
+
+    name: str
+    target: str  # "module:attr"
+    framework: str  # the distribution it needs
+    description: str
+
+
+BUILTINS: dict[str, BuiltinAdapter] = {
+    b.name: b
+    for b in [
+        BuiltinAdapter("numpy", "mhaspec.adapters.numpy_mha:NumpyMHA", "numpy",
+                       "MHA written in numpy, every stage, any dtype (bfloat16 via ml_dtypes)"),
+        BuiltinAdapter("torch", "mhaspec.adapters.torch_layer:TorchMHAAdapter", "torch",
+                       "torch.nn.Module with four nn.Linear (W^Q, W^K, W^V, W^O), every stage"),
+        BuiltinAdapter("torch-mha", "mhaspec.adapters.torch_mha:TorchMultiheadAttentionAdapter", "torch",
+                       "torch.nn.MultiheadAttention, need_weights=True (per-head weights)"),
+        BuiltinAdapter("torch-mha-fast", "mhaspec.adapters.torch_mha:TorchMultiheadAttentionFastAdapter", "torch",
+                       "torch.nn.MultiheadAttention, need_weights=False (the production SDPA path)"),
+        BuiltinAdapter("torch-sdpa", "mhaspec.adapters.torch_sdpa:TorchSDPAAdapter", "torch",
+                       "torch.nn.functional.scaled_dot_product_attention between nn.Linear projections"),
+        BuiltinAdapter("keras", "mhaspec.adapters.keras_mha:KerasMHAAdapter", "keras",
+                       "keras.layers.MultiHeadAttention / GroupQueryAttention, default (fused) path"),
+        BuiltinAdapter("keras-scores", "mhaspec.adapters.keras_mha:KerasMHAScoresAdapter", "keras",
+                       "keras.layers.MultiHeadAttention with return_attention_scores=True"),
+        BuiltinAdapter("tensorflow", "mhaspec.adapters.tf_ops:TensorFlowMHAAdapter", "tensorflow",
+                       "MHA written with plain TensorFlow ops, every stage"),
+        BuiltinAdapter("jax", "mhaspec.adapters.jax_numpy:JaxMHAAdapter", "jax",
+                       "MHA written with jax.numpy, jit-compiled, every stage"),
+        BuiltinAdapter("jax-dpa", "mhaspec.adapters.jax_dpa:JaxDPAAdapter", "jax",
+                       "jax.nn.dot_product_attention between jnp projections"),
+        BuiltinAdapter("flax-linen", "mhaspec.adapters.flax_linen:FlaxLinenAdapter", "flax",
+                       "flax.linen.MultiHeadDotProductAttention"),
+        BuiltinAdapter("flax-nnx", "mhaspec.adapters.flax_nnx:FlaxNNXAdapter", "flax",
+                       "flax.nnx.MultiHeadAttention"),
+    ]
+}
+
+
+def _import_target(target: str, what: str) -> Any:
+    """Resolve ``package.module:attr`` or ``path/to/file.py:attr``."""
+    if ":" not in target:
+        raise AdapterError(
+            f"unknown adapter {what!r}: not a built-in name ({', '.join(BUILTINS)}), "
+            "nor of the form package.module:attr or path/to/file.py:attr"
+        )
+    module_part, attr = target.rsplit(":", 1)
+    if not attr:
+        raise AdapterError(f"adapter {what!r}: missing attribute after ':'")
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise AdapterError(f"adapter {what!r}: file {path} does not exist")
+        mod_name = f"_mhaspec_user_adapter_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise AdapterError(f"adapter {what!r}: cannot load {path} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(mod_name, None)
+            raise AdapterError(f"adapter {what!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise AdapterError(f"adapter {what!r}: cannot import {module_part} ({exc})") from exc
+        except Exception as exc:
+            raise AdapterError(f"adapter {what!r}: importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise AdapterError(
+            f"adapter {what!r}: {module_part} has no attribute {attr!r}; it has: {', '.join(public)}"
+        ) from None
+
+
+def load_adapter(ref: Any, **options: Any) -> Any:
+    """An adapter from a built-in name, ``package.module:attr``, ``file.py:attr`` or an object.
+
+    A class is instantiated with ``options`` (e.g. ``device="cuda"``); an
+    instance is used as it is (options must then be empty).
+    """
+    if isinstance(ref, str):
+        builtin = BUILTINS.get(ref)
+        if builtin is not None:
+            try:
+                obj = _import_target(builtin.target, ref)
+            except AdapterError as exc:
+                raise AdapterError(
+                    f"built-in adapter {ref!r} is not usable here: {exc} "
+                    f"(install it with `pip install mhaspec[{_extra(builtin.framework)}]`)"
+                ) from None
+        else:
+            obj = _import_target(ref, ref)
+        label = ref
+    else:
+        obj, label = ref, repr(ref)
+    options = {k: v for k, v in options.items() if v is not None}
+    if inspect.isclass(obj):
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            params = {}
+        unknown = [k for k in options if k not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())]
+        if unknown:
+            raise AdapterError(f"adapter {label}: does not take option(s) {', '.join(unknown)}")
+        try:
+            obj = obj(**options)
+        except Exception as exc:
+            raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
+    elif options:
+        raise AdapterError(f"adapter {label}: is an instance; option(s) {', '.join(options)} cannot be applied")
+    if not callable(getattr(obj, "run", None)):
+        raise AdapterError(f"adapter {label}: has no run(case) method")
+    if not isinstance(getattr(obj, "name", None), str):
+        raise AdapterError(f"adapter {label}: has no string attribute 'name'")
+    return obj
+
+
+def _extra(framework: str) -> str:
+    return {"keras": "tensorflow", "flax": "jax", "numpy": "bf16"}.get(framework, framework)
+
+
+def adapter_name(adapter: Any) -> str:
+    return str(getattr(adapter, "name", type(adapter).__name__))
+
+
+def adapter_framework(adapter: Any) -> tuple[str | None, str | None]:
+    """(framework distribution, its installed version) as the adapter declares it."""
+    framework = getattr(adapter, "framework", None)
+    if not framework:
+        return None, None
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return str(framework), version(str(framework))
+    except PackageNotFoundError:
+        return str(framework), None
+
+
+def adapter_dtypes(adapter: Any) -> tuple[str, ...]:
+    """The dtypes the adapter declares (default: all four)."""
+    declared = getattr(adapter, "dtypes", None)
+    if declared is None:
+        return DTYPES
+    unknown = [d for d in declared if d not in DTYPES]
+    if unknown:
+        raise AdapterError(f"adapter {adapter_name(adapter)}: dtypes {unknown} are not among {', '.join(DTYPES)}")
+    return tuple(d for d in DTYPES if d in declared)
+
+
+def builtin_status() -> list[tuple[BuiltinAdapter, bool, str]]:
+    """For every built-in adapter: (entry, importable here, why not)."""
+    rows = []
+    for b in BUILTINS.values():
+        module = b.target.split(":")[0]
+        if importlib.util.find_spec(b.framework) is None:
+            rows.append((b, False, f"{b.framework} is not installed"))
+        elif importlib.util.find_spec(module) is None:
+            rows.append((b, False, f"{module} is missing"))
+        else:
+            rows.append((b, True, ""))
+    return rows

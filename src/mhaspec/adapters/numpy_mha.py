@@ -1,0 +1,91 @@
+"""MHA written with numpy, computing in the dtype under test; returns every stage.
+
+Written independently of :mod:`mhaspec.reference` (plain ``einsum`` and
+BLAS, not exact summation).  float64 and float32 compute natively; float16 and
+bfloat16 store every stage in that dtype and accumulate each product sum in
+float32, as mixed-precision hardware does.  bfloat16 needs ``ml_dtypes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..spec import Case
+
+
+def numpy_dtype(name: str) -> Any:
+    """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+class NumpyMHA:
+    """The numpy adapter (built-in name ``numpy``)."""
+
+    name = "numpy"
+    framework = "numpy"
+
+    def supports(self, case: Case) -> bool | str:
+        if case.dtype == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: F401
+            except ImportError:
+                return "bfloat16 needs ml_dtypes (pip install mhaspec[bf16])"
+        return True
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg = case.config
+        dt = numpy_dtype(case.dtype)
+        acc = np.float32 if case.dtype in ("float16", "bfloat16") else dt
+
+        def rnd(x: np.ndarray) -> np.ndarray:  # store a stage in the dtype under test
+            return x.astype(dt)
+
+        def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+            y = x.astype(acc) @ rnd(w).astype(acc)
+            if b is not None:
+                y = y + rnd(b).astype(acc)
+            return rnd(y)
+
+        w = case.weights
+        q = linear(rnd(case.inputs.query), w.w_q, w.b_q)  # (B, T, H·D)
+        k = linear(rnd(case.inputs.key), w.w_k, w.b_k)  # (B, S, G·D)
+        v = linear(rnd(case.inputs.value), w.w_v, w.b_v)  # (B, S, G·E)
+
+        B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
+        Q = q.reshape(B, T, H, cfg.D_k)  # BTHD
+        K = k.reshape(B, S, G, cfg.D_k)  # BSGD
+        V = v.reshape(B, S, G, cfg.D_v)  # BSGE
+        group = H // G
+        K = np.repeat(K, group, axis=2)  # BSHD: head h reads h // group
+        V = np.repeat(V, group, axis=2)  # BSHE
+
+        s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
+        s = rnd(s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc))
+
+        allowed = np.ones((B, H, T, S), dtype=bool)
+        if cfg.causal:
+            shift = 0 if cfg.causal_alignment == "top_left" else S - T
+            allowed &= np.arange(S)[None, :] <= np.arange(T)[:, None] + shift
+        if case.inputs.mask is not None:
+            allowed &= np.broadcast_to(case.inputs.mask, allowed.shape)
+
+        logits = np.where(allowed, s.astype(acc), -np.inf)
+        peak = logits.max(axis=-1, keepdims=True)
+        peak = np.where(np.isfinite(peak), peak, 0)  # rows that see no key
+        e = np.exp(logits - peak)
+        denom = e.sum(axis=-1, keepdims=True)
+        p = rnd(np.divide(e, denom, out=np.zeros_like(e), where=denom > 0))
+
+        o = rnd(np.einsum("BHTS,BSHE->BHTE", p.astype(acc), V.astype(acc)))
+        concat = o.transpose(0, 2, 1, 3).reshape(B, T, H * cfg.D_v)
+        y = linear(concat, w.w_o, w.b_o)
+        return {
+            "q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
+            "head_outputs": o, "concat": concat, "output": y,
+        }

@@ -1,0 +1,114 @@
+"""Golden fixtures from the case catalog: generate (atomically) and check (in memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FixtureError
+from ..fixtures import (
+    DEFAULT_GOLDEN,
+    decode_tensors,
+    encode_case,
+    encode_manifest,
+    sha256,
+    write_folder_atomically,
+)
+from ..spec import CATALOG, MANIFEST_NAME, SPEC_VERSION, STAGES, Catalog, CaseSpec, Manifest, ManifestEntry
+from .mha import forward, visibility
+
+
+def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
+    """Inputs, weights, every stage and the visibility of one case, by fixture tensor name."""
+    inputs = spec.make_inputs()
+    weights = spec.make_weights()
+    stages = forward(spec.config, inputs, weights)
+    tensors = {f"input.{k}": v for k, v in inputs.items()}
+    tensors.update({f"weight.{k}": v for k, v in weights.items()})
+    tensors.update({f"stage.{k}": stages[k] for k in STAGES})
+    tensors["visible"] = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
+    return tensors
+
+
+def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
+    """Every file of a golden folder, in memory: ``<case>.safetensors`` and ``manifest.json``."""
+    files: dict[str, bytes] = {}
+    entries: dict[str, ManifestEntry] = {}
+    for spec in catalog:
+        data = encode_case(spec, case_tensors(spec))
+        name = f"{spec.id}.safetensors"
+        files[name] = data
+        entries[spec.id] = ManifestEntry(file=name, sha256=sha256(data), size=len(data), spec=spec)
+    files[MANIFEST_NAME] = encode_manifest(Manifest(spec_version=SPEC_VERSION, cases=entries))
+    return files
+
+
+def generate(out: Path | str | None = None, catalog: Catalog = CATALOG) -> Path:
+    """Write the golden folder for ``catalog`` into ``out`` (default: the package's own)."""
+    folder = Path(out) if out is not None else DEFAULT_GOLDEN
+    write_folder_atomically(folder, build_files(catalog))
+    return folder
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One way a golden folder differs from what the reference computes now."""
+
+    case: str  # case id, or "manifest"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.case}: {self.detail}"
+
+
+def check(folder: Path | str | None = None, catalog: Catalog = CATALOG) -> list[Drift]:
+    """Recompute everything in memory and compare with ``folder``; write nothing.
+
+    Returns one :class:`Drift` per case and tensor that differs (empty: current).
+    """
+    folder = Path(folder) if folder is not None else DEFAULT_GOLDEN
+    if not folder.is_dir():
+        raise FixtureError(f"{folder}: golden folder does not exist")
+    fresh = build_files(catalog)
+    drifts: list[Drift] = []
+    on_disk = {p.name for p in folder.iterdir() if p.is_file()}
+    for name in sorted(on_disk - set(fresh)):
+        drifts.append(Drift(name.removesuffix(".safetensors"), f"{name} is not produced by the catalog (stale file)"))
+    for spec in catalog:
+        name = f"{spec.id}.safetensors"
+        path = folder / name
+        if name not in on_disk:
+            drifts.append(Drift(spec.id, f"{name} is missing"))
+            continue
+        old = path.read_bytes()
+        if old != fresh[name]:
+            drifts.extend(_diff_case(spec.id, old, fresh[name], str(path)))
+    manifest = folder / MANIFEST_NAME
+    if MANIFEST_NAME not in on_disk:
+        drifts.append(Drift("manifest", f"{MANIFEST_NAME} is missing"))
+    elif manifest.read_bytes() != fresh[MANIFEST_NAME]:
+        drifts.append(Drift("manifest", f"{MANIFEST_NAME} differs (spec version, a case's config, or a file hash)"))
+    return drifts
+
+
+def _diff_case(case_id: str, old: bytes, new: bytes, where: str) -> list[Drift]:
+    """Name the tensors (stages, inputs, weights) that differ between two encodings of a case."""
+    try:
+        old_t = decode_tensors(old, where)
+    except FixtureError as exc:
+        return [Drift(case_id, f"file is unreadable ({exc})")]
+    new_t = decode_tensors(new, "<regenerated>")
+    out = []
+    for name in sorted(set(old_t) | set(new_t)):
+        if name not in old_t or name not in new_t:
+            out.append(Drift(case_id, f"{name} is {'missing' if name not in old_t else 'unexpected'}"))
+        elif old_t[name].shape != new_t[name].shape:
+            out.append(Drift(case_id, f"{name} shape {old_t[name].shape} != {new_t[name].shape}"))
+        elif not np.array_equal(old_t[name], new_t[name]):
+            diff = np.abs(old_t[name].astype(np.float64) - new_t[name].astype(np.float64))
+            out.append(Drift(case_id, f"{name} differs (max abs difference {np.nanmax(diff):.3g})"))
+    if not out:
+        out.append(Drift(case_id, "file bytes differ (metadata or layout)"))
+    return out

@@ -1,0 +1,281 @@
+"""A conformance case: what a catalog entry says (``CaseSpec``) and what an
+adapter receives (``Case``: config, dtype, inputs, weights — never a golden
+stage)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .config import DTYPES, MHAConfig
+from .data import dyadic_tensor, random_bits, weight_exponent
+
+Dtype = Literal["float64", "float32", "float16", "bfloat16"]
+
+CASE_ID_PATTERN = r"^[a-z0-9][a-z0-9_]*$"
+
+
+class MaskSpec(BaseModel):
+    """How a case's explicit boolean mask (True = may attend) is made.
+
+    ``key_padding``: shape (B, 1, 1, S); batch b sees its first ``lengths[b]`` keys.
+    ``random``: shape (B, 1, T, S), True with probability ``density``; the
+    (batch, query row) pairs in ``fully_masked`` are then set to see no key.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["key_padding", "random"]
+    lengths: tuple[int, ...] | None = Field(None, description="key_padding: visible keys per batch entry")
+    density: float = Field(0.7, gt=0, le=1, description="random: probability that an entry is visible")
+    fully_masked: tuple[tuple[int, int], ...] = Field(
+        (), description="random: (batch, query row) pairs that see no key at all"
+    )
+
+
+class CaseSpec(BaseModel):
+    """One named case of the catalog: a config, the input sizes and a seed.
+
+    Inputs are ``k·2^-input_exponent`` with |k| <= 64; weights are scaled by
+    their fan-in (see :mod:`mhaspec.spec.data`), times ``2^weight_shift``.
+    ``inputs="self"`` passes the same tensor as query, key and value.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(pattern=CASE_ID_PATTERN, description="unique case name")
+    description: str = ""
+    config: MHAConfig
+    batch: int = Field(gt=0, description="B")
+    tgt_len: int = Field(gt=0, description="T, query length")
+    src_len: int = Field(gt=0, description="S, key/value length")
+    inputs: Literal["self", "distinct"] = Field(
+        "distinct", description="self: key = value = query; distinct: three tensors"
+    )
+    mask: MaskSpec | None = None
+    seed: int = Field(ge=0)
+    input_exponent: int = Field(5, ge=0, le=12, description="inputs are k * 2^-input_exponent, |k| <= 64")
+    weight_shift: int = Field(0, ge=-4, le=4, description="weights are scaled by 2^weight_shift")
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> CaseSpec:
+        cfg = self.config
+        if self.inputs == "self":
+            if self.tgt_len != self.src_len:
+                raise ValueError(
+                    f"inputs: self-attention needs tgt_len == src_len, got T={self.tgt_len}, S={self.src_len}"
+                )
+            if not (cfg.kdim == cfg.vdim == cfg.d_model):
+                raise ValueError(
+                    f"inputs: self-attention needs kdim == vdim == d_model, got "
+                    f"kdim={cfg.kdim}, vdim={cfg.vdim}, d_model={cfg.d_model}"
+                )
+        mask = self.mask
+        if mask is not None and mask.kind == "key_padding":
+            if mask.lengths is None or len(mask.lengths) != self.batch:
+                raise ValueError(f"mask.lengths: need one length per batch entry (B={self.batch}), got {mask.lengths}")
+            for b, n in enumerate(mask.lengths):
+                if not 0 <= n <= self.src_len:
+                    raise ValueError(f"mask.lengths[{b}]: {n} is outside [0, S={self.src_len}]")
+        if mask is not None:
+            for b, t in mask.fully_masked:
+                if not (0 <= b < self.batch and 0 <= t < self.tgt_len):
+                    raise ValueError(
+                        f"mask.fully_masked: ({b}, {t}) is outside (B={self.batch}, T={self.tgt_len})"
+                    )
+        return self
+
+    # -- materialisation -------------------------------------------------
+    def make_inputs(self) -> dict[str, np.ndarray]:
+        """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) and, if any, mask."""
+        cfg, B, T, S = self.config, self.batch, self.tgt_len, self.src_len
+        e = self.input_exponent
+        query = dyadic_tensor(f"{self.seed}/query", (B, T, cfg.d_model), e)
+        if self.inputs == "self":
+            key = value = query
+        else:
+            key = dyadic_tensor(f"{self.seed}/key", (B, S, int(cfg.kdim)), e)  # type: ignore[arg-type]
+            value = dyadic_tensor(f"{self.seed}/value", (B, S, int(cfg.vdim)), e)  # type: ignore[arg-type]
+        out = {"query": query, "key": key, "value": value}
+        if self.mask is not None:
+            out["mask"] = self._make_mask()
+        return out
+
+    def _make_mask(self) -> np.ndarray:
+        mask = self.mask
+        assert mask is not None
+        B, T, S = self.batch, self.tgt_len, self.src_len
+        if mask.kind == "key_padding":
+            assert mask.lengths is not None
+            lengths = np.asarray(mask.lengths)
+            return (np.arange(S)[None, :] < lengths[:, None]).reshape(B, 1, 1, S)
+        bits = random_bits(f"{self.seed}/mask", (B, 1, T, S), mask.density)
+        for b, t in mask.fully_masked:
+            bits[b, 0, t, :] = False
+        return bits
+
+    def make_weights(self) -> dict[str, np.ndarray]:
+        """Canonical weights ``w_q … b_o`` (absent biases when config.bias is False)."""
+        out = {}
+        for name, shape in self.config.weight_shapes().items():
+            if name.startswith("w_"):  # fan-in is the first axis: (in, out)
+                exponent = weight_exponent(shape[0], self.weight_shift)
+            else:  # biases: one small scale, |b| <= 1/4
+                exponent = 8
+            out[name] = dyadic_tensor(f"{self.seed}/{name}", shape, exponent)
+        return out
+
+    def case(self, dtype: str = "float64") -> Case:
+        """The adapter-facing case for ``dtype``."""
+        return Case.build(self, dtype)
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    out = np.array(array, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+class Inputs(BaseModel):
+    """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) as float64;
+    mask: bool broadcastable to (B, H, T, S), True = may attend, or None."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    mask: np.ndarray | None = None
+
+
+class Weights(BaseModel):
+    """Canonical weights, row-vector convention ``y = x @ W + b``:
+    w_q (d_model, H·D_k), w_k (kdim, H_kv·D_k), w_v (vdim, H_kv·D_v),
+    w_o (H·D_v, d_out); biases b_q, b_k, b_v, b_o (None without bias).
+    Head h owns columns [h·D, (h+1)·D)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    w_q: np.ndarray
+    w_k: np.ndarray
+    w_v: np.ndarray
+    w_o: np.ndarray
+    b_q: np.ndarray | None = None
+    b_k: np.ndarray | None = None
+    b_v: np.ndarray | None = None
+    b_o: np.ndarray | None = None
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        """The weights that are present, by canonical name."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Case(BaseModel):
+    """What an adapter receives: read-only, float64, canonical layout.
+
+    ``config`` has every size resolved; ``dtype`` is the precision to compute
+    in.  There is no way to reach the golden stages from here.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    id: str
+    config: MHAConfig
+    dtype: Dtype
+    batch: int
+    tgt_len: int
+    src_len: int
+    self_attention: bool
+    inputs: Inputs
+    weights: Weights
+
+    @property
+    def B(self) -> int:
+        return self.batch
+
+    @property
+    def T(self) -> int:
+        return self.tgt_len
+
+    @property
+    def S(self) -> int:
+        return self.src_len
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> Case:
+        cfg = self.config
+        expected: dict[str, tuple[int, ...]] = {
+            "query": (self.batch, self.tgt_len, cfg.d_model),
+            "key": (self.batch, self.src_len, int(cfg.kdim)),  # type: ignore[arg-type]
+            "value": (self.batch, self.src_len, int(cfg.vdim)),  # type: ignore[arg-type]
+        }
+        for name, shape in expected.items():
+            got = getattr(self.inputs, name).shape
+            if got != shape:
+                raise ValueError(f"inputs.{name}: expected shape (B, L, F) = {shape}, got {got}")
+        mask = self.inputs.mask
+        if mask is not None:
+            full = (self.batch, cfg.H, self.tgt_len, self.src_len)
+            if mask.dtype != np.bool_:
+                raise ValueError(f"inputs.mask: expected dtype bool (True = may attend), got {mask.dtype}")
+            try:
+                np.broadcast_shapes(mask.shape, full)
+            except ValueError:
+                raise ValueError(
+                    f"inputs.mask: shape {mask.shape} does not broadcast to (B, H, T, S) = {full}"
+                ) from None
+        shapes = cfg.weight_shapes()
+        for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
+            got_w = getattr(self.weights, name)
+            if name not in shapes:
+                if got_w is not None:
+                    raise ValueError(f"weights.{name}: present but config.bias is False")
+                continue
+            if got_w is None:
+                raise ValueError(f"weights.{name}: missing (expected shape {shapes[name]})")
+            if got_w.shape != shapes[name]:
+                raise ValueError(f"weights.{name}: expected shape {shapes[name]}, got {got_w.shape}")
+        return self
+
+    @classmethod
+    def from_arrays(
+        cls,
+        case_id: str,
+        config: MHAConfig,
+        dtype: str,
+        inputs: dict[str, Any],
+        weights: dict[str, Any],
+        self_attention: bool = False,
+    ) -> Case:
+        """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        query = _readonly(np.asarray(inputs["query"], dtype=np.float64))
+        if self_attention:
+            key = value = query
+        else:
+            key = _readonly(np.asarray(inputs["key"], dtype=np.float64))
+            value = _readonly(np.asarray(inputs["value"], dtype=np.float64))
+        mask = inputs.get("mask")
+        if mask is not None:
+            mask = _readonly(np.asarray(mask))
+        return cls(
+            id=case_id,
+            config=config,
+            dtype=dtype,  # type: ignore[arg-type]
+            batch=query.shape[0],
+            tgt_len=query.shape[1],
+            src_len=key.shape[1],
+            self_attention=self_attention,
+            inputs=Inputs(query=query, key=key, value=value, mask=mask),
+            weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
+        )
+
+    @classmethod
+    def build(cls, spec: CaseSpec, dtype: str = "float64") -> Case:
+        """The case described by a catalog entry."""
+        return cls.from_arrays(
+            spec.id, spec.config, dtype, spec.make_inputs(), spec.make_weights(), spec.inputs == "self"
+        )

@@ -1,0 +1,220 @@
+"""The case catalog: named cases, each a config, input sizes and a seed.
+
+Sizes within a case differ from each other wherever the case allows it
+(B, T, S, H, D_k, d_model …), so an axis mix-up changes a shape instead of
+passing silently.  A duplicate case name is an error at import.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .case import CaseSpec, MaskSpec
+from .config import MHAConfig
+
+
+class Catalog:
+    """An ordered, duplicate-free collection of :class:`CaseSpec`."""
+
+    def __init__(self, specs: Iterable[CaseSpec] = ()) -> None:
+        self._specs: dict[str, CaseSpec] = {}
+        for spec in specs:
+            self.add(spec)
+
+    def add(self, spec: CaseSpec) -> CaseSpec:
+        if spec.id in self._specs:
+            raise ValueError(f"case catalog: duplicate case name {spec.id!r}")
+        self._specs[spec.id] = spec
+        return spec
+
+    def __getitem__(self, case_id: str) -> CaseSpec:
+        try:
+            return self._specs[case_id]
+        except KeyError:
+            raise KeyError(f"unknown case {case_id!r}; known: {', '.join(self._specs)}") from None
+
+    def __contains__(self, case_id: object) -> bool:
+        return case_id in self._specs
+
+    def __iter__(self) -> Iterator[CaseSpec]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def ids(self) -> list[str]:
+        return list(self._specs)
+
+
+def _case(case_id: str, description: str, config: dict, **fields) -> CaseSpec:
+    return CaseSpec(id=case_id, description=description, config=MHAConfig(**config), **fields)
+
+
+CATALOG = Catalog(
+    [
+        _case(
+            "self_basic",
+            "self-attention, biases, B=2 T=S=5 d_model=12 H=3 D=4",
+            dict(d_model=12, num_heads=3),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=1,
+        ),
+        _case(
+            "no_bias",
+            "self-attention without any bias",
+            dict(d_model=15, num_heads=3, bias=False),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=2,
+        ),
+        _case(
+            "one_head",
+            "a single head: H=1, D_k=d_model",
+            dict(d_model=10, num_heads=1),
+            batch=3, tgt_len=6, src_len=6, inputs="self", seed=3,
+        ),
+        _case(
+            "head_dim_1",
+            "D_k = 1: seven heads of size one",
+            dict(d_model=7, num_heads=7),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=4,
+        ),
+        _case(
+            "cross_attention",
+            "cross-attention: T != S, kdim != vdim != d_model, distinct key and value",
+            dict(d_model=12, num_heads=2, kdim=10, vdim=14),
+            batch=3, tgt_len=4, src_len=9, seed=5,
+        ),
+        _case(
+            "custom_head_dims",
+            "head_dim != d_model/H, value_head_dim != head_dim, out_dim != d_model",
+            dict(d_model=12, num_heads=3, head_dim=5, value_head_dim=7, out_dim=11),
+            batch=2, tgt_len=6, src_len=6, inputs="self", seed=6,
+        ),
+        _case(
+            "causal_square",
+            "causal self-attention, T = S",
+            dict(d_model=20, num_heads=4, causal=True),
+            batch=2, tgt_len=9, src_len=9, inputs="self", seed=7,
+        ),
+        _case(
+            "causal_top_left",
+            "causal, T < S, top-left aligned: query i sees keys j <= i",
+            dict(d_model=12, num_heads=3, causal=True, causal_alignment="top_left"),
+            batch=2, tgt_len=5, src_len=8, seed=8,
+        ),
+        _case(
+            "causal_bottom_right",
+            "causal, T < S, bottom-right aligned: query i sees keys j <= i + S - T",
+            dict(d_model=12, num_heads=3, causal=True, causal_alignment="bottom_right"),
+            batch=2, tgt_len=5, src_len=8, seed=9,
+        ),
+        _case(
+            "causal_bottom_right_t_gt_s",
+            "causal, T > S, bottom-right aligned: the first T - S query rows see no key",
+            dict(d_model=12, num_heads=2, causal=True, causal_alignment="bottom_right"),
+            batch=3, tgt_len=7, src_len=4, seed=10,
+        ),
+        _case(
+            "key_padding",
+            "key-padding mask (B, 1, 1, S): batch entries see 7, 4 and 1 keys",
+            dict(d_model=12, num_heads=2),
+            batch=3, tgt_len=7, src_len=7, inputs="self",
+            mask=MaskSpec(kind="key_padding", lengths=(7, 4, 1)), seed=11,
+        ),
+        _case(
+            "custom_mask",
+            "random boolean mask (B, 1, T, S) with fully masked query rows",
+            dict(d_model=10, num_heads=2),
+            batch=3, tgt_len=6, src_len=7, seed=12,
+            mask=MaskSpec(kind="random", density=0.6, fully_masked=((0, 2), (1, 0), (1, 5))),
+        ),
+        _case(
+            "causal_and_mask",
+            "causal flag AND a key-padding mask",
+            dict(d_model=12, num_heads=3, causal=True),
+            batch=2, tgt_len=6, src_len=6, inputs="self",
+            mask=MaskSpec(kind="key_padding", lengths=(6, 3)), seed=13,
+        ),
+        _case(
+            "gqa",
+            "grouped-query attention: H=8 query heads share H_kv=2 key/value heads",
+            dict(d_model=32, num_heads=8, num_kv_heads=2),
+            batch=3, tgt_len=6, src_len=5, seed=14,
+        ),
+        _case(
+            "mqa",
+            "multi-query attention: H=6 query heads share one key/value head",
+            dict(d_model=18, num_heads=6, num_kv_heads=1),
+            batch=2, tgt_len=5, src_len=7, seed=15,
+        ),
+        _case(
+            "custom_scale",
+            "an explicit scale 1/8 instead of 1/sqrt(D_k)",
+            dict(d_model=12, num_heads=2, scale=0.125),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=16,
+        ),
+        _case(
+            "batch_one",
+            "B = 1",
+            dict(d_model=12, num_heads=3),
+            batch=1, tgt_len=9, src_len=9, inputs="self", seed=17,
+        ),
+        _case(
+            "single_token",
+            "B = 1 and T = S = 1",
+            dict(d_model=12, num_heads=3),
+            batch=1, tgt_len=1, src_len=1, inputs="self", seed=18,
+        ),
+        _case(
+            "large_logits",
+            "|scores| in the hundreds: exposes a softmax without max-subtraction",
+            dict(d_model=16, num_heads=2),
+            batch=2, tgt_len=6, src_len=6, inputs="self", seed=19,
+            input_exponent=3, weight_shift=1,
+        ),
+        _case(
+            "long_sequence",
+            "a longer sequence: T = S = 128",
+            dict(d_model=16, num_heads=2),
+            batch=1, tgt_len=128, src_len=128, inputs="self", seed=20,
+        ),
+    ]
+)
+
+
+def load_catalog_file(path: str | Path) -> Catalog:
+    """A catalog from a JSON file: a list of case objects, or ``{"cases": [...]}``.
+
+    Errors name the file and the field (``cases.2.config.num_heads: …``).
+    """
+    from ..errors import SpecError
+
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{path}: spec file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read spec file ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if isinstance(raw, dict) and set(raw) == {"cases"}:
+        raw = raw["cases"]
+    if not isinstance(raw, list):
+        raise SpecError(f'{path}: expected a list of cases or {{"cases": [...]}}, got {type(raw).__name__}')
+    specs = []
+    for i, item in enumerate(raw):
+        try:
+            specs.append(CaseSpec.model_validate(item))
+        except ValidationError as exc:
+            name = item.get("id", "?") if isinstance(item, dict) else "?"
+            lines = [
+                f"  cases.{i}." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}" for err in exc.errors()
+            ]
+            raise SpecError(f"{path}: case {i} ({name}) is invalid\n" + "\n".join(lines)) from None
+    try:
+        return Catalog(specs)
+    except ValueError as exc:
+        raise SpecError(f"{path}: {exc}") from None
