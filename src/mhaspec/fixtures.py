@@ -129,24 +129,25 @@ class GoldenSet:
     def __init__(self, folder: Path | str | None = None) -> None:
         self.folder = Path(folder) if folder is not None else DEFAULT_GOLDEN
         self.manifest = read_manifest(self.folder)
+        self._entries = self.manifest.by_id()
         self._loaded: dict[str, GoldenCase] = {}
 
     def ids(self) -> list[str]:
-        return list(self.manifest.cases)
+        return list(self._entries)
 
     def __len__(self) -> int:
-        return len(self.manifest.cases)
+        return len(self._entries)
 
     def __iter__(self) -> Iterator[GoldenCase]:
-        for case_id in self.manifest.cases:
+        for case_id in self._entries:
             yield self.load(case_id)
 
     def load(self, case_id: str) -> GoldenCase:
         if case_id not in self._loaded:
-            entry = self.manifest.cases.get(case_id)
+            entry = self._entries.get(case_id)
             if entry is None:
                 raise FixtureError(
-                    f"{self.folder / MANIFEST_NAME}: no case {case_id!r}; known: {', '.join(self.manifest.cases)}"
+                    f"{self.folder / MANIFEST_NAME}: no case {case_id!r}; known: {', '.join(self._entries)}"
                 )
             self._loaded[case_id] = load_case(self.folder, entry)
         return self._loaded[case_id]
@@ -175,9 +176,11 @@ def read_manifest(folder: Path) -> Manifest:
             f"{path}: fixtures are for spec version {manifest.spec_version}, this mhaspec implements "
             f"{SPEC_VERSION}; regenerate them with `mhaspec generate --out {folder}`"
         )
-    for case_id, entry in manifest.cases.items():
-        if entry.spec.id != case_id:
-            raise FixtureError(f"{path}: cases.{case_id}.spec.id is {entry.spec.id!r}, expected {case_id!r}")
+    seen: set[str] = set()
+    for i, entry in enumerate(manifest.cases):
+        if entry.spec.id in seen:
+            raise FixtureError(f"{path}: cases.{i}: duplicate case {entry.spec.id!r}")
+        seen.add(entry.spec.id)
     return manifest
 
 

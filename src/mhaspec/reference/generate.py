@@ -35,12 +35,12 @@ def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
 def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
     """Every file of a golden folder, in memory: ``<case>.safetensors`` and ``manifest.json``."""
     files: dict[str, bytes] = {}
-    entries: dict[str, ManifestEntry] = {}
+    entries: list[ManifestEntry] = []
     for spec in catalog:
         data = encode_case(spec, case_tensors(spec))
         name = f"{spec.id}.safetensors"
         files[name] = data
-        entries[spec.id] = ManifestEntry(file=name, sha256=sha256(data), size=len(data), spec=spec)
+        entries.append(ManifestEntry(file=name, sha256=sha256(data), size=len(data), spec=spec))
     files[MANIFEST_NAME] = encode_manifest(Manifest(spec_version=SPEC_VERSION, cases=entries))
     return files
 

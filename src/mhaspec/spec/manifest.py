@@ -33,4 +33,7 @@ class Manifest(BaseModel):
 
     format: Literal["mhaspec-golden"] = "mhaspec-golden"
     spec_version: str
-    cases: dict[str, ManifestEntry]
+    cases: list[ManifestEntry] = Field(description="one entry per case, in catalog order")
+
+    def by_id(self) -> dict[str, ManifestEntry]:
+        return {entry.spec.id: entry for entry in self.cases}

@@ -1,0 +1,126 @@
+"""What the JAX and Flax adapters share: the dtype and device a case runs in,
+the jnp projection, and the Flax parameter layout.
+
+float64 needs JAX's x64 mode.  :func:`computing_in` switches it on with the
+``jax.enable_x64`` context manager, which sets a *thread-local* value of the
+``jax_enable_x64`` config (``jax.experimental.enable_x64`` in JAX < 0.7):
+it holds for the calling thread only, for the duration of one ``run``, and
+jit caches are keyed on it.  Another adapter running in another thread
+meanwhile still sees the process default (x64 off).  Setting
+``jax.config.update("jax_enable_x64", True)`` instead would change every
+thread of the process for good, so it is never used here.
+
+Flax layout (``flax.linen.MultiHeadDotProductAttention`` params and
+``flax.nnx.MultiHeadAttention`` state share it)::
+
+    query.kernel (d_model, H, D)     query.bias (H, D)       <- w_q (d_model, H·D), b_q (H·D,)
+    key.kernel   (kdim, H_kv, D)     key.bias   (H_kv, D)    <- w_k (kdim, H_kv·D), b_k
+    value.kernel (vdim, H_kv, E)     value.bias (H_kv, E)    <- w_v (vdim, H_kv·E), b_v
+    out.kernel   (H, E, d_out)       out.bias   (d_out,)     <- w_o (H·E, d_out), b_o
+
+The canonical head h owns columns [h·D, (h+1)·D), so every conversion is a
+row-major reshape: no transpose, no copy of values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..spec import MHAConfig
+
+# -- dtype, x64 and device -------------------------------------------------
+
+
+def jax_dtype(name: str) -> Any:
+    """The jnp dtype for a spec dtype name (bfloat16 is ``jnp.bfloat16``)."""
+    return jnp.dtype(name)
+
+
+def accumulator(name: str) -> Any:
+    """Where products are summed: float32 for float16/bfloat16, else the dtype itself."""
+    return jnp.dtype("float32") if name in ("float16", "bfloat16") else jnp.dtype(name)
+
+
+def _enable_x64(enabled: bool) -> contextlib.AbstractContextManager:
+    switch = getattr(jax, "enable_x64", None)  # JAX >= 0.7
+    if switch is None:  # JAX 0.4.30 .. 0.6
+        from jax.experimental import enable_x64 as switch
+        return switch() if enabled else contextlib.nullcontext()
+    return switch(enabled) if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def computing_in(dtype: str, device: str) -> Iterator[None]:
+    """Run the body with x64 on for float64 and ``device`` as default device (this thread only)."""
+    target = jax.devices(device)[0]
+    with _enable_x64(dtype == "float64"), jax.default_device(target):
+        yield
+
+
+def to_jax(x: np.ndarray | None, dtype: str) -> jax.Array | None:
+    """A float64 case array in ``dtype`` (exact: case inputs are representable in every dtype)."""
+    return None if x is None else jnp.asarray(x, dtype=jax_dtype(dtype))
+
+
+def to_numpy(stages: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Stages back as numpy arrays in their own dtype (bfloat16 as ml_dtypes.bfloat16)."""
+    return {name: np.asarray(jax.device_get(value)) for name, value in stages.items()}
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.Array:
+    """``x @ w + b`` summed in the accumulator dtype, stored in ``dtype`` (the jnp projection)."""
+    acc = accumulator(dtype)
+    y = jnp.matmul(x, w, preferred_element_type=acc)
+    if b is not None:
+        y = y + b.astype(acc)
+    return y.astype(jax_dtype(dtype))
+
+
+# -- the Flax parameter layout --------------------------------------------
+
+
+def _as_dict(weights: Any) -> dict[str, np.ndarray]:
+    if hasattr(weights, "as_dict"):
+        weights = weights.as_dict()
+    return {k: np.asarray(v) for k, v in dict(weights).items() if v is not None}
+
+
+def to_flax_tree(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
+    """Canonical weights -> ``{"query"|"key"|"value"|"out": {"kernel", "bias"}}`` (see module doc).
+
+    ``weights`` is a :class:`~mhaspec.spec.Weights` or a mapping ``w_q … b_o``;
+    biases are left out when absent (``use_bias=False``).
+    """
+    w = _as_dict(weights)
+    H, G, D, E = config.H, config.H_kv, config.D_k, config.D_v
+    heads = {"query": ("q", H, D), "key": ("k", G, D), "value": ("v", G, E)}
+    tree: dict[str, dict[str, np.ndarray]] = {}
+    for name, (x, n, size) in heads.items():
+        tree[name] = {"kernel": w[f"w_{x}"].reshape(-1, n, size)}  # (in, heads, size)
+        if f"b_{x}" in w:
+            tree[name]["bias"] = w[f"b_{x}"].reshape(n, size)  # (heads, size)
+    tree["out"] = {"kernel": w["w_o"].reshape(H, E, -1)}  # (H, E, d_out)
+    if "b_o" in w:
+        tree["out"]["bias"] = w["b_o"]  # (d_out,)
+    return tree
+
+
+def from_flax_tree(tree: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """The inverse of :func:`to_flax_tree`: canonical ``w_q … b_o`` (biases only if present)."""
+    out: dict[str, np.ndarray] = {}
+    for name, x in (("query", "q"), ("key", "k"), ("value", "v")):
+        kernel = np.asarray(tree[name]["kernel"])  # (in, heads, size)
+        out[f"w_{x}"] = kernel.reshape(kernel.shape[0], -1)
+        if "bias" in tree[name]:
+            out[f"b_{x}"] = np.asarray(tree[name]["bias"]).reshape(-1)
+    kernel = np.asarray(tree["out"]["kernel"])  # (H, E, d_out)
+    out["w_o"] = kernel.reshape(-1, kernel.shape[-1])
+    if "bias" in tree["out"]:
+        out["b_o"] = np.asarray(tree["out"]["bias"])
+    return out

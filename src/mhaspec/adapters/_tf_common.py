@@ -1,0 +1,83 @@
+"""What the TensorFlow and Keras adapters share: a quiet import, dtypes, and
+numpy <-> tensor conversion.
+
+TensorFlow 2.21 logs through absl before ``absl::InitializeLog()`` runs, so
+``TF_CPP_MIN_LOG_LEVEL`` does not silence its import-time lines (oneDNN,
+CPU features).  :func:`quiet_import` therefore also points the process's
+native stderr (file descriptor 2) at ``/dev/null`` while the import runs, and
+only then; Python errors raised by the import still propagate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Discard what native code writes to file descriptor 2 inside the block."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no usable fd 2: nothing to silence
+        yield
+        return
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def quiet_import(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` without TensorFlow's native log lines."""
+    if name in sys.modules:
+        return sys.modules[name]
+    with _native_stderr_silenced():
+        return importlib.import_module(name)
+
+
+tf = quiet_import("tensorflow")
+
+
+def numpy_dtype(name: str) -> Any:
+    """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes, as TensorFlow uses)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def to_tensor(x: np.ndarray, dtype: str) -> Any:
+    """A float64 array as a tensor of the spec dtype ``dtype`` (exact for the catalog's data)."""
+    return tf.constant(np.asarray(x).astype(numpy_dtype(dtype)), dtype=tf.as_dtype(dtype))
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A tensor as a numpy array of its own dtype (bfloat16 stays ml_dtypes.bfloat16)."""
+    return np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+
+
+def attend_mask(mask: np.ndarray | None, B: int, T: int, S: int) -> np.ndarray | None:
+    """The spec's mask (True = may attend, broadcastable to (B, H, T, S)) broadcast to
+    (B, H_mask, T, S), H_mask in {1, H}.  TensorFlow and Keras use the same polarity
+    (1/True = attend), so no inversion is needed."""
+    if mask is None:
+        return None
+    heads = mask.shape[-3] if mask.ndim >= 3 else 1
+    return np.broadcast_to(mask, (B, heads, T, S))

@@ -1,0 +1,93 @@
+"""MHA written with ``jax.numpy``, jit-compiled, returning every stage.
+
+The layer a JAX user would write from the spec: canonical weights used as
+they are (``x @ W + b``), a boolean ``where`` softmax (``jax.nn.softmax``
+gives 0 to masked entries and to rows that see no key), GQA by grouping the
+query heads.  float64 and float32 compute natively; float16 and bfloat16
+store every stage in that dtype and sum each product in float32
+(``preferred_element_type``), as mixed-precision hardware does.
+
+    query ─ linear ─ Q (B,T,H,D) ─┐
+    key   ─ linear ─ K (B,S,G,D) ─┴─ scores (B,H,T,S) ─ softmax(where=allowed) ─┐
+    value ─ linear ─ V (B,S,G,E) ──────────────────────────────────────────────┴─ head_outputs
+          ─ concat (B,T,H·E) ─ linear ─ output (B,T,d_out)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..spec import Case
+from ._jax_common import accumulator, computing_in, jax_dtype, linear, to_jax, to_numpy
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "kv_heads", "scale", "causal_shift", "dtype"))
+def mha(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict[str, Any],
+    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, dtype: str,
+) -> dict[str, jax.Array]:
+    """Every stage of MHA.  ``causal_shift``: None (not causal), 0 (top-left) or S - T (bottom-right)."""
+    acc, dt = accumulator(dtype), jax_dtype(dtype)
+    w = weights
+    q = linear(query, w["w_q"], w.get("b_q"), dtype)  # (B, T, H·D)
+    k = linear(key, w["w_k"], w.get("b_k"), dtype)  # (B, S, G·D)
+    v = linear(value, w["w_v"], w.get("b_v"), dtype)  # (B, S, G·E)
+
+    B, T, S, H, G = query.shape[0], query.shape[1], key.shape[1], heads, kv_heads
+    Q = q.reshape(B, T, G, H // G, -1)  # BTGRD: head h = g·R + r reads kv head g = h // R
+    K = k.reshape(B, S, G, -1)  # BSGD
+    V = v.reshape(B, S, G, -1)  # BSGE
+
+    s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc)
+    s = (s * jnp.asarray(scale, dtype=dt).astype(acc)).astype(dt).reshape(B, H, T, S)
+
+    allowed = jnp.ones((B, H, T, S), dtype=bool)
+    if causal_shift is not None:
+        allowed &= jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + causal_shift
+    if mask is not None:
+        allowed &= mask
+    p = jax.nn.softmax(s.astype(acc), axis=-1, where=allowed).astype(dt)
+
+    P = p.reshape(B, G, H // G, T, S)
+    o = jnp.einsum("BGRTS,BSGE->BGRTE", P, V, preferred_element_type=acc).astype(dt).reshape(B, H, T, -1)
+    concat = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B, T, H·E)
+    y = linear(concat, w["w_o"], w.get("b_o"), dtype)
+    return {
+        "q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
+        "head_outputs": o, "concat": concat, "output": y,
+    }
+
+
+def causal_shift(case: Case) -> int | None:
+    """None when not causal; else how far the diagonal moves right: 0 (top-left) or S - T."""
+    cfg = case.config
+    if not cfg.causal:
+        return None
+    return 0 if cfg.causal_alignment == "top_left" else case.src_len - case.tgt_len
+
+
+class JaxMHAAdapter:
+    """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage."""
+
+    name = "jax"
+    framework = "jax"
+
+    def __init__(self, *, device: str = "cpu") -> None:
+        self.device = device
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg, dtype = case.config, case.dtype
+        with computing_in(dtype, self.device):
+            weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
+            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
+            stages = mha(
+                to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
+                to_jax(case.inputs.value, dtype), mask, weights,
+                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, causal_shift=causal_shift(case), dtype=dtype,
+            )
+            return to_numpy(stages)

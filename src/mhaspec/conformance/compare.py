@@ -1,0 +1,156 @@
+"""Judging one stage: shape, dtype, finiteness, precision, then element-wise error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PASS, FAIL, NOT_EXPOSED, KNOWN_DEVIATION = "pass", "fail", "not exposed", "known deviation"
+
+
+@dataclass
+class StageResult:
+    """The verdict on one stage of one case in one dtype.
+
+    ``worst_ratio`` is error/tolerance at the worst element (<= 1 passes) and
+    ``worst_index`` that element's index in the canonical stage shape.
+    """
+
+    stage: str
+    verdict: str
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    worst_ratio: float | None = None
+    worst_index: tuple[int, ...] | None = None
+    compared: int = 0
+    message: str = ""
+    reason: str = ""  # a known deviation's declared reason
+    nonfinite: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "verdict": self.verdict,
+            "max_abs_err": _num(self.max_abs_err),
+            "max_rel_err": _num(self.max_rel_err),
+            "worst_ratio": _num(self.worst_ratio),
+            "worst_index": list(self.worst_index) if self.worst_index is not None else None,
+            "compared": self.compared,
+            "nonfinite": self.nonfinite,
+            "message": self.message,
+            "reason": self.reason,
+        }
+
+
+def _num(x: float | None) -> float | str | None:
+    """JSON-safe number: inf and nan become the strings "inf" and "nan"."""
+    if x is None:
+        return None
+    if np.isnan(x):
+        return "nan"
+    if np.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return float(x)
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """Round float64 values to the nearest bfloat16 (ties to even), returned as float64.
+
+    Goes through float32 first, which is exact for every bfloat16-representable
+    value (the only values this is used to recognise).
+    """
+    f = np.asarray(x, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isfinite(f), out, f.astype(np.float64))
+
+
+def representable(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Boolean mask: which finite float64 ``values`` are exactly representable in ``dtype``."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if dtype == "float64":
+            return np.ones(values.shape, dtype=bool)
+        if dtype == "bfloat16":
+            return round_to_bfloat16(values) == values
+        return values.astype(dtype).astype(np.float64) == values
+
+
+def as_float_array(value: Any) -> tuple[np.ndarray | None, str]:
+    """(float64 array, "") or (None, why it is not a floating-point array)."""
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # framework tensors that numpy cannot take
+        return None, f"cannot convert {type(value).__name__} to a numpy array ({exc}); return numpy arrays"
+    kind_ok = np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")
+    if not kind_ok:
+        return None, f"dtype {arr.dtype} is not a floating-point dtype"
+    try:
+        return arr.astype(np.float64), ""
+    except Exception as exc:
+        return None, f"dtype {arr.dtype} cannot be converted to float64 ({exc})"
+
+
+def compare_stage(
+    stage: str,
+    got: Any,
+    golden: np.ndarray,
+    tolerance: np.ndarray,
+    dtype: str,
+    visible: np.ndarray | None = None,
+) -> StageResult:
+    """Judge ``got`` against ``golden`` element-wise.
+
+    For ``scores``, ``visible`` selects the compared entries (masked scores are
+    not compared).  For ``attn_weights`` the tolerance is 0 where masked: those
+    entries must be exactly 0.
+    """
+    values, why = as_float_array(got)
+    if values is None:
+        return StageResult(stage, FAIL, message=why)
+    if values.shape != golden.shape:
+        return StageResult(stage, FAIL, message=f"shape {values.shape}, expected {golden.shape}")
+
+    selected = np.ones(golden.shape, dtype=bool) if visible is None else np.broadcast_to(visible, golden.shape)
+    v, g, tol = values[selected], golden[selected], tolerance[selected]
+    index_of = np.argwhere(selected)
+    result = StageResult(stage, PASS, compared=int(v.size))
+    if v.size == 0:
+        result.message = "nothing to compare (every entry is masked)"
+        return result
+
+    problems = []
+    finite = np.isfinite(v)
+    nonfinite = int(np.count_nonzero(~finite & np.isfinite(g)))
+    if nonfinite:
+        problems.append(f"{nonfinite} NaN/inf value(s) where the golden is finite")
+    result.nonfinite = nonfinite
+    not_exact = int(np.count_nonzero(finite & ~representable(v, dtype)))
+    if not_exact:
+        problems.append(
+            f"{not_exact} of {v.size} values are not representable in {dtype}: computed or returned in a wider dtype"
+        )
+
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        err = np.abs(v - g)
+        err = np.where(np.isnan(err), np.inf, err)
+        ratio = np.where(tol > 0, err / tol, np.where(err > 0, np.inf, 0.0))
+        rel = np.where(g != 0, err / np.abs(g), np.where(err > 0, np.inf, 0.0))
+    worst = int(np.argmax(ratio))
+    result.max_abs_err = float(err.max())
+    result.max_rel_err = float(rel.max())
+    result.worst_ratio = float(ratio[worst])
+    result.worst_index = tuple(int(i) for i in index_of[worst])
+    if result.worst_ratio > 1:
+        over = int(np.count_nonzero(ratio > 1))
+        at = result.worst_index
+        problems.append(
+            f"{over} of {v.size} elements exceed the tolerance; worst at {at}: got {v[worst]:.9g}, "
+            f"expected {g[worst]:.9g}, |error| {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
+        )
+    if problems:
+        result.verdict = FAIL
+        result.message = "; ".join(problems)
+    return result

@@ -1,0 +1,118 @@
+"""pytest plugin (registered through the ``pytest11`` entry point).
+
+    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--junitxml=out.xml]
+
+gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
+passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
+skip with the reason, ``known deviation`` is an xfail with the declared
+reason.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
+CLI and :func:`mhaspec.check`.  Importing this plugin imports no framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("mhaspec", "mhaspec conformance suite")
+    group.addoption("--mha-adapter", default=None, metavar="ADAPTER",
+                    help="adapter under test: built-in name, package.module:attr or file.py:attr (default numpy)")
+    group.addoption("--mha-dtype", action="append", default=None, metavar="DTYPE",
+                    help="dtype(s) to run (repeat or comma-separate; default all four)")
+    group.addoption("--mha-golden", default=None, metavar="DIR", help="golden folder (default: the shipped fixtures)")
+    group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
+    group.addoption("--mha-timeout", type=float, default=300.0, help="per-case timeout in seconds (0 = none)")
+
+
+class _State:
+    session: Any = None
+    dtypes: list[str] = []
+    error: str | None = None
+
+
+def _session(config: pytest.Config) -> Any:
+    state: _State = config._mhaspec_state  # type: ignore[attr-defined]
+    if state.session is None and state.error is None:
+        from ..errors import MhaspecError
+        from .runner import Session, resolve_dtypes
+
+        dtypes = config.getoption("--mha-dtype")
+        try:
+            state.session = Session(
+                config.getoption("--mha-adapter") or "numpy",
+                golden=config.getoption("--mha-golden"),
+                timeout=config.getoption("--mha-timeout") or None,
+                device=config.getoption("--mha-device"),
+            )
+            state.dtypes = resolve_dtypes(",".join(dtypes) if dtypes else None)
+        except MhaspecError as exc:
+            state.error = str(exc)
+    if state.error is not None:
+        raise pytest.UsageError(f"mhaspec: {state.error}")
+    return state.session
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config._mhaspec_state = _State()  # type: ignore[attr-defined]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if not config.getoption("--mha-adapter"):
+        return None
+    session = _session(config)
+    from ..adapters import adapter_framework
+
+    framework, version = adapter_framework(session.adapter)
+    return [
+        f"mhaspec: adapter {session.name} ({framework or '-'} {version or ''}), dtypes {', '.join(_state(config).dtypes)}, "
+        f"golden {session.golden.folder}"
+    ]
+
+
+def _state(config: pytest.Config) -> _State:
+    return config._mhaspec_state  # type: ignore[attr-defined]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "mha_stage" not in metafunc.fixturenames:
+        return
+    from ..spec import STAGES
+
+    session = _session(metafunc.config)
+    params = [
+        (case_id, dtype, stage)
+        for case_id in session.golden.ids()
+        for dtype in _state(metafunc.config).dtypes
+        for stage in STAGES
+    ]
+    metafunc.parametrize("mha_stage", params, ids=[f"{c}-{d}-{s}" for c, d, s in params])
+
+
+@pytest.fixture
+def mha_session(request: pytest.FixtureRequest) -> Any:
+    """The :class:`mhaspec.conformance.Session` under test."""
+    return _session(request.config)
+
+
+def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
+    """Turn one stage verdict into a pytest outcome."""
+    from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED
+    from .report import ERROR, UNSUPPORTED
+
+    result = session.result(case_id, dtype)
+    if result.verdict == UNSUPPORTED:
+        pytest.skip(f"unsupported: {result.message}")
+    if result.verdict == ERROR:
+        pytest.fail(f"adapter error on {case_id} [{dtype}]: {result.message}", pytrace=False)
+    st = result.stage(stage)
+    if st.verdict == NOT_EXPOSED:
+        pytest.skip(f"{stage} is not exposed by adapter {session.name}")
+    if st.verdict == KNOWN_DEVIATION:
+        pytest.xfail(f"known deviation: {st.reason}")
+    if st.verdict == FAIL:
+        first = result.first_failing_stage
+        note = "" if first == stage else f" (first failing stage of this case: {first})"
+        pytest.fail(f"{case_id} [{dtype}] {stage}: {st.message}{note}", pytrace=False)

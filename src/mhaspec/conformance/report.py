@@ -1,0 +1,229 @@
+"""Results of a run: per case × dtype × stage verdicts, a terminal table and a JSON report.
+
+The JSON keys are documented in docs/report.md and are stable within a
+``report_version``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..spec import SPEC_VERSION, STAGES
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
+
+REPORT_VERSION = 1
+
+# case-level verdicts
+ERROR, UNSUPPORTED = "error", "unsupported"
+CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED)
+
+
+@dataclass
+class CaseResult:
+    """One case in one dtype: its verdict, its first failing stage, every stage's verdict."""
+
+    case: str
+    dtype: str
+    verdict: str
+    stages: list[StageResult] = field(default_factory=list)
+    message: str = ""  # the error, or the reason it is unsupported
+    adapter_s: float = 0.0  # time spent inside the adapter
+    harness_s: float = 0.0  # time spent judging
+
+    @property
+    def first_failing_stage(self) -> str | None:
+        """The first stage in pipeline order that fails: where the bug is."""
+        for st in self.stages:
+            if st.verdict == FAIL:
+                return st.stage
+        return None
+
+    @property
+    def worst_ratio(self) -> float | None:
+        ratios = [st.worst_ratio for st in self.stages if st.worst_ratio is not None and st.verdict in (PASS, FAIL)]
+        return max(ratios) if ratios else None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in (PASS, KNOWN_DEVIATION, UNSUPPORTED)
+
+    def stage(self, name: str) -> StageResult:
+        for st in self.stages:
+            if st.stage == name:
+                return st
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "case": self.case,
+            "dtype": self.dtype,
+            "verdict": self.verdict,
+            "first_failing_stage": self.first_failing_stage,
+            "worst_ratio": _num(self.worst_ratio),
+            "message": self.message,
+            "adapter_seconds": round(self.adapter_s, 6),
+            "stages": [st.to_json() for st in self.stages],
+        }
+
+
+@dataclass
+class Report:
+    """Everything one run found.  ``ok`` is True when every case conforms
+    (known deviations and unsupported cases allowed)."""
+
+    adapter: str
+    framework: str | None
+    framework_version: str | None
+    golden: str
+    dtypes: list[str]
+    results: list[CaseResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no output)."""
+        if any(r.verdict == ERROR for r in self.results):
+            return 2
+        return 0 if self.ok else 1
+
+    def counts(self) -> dict[str, int]:
+        out = {v: 0 for v in CASE_VERDICTS}
+        for r in self.results:
+            out[r.verdict] += 1
+        return out
+
+    def first_failures(self) -> dict[tuple[str, str], str]:
+        """{(case, dtype): first failing stage (or "error")} for every case that does not conform."""
+        return {
+            (r.case, r.dtype): (r.first_failing_stage or r.verdict)
+            for r in self.results
+            if r.verdict in (FAIL, ERROR)
+        }
+
+    def result(self, case: str, dtype: str) -> CaseResult:
+        for r in self.results:
+            if r.case == case and r.dtype == dtype:
+                return r
+        raise KeyError((case, dtype))
+
+    def smallest_margin(self) -> float | None:
+        """tolerance/error at the worst passing element over the whole run (>= 1 passes)."""
+        ratios = [
+            st.worst_ratio
+            for r in self.results
+            for st in r.stages
+            if st.verdict == PASS and st.worst_ratio is not None
+        ]
+        worst = max(ratios, default=None)
+        if worst is None:
+            return None
+        return float("inf") if worst == 0 else 1.0 / worst
+
+    # -- output ----------------------------------------------------------
+    def header(self) -> str:
+        fw = f" ({self.framework} {self.framework_version or '?'})" if self.framework else ""
+        return (
+            f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {self.adapter}{fw} · "
+            f"dtypes {', '.join(self.dtypes)} · golden {self.golden}"
+        )
+
+    def summary(self) -> str:
+        c = self.counts()
+        margin = self.smallest_margin()
+        margin_txt = f" · smallest margin {margin:.3g}x" if margin is not None and np.isfinite(margin) else ""
+        status = "CONFORMS" if self.ok else ("ERROR" if self.exit_code == 2 else "DOES NOT CONFORM")
+        return (
+            f"{self.adapter}: {status} — {c[PASS]} pass, {c[KNOWN_DEVIATION]} known deviation, "
+            f"{c[FAIL]} fail, {c[ERROR]} error, {c[UNSUPPORTED]} unsupported "
+            f"({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
+        )
+
+    def table(self, verbose: bool = False) -> str:
+        """The per case × dtype table, then details of what did not pass."""
+        width = max([len(r.case) for r in self.results] + [4])
+        lines = [self.header(), ""]
+        lines.append(f"{'case':<{width}}  {'dtype':<8}  {'verdict':<15}  {'first failing stage':<19}  worst ratio")
+        for r in self.results:
+            ratio = r.worst_ratio
+            ratio_txt = "" if ratio is None else (f"{ratio:.3g}" if np.isfinite(ratio) else "inf")
+            lines.append(
+                f"{r.case:<{width}}  {r.dtype:<8}  {r.verdict:<15}  {(r.first_failing_stage or ''):<19}  {ratio_txt}"
+            )
+        details = self.details(verbose)
+        if details:
+            lines += ["", *details]
+        if self.warnings:
+            lines += [""] + [f"warning: {w}" for w in self.warnings]
+        lines += ["", self.summary()]
+        return "\n".join(lines)
+
+    def details(self, verbose: bool = False) -> list[str]:
+        out: list[str] = []
+        reasons: dict[str, list[str]] = {}
+        for r in self.results:
+            if r.verdict in (ERROR, UNSUPPORTED):
+                if r.verdict == ERROR:
+                    out.append(f"{r.case} [{r.dtype}] error: {r.message}")
+                else:
+                    reasons.setdefault(f"unsupported: {r.message}", []).append(f"{r.case}[{r.dtype}]")
+                continue
+            for st in r.stages:
+                if st.verdict == FAIL:
+                    out.append(f"{r.case} [{r.dtype}] {st.stage}: FAIL — {st.message}")
+                elif st.verdict == KNOWN_DEVIATION:
+                    reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(
+                        f"{r.case}[{r.dtype}]"
+                    )
+                elif verbose and st.verdict == NOT_EXPOSED:
+                    reasons.setdefault(f"not exposed: {st.stage}", []).append(f"{r.case}[{r.dtype}]")
+        for reason, where in reasons.items():
+            shown = ", ".join(where[:6]) + (f", … ({len(where)} in all)" if len(where) > 6 else "")
+            out.append(f"{reason}\n    {shown}")
+        return out
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "report_version": REPORT_VERSION,
+            "mhaspec_version": __version__,
+            "spec_version": SPEC_VERSION,
+            "adapter": {
+                "name": self.adapter,
+                "framework": self.framework,
+                "framework_version": self.framework_version,
+            },
+            "platform": {
+                "python": platform.python_version(),
+                "system": platform.system(),
+                "machine": platform.machine(),
+                "numpy": np.__version__,
+            },
+            "golden": self.golden,
+            "dtypes": list(self.dtypes),
+            "stages": list(STAGES),
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "smallest_margin": _num(self.smallest_margin()),
+            "duration_seconds": round(self.duration_s, 6),
+            "warnings": list(self.warnings),
+            "results": [r.to_json() for r in self.results],
+        }
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_json(), fh, indent=2)
+            fh.write("\n")

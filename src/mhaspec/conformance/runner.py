@@ -1,0 +1,241 @@
+"""Running an adapter over the golden cases and judging every stage."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
+from ..errors import MhaspecError
+from ..fixtures import GoldenCase, GoldenSet
+from ..spec import DTYPES, STAGES
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, compare_stage, StageResult
+from .report import ERROR, UNSUPPORTED, CaseResult, Report
+from .tolerance import stage_tolerances
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+def _call(fn: Callable[[], Any], timeout: float | None) -> Any:
+    """``fn()`` in a daemon thread, giving up after ``timeout`` seconds (None or 0: inline)."""
+    if not timeout:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name="mhaspec-case", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise CaseTimeout(f"the adapter did not return within {timeout:g} s (per-case timeout)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message (file:line in function)`` at the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern: str | None = None) -> list[str]:
+    """Case ids to run: ``cases`` (exact ids) and/or ``pattern`` (comma-separated
+    substrings or shell patterns, like pytest's -k on names)."""
+    ids = golden.ids()
+    if cases is not None:
+        cases = list(cases)
+        unknown = [c for c in cases if c not in ids]
+        if unknown:
+            raise MhaspecError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(ids)}")
+        ids = [c for c in ids if c in cases]
+    if pattern:
+        alternatives = [p.strip() for p in pattern.split(",") if p.strip()]
+
+        def hit(case_id: str) -> bool:
+            return any(
+                fnmatch.fnmatchcase(case_id, p) if any(ch in p for ch in "*?[") else p in case_id
+                for p in alternatives
+            )
+
+        ids = [c for c in ids if hit(c)]
+        if not ids:
+            raise MhaspecError(f"no case matches -k {pattern!r}; cases: {', '.join(golden.ids())}")
+    return ids
+
+
+class Session:
+    """An adapter, a golden folder and what has been judged so far.
+
+    The CLI, :func:`check` and the pytest plugin all judge through this class,
+    so they give the same verdicts.
+    """
+
+    def __init__(
+        self,
+        adapter: Any,
+        golden: str | Path | GoldenSet | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        self.adapter = load_adapter(adapter, **options)
+        self.name = adapter_name(self.adapter)
+        self.golden = golden if isinstance(golden, GoldenSet) else GoldenSet(golden)
+        self.timeout = timeout
+        self.deviations = parse_deviations(
+            getattr(self.adapter, "known_deviations", None), f"adapter {self.name}: known_deviations"
+        )
+        self.dtypes = adapter_dtypes(self.adapter)
+        self._used: set[int] = set()  # indices of deviations that excused a failing stage
+        self._passed_matching: set[int] = set()
+        self._results: dict[tuple[str, str], CaseResult] = {}
+
+    def result(self, case_id: str, dtype: str) -> CaseResult:
+        """The (cached) verdict on one case in one dtype."""
+        key = (case_id, dtype)
+        if key not in self._results:
+            self._results[key] = self._judge(self.golden.load(case_id), dtype)
+        return self._results[key]
+
+    def _judge(self, golden: GoldenCase, dtype: str) -> CaseResult:
+        case_id = golden.id
+        if dtype not in self.dtypes:
+            return CaseResult(case_id, dtype, UNSUPPORTED, message=f"the adapter declares dtypes {', '.join(self.dtypes)}")
+        case = golden.case(dtype)
+        supports = getattr(self.adapter, "supports", None)
+        if supports is not None:
+            try:
+                answer = supports(case)
+            except Exception as exc:
+                return CaseResult(case_id, dtype, ERROR, message=f"supports() raised {_describe(exc)}")
+            if answer is not True:
+                reason = answer if isinstance(answer, str) and answer else "the adapter's supports() returned False"
+                return CaseResult(case_id, dtype, UNSUPPORTED, message=reason)
+
+        start = time.perf_counter()
+        try:
+            returned = _call(lambda: self.adapter.run(case), self.timeout)
+        except CaseTimeout as exc:
+            return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
+        except Exception as exc:
+            return CaseResult(case_id, dtype, ERROR, message=f"run() raised {_describe(exc)}",
+                              adapter_s=time.perf_counter() - start)
+        adapter_s = time.perf_counter() - start
+
+        t0 = time.perf_counter()
+        if not isinstance(returned, Mapping):
+            return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
+                              message=f"run() returned {type(returned).__name__}, expected a mapping of stage name to array")
+        unknown = [str(k) for k in returned if k not in STAGES]
+        if unknown:
+            return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
+                              message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+        if "output" not in returned:
+            return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
+                              message="run() did not return the required stage 'output'")
+
+        tolerances = stage_tolerances(golden, dtype)
+        stages: list[StageResult] = []
+        for stage in STAGES:
+            if stage not in returned:
+                stages.append(StageResult(stage, NOT_EXPOSED))
+                continue
+            visible = golden.visible if stage == "scores" else None
+            res = compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, visible)
+            for i, dev in enumerate(self.deviations):
+                if dev.matches(case_id, dtype, stage):
+                    if res.verdict == FAIL:
+                        res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
+                        self._used.add(i)
+                    else:
+                        self._passed_matching.add(i)
+                    break
+            stages.append(res)
+
+        verdicts = {st.verdict for st in stages}
+        verdict = FAIL if FAIL in verdicts else KNOWN_DEVIATION if KNOWN_DEVIATION in verdicts else "pass"
+        return CaseResult(case_id, dtype, verdict, stages, adapter_s=adapter_s, harness_s=time.perf_counter() - t0)
+
+    def deviation_warnings(self) -> list[str]:
+        """Declared deviations that match no catalog case, or that never occurred in this run."""
+        out = []
+        ids = self.golden.ids()
+        for i, dev in enumerate(self.deviations):
+            if not any(fnmatch.fnmatchcase(c, dev.case) for c in ids):
+                out.append(f"known deviation {dev.pattern} matches no case in the golden folder")
+            elif i in self._passed_matching and i not in self._used:
+                out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
+        return out
+
+    def report(self, results: list[CaseResult], dtypes: list[str], duration: float) -> Report:
+        framework, version = adapter_framework(self.adapter)
+        return Report(
+            adapter=self.name,
+            framework=framework,
+            framework_version=version,
+            golden=str(self.golden.folder),
+            dtypes=dtypes,
+            results=results,
+            warnings=self.deviation_warnings(),
+            duration_s=duration,
+        )
+
+
+def resolve_dtypes(dtypes: Iterable[str] | str | None) -> list[str]:
+    if dtypes is None:
+        return list(DTYPES)
+    if isinstance(dtypes, str):
+        dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
+    dtypes = list(dtypes)
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise MhaspecError(f"unknown dtype(s) {', '.join(unknown)}; dtypes are {', '.join(DTYPES)}")
+    return [d for d in DTYPES if d in dtypes]
+
+
+def check(
+    adapter: Any,
+    dtypes: Iterable[str] | str | None = None,
+    cases: Iterable[str] | None = None,
+    *,
+    pattern: str | None = None,
+    golden: str | Path | GoldenSet | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    progress: Callable[[CaseResult], None] | None = None,
+    **options: Any,
+) -> Report:
+    """Run the conformance suite: every selected case × dtype × stage.
+
+    ``adapter`` is an adapter object, a class, a built-in name, ``module:attr``
+    or ``file.py:attr``; ``dtypes`` defaults to all four (those the adapter does
+    not declare are reported unsupported); ``cases`` are exact case ids and
+    ``pattern`` a -k style filter.  Options such as ``device="cuda"`` go to the
+    adapter's constructor.  Raises :class:`mhaspec.errors.MhaspecError` for bad
+    usage (unknown adapter, case, dtype; unreadable fixtures).
+    """
+    start = time.perf_counter()
+    session = Session(adapter, golden=golden, timeout=timeout, **options)
+    wanted = resolve_dtypes(dtypes)
+    results = []
+    for case_id in select_cases(session.golden, cases, pattern):
+        for dtype in wanted:
+            res = session.result(case_id, dtype)
+            results.append(res)
+            if progress is not None:
+                progress(res)
+    return session.report(results, wanted, time.perf_counter() - start)
