@@ -1,0 +1,60 @@
+"""Meta tests of the comparison helpers: what they say when a stage is wrong."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from mhaspec.conformance.compare import FAIL, PASS, compare_stage, representable, round_to_bfloat16
+
+
+def test_exact_values_pass_with_zero_ratio():
+    g = np.arange(6.0).reshape(2, 3)
+    res = compare_stage("output", g.copy(), g, np.full(g.shape, 1e-3), "float64")
+    assert (res.verdict, res.worst_ratio, res.max_abs_err, res.compared) == (PASS, 0.0, 0.0, 6)
+
+
+def test_worst_element_is_reported_with_its_index_and_ratio():
+    g = np.zeros((2, 3))
+    got = g.copy()
+    got[1, 2] = 0.5
+    got[0, 1] = 0.2
+    res = compare_stage("output", got, g, np.full(g.shape, 0.25), "float64")
+    assert res.verdict == FAIL and res.worst_index == (1, 2) and res.worst_ratio == 2.0
+    assert "1 of 6 elements exceed the tolerance; worst at (1, 2): got 0.5, expected 0" in res.message
+
+
+def test_shape_and_dtype_problems_name_what_came():
+    g = np.zeros((2, 3))
+    assert compare_stage("concat", np.zeros((3, 2)), g, g + 1, "float64").message == "shape (3, 2), expected (2, 3)"
+    assert "not a floating-point dtype" in compare_stage("concat", np.zeros((2, 3), int), g, g + 1, "float64").message
+
+
+def test_nan_where_golden_is_finite_is_counted():
+    g = np.ones((4,))
+    got = np.array([1.0, np.nan, np.inf, 1.0])
+    res = compare_stage("attn_weights", got, g, np.full(4, 1.0), "float64")
+    assert res.verdict == FAIL and res.nonfinite == 2 and "2 NaN/inf value(s)" in res.message
+
+
+def test_masked_scores_are_not_compared_but_masked_weights_must_be_zero():
+    g = np.array([[0.5, 0.5, 0.0]])
+    visible = np.array([[True, True, False]])
+    scores = compare_stage("scores", np.array([[0.5, 0.5, -1e9]]), g, np.full(g.shape, 1e-6), "float64", visible)
+    assert scores.verdict == PASS and scores.compared == 2
+    tol = np.where(visible, 1e-6, 0.0)  # the model's tolerance on masked weights
+    weights = compare_stage("attn_weights", np.array([[0.5, 0.5, 1e-30]]), g, tol, "float64")
+    assert weights.verdict == FAIL and weights.worst_index == (0, 2)
+
+
+def test_values_wider_than_the_dtype_are_rejected():
+    g = np.array([1.0, 2.0])
+    got = np.array([1.0 + 2**-20, 2.0])  # not a float16 number
+    res = compare_stage("q_proj", got, g, np.full(2, 1.0), "float16")
+    assert res.verdict == FAIL and "not representable in float16" in res.message
+
+
+def test_bfloat16_rounding_matches_ml_dtypes():
+    x = np.random.default_rng(0).standard_normal(10_000) * 10.0 ** np.random.default_rng(1).integers(-20, 20, 10_000)
+    assert np.array_equal(round_to_bfloat16(x), x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert representable(np.array([1.0, 1 + 2**-7, 1 + 2**-8]), "bfloat16").tolist() == [True, True, False]

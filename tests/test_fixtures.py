@@ -1,0 +1,151 @@
+"""Golden fixtures: byte-identical regeneration, --check, verified loading, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mhaspec.cli import main
+from mhaspec.errors import FixtureError
+from mhaspec.fixtures import DEFAULT_GOLDEN, GoldenSet
+from mhaspec.reference import generate as gen_module
+from mhaspec.reference.generate import check, generate
+from mhaspec.spec import CATALOG, STAGES
+
+
+@pytest.fixture(scope="module")
+def golden_copy(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("golden") / "g"
+    generate(folder)
+    return folder
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "g"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_regeneration_is_byte_identical(tmp_path, golden_copy):
+    other = generate(tmp_path / "again")
+    names = sorted(p.name for p in golden_copy.iterdir())
+    assert names == sorted(p.name for p in other.iterdir())
+    for name in names:
+        assert (golden_copy / name).read_bytes() == (other / name).read_bytes(), name
+
+
+def test_committed_fixtures_are_current_and_small():
+    assert check() == []
+    size = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
+    assert size < 2_000_000
+    assert len(GoldenSet()) == len(CATALOG)
+
+
+def test_fixtures_are_plain_safetensors(golden_copy):
+    tensors = load_file(str(golden_copy / "gqa.safetensors"))
+    assert tensors["stage.scores"].shape == (3, 8, 6, 5)
+    assert tensors["visible"].dtype == np.bool_
+    assert set(f"stage.{s}" for s in STAGES) <= set(tensors)
+
+
+def test_check_names_the_case_and_stage_that_drifted(tmp_path, golden_copy, capsys):
+    folder = _copy(golden_copy, tmp_path)
+    spec = CATALOG["mqa"]
+    tensors = gen_module.case_tensors(spec)
+    tensors["stage.attn_weights"] = tensors["stage.attn_weights"] * (1 + 2**-40)
+    from mhaspec.fixtures import encode_case
+
+    (folder / "mqa.safetensors").write_bytes(encode_case(spec, tensors))
+    drifts = [str(d) for d in check(folder)]
+    assert any(d.startswith("mqa: stage.attn_weights differs") for d in drifts), drifts
+    assert main(["generate", "--check", "--out", str(folder)]) == 1
+    assert "drift: mqa: stage.attn_weights differs" in capsys.readouterr().out
+    assert main(["generate", "--check", "--out", str(golden_copy)]) == 0
+
+
+def test_flipped_byte_is_detected_with_the_file_named(tmp_path, golden_copy, capsys):
+    folder = _copy(golden_copy, tmp_path)
+    path = folder / "custom_mask.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(FixtureError, match=r"custom_mask.safetensors: corrupted fixture \(case custom_mask\): SHA-256"):
+        GoldenSet(folder).load("custom_mask")
+    assert main(["run", "--golden", str(folder), "-k", "custom_mask"]) == 2
+    assert "custom_mask.safetensors: corrupted fixture" in capsys.readouterr().err
+
+
+def test_truncated_and_missing_files_are_named(tmp_path, golden_copy):
+    folder = _copy(golden_copy, tmp_path)
+    path = folder / "gqa.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(FixtureError, match=r"gqa.safetensors: truncated or altered fixture"):
+        GoldenSet(folder).load("gqa")
+    path.unlink()
+    with pytest.raises(FixtureError, match=r"gqa.safetensors: fixture file is missing"):
+        GoldenSet(folder).load("gqa")
+
+
+def test_bad_manifests_are_clear_errors(tmp_path, golden_copy):
+    folder = _copy(golden_copy, tmp_path)
+    manifest = folder / "manifest.json"
+    manifest.write_text("{ not json")
+    with pytest.raises(FixtureError, match=r"manifest.json: invalid JSON at line 1"):
+        GoldenSet(folder)
+    raw = json.loads((golden_copy / "manifest.json").read_text())
+    raw["cases"][0]["sha256"] = "xyz"
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(FixtureError, match=r"cases.0.sha256"):
+        GoldenSet(folder)
+    manifest.unlink()
+    with pytest.raises(FixtureError, match="manifest is missing"):
+        GoldenSet(folder)
+    with pytest.raises(FixtureError, match="does not exist"):
+        GoldenSet(tmp_path / "nowhere")
+
+
+def test_a_failing_generate_leaves_the_old_folder_untouched(tmp_path, golden_copy, monkeypatch):
+    folder = _copy(golden_copy, tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = gen_module.case_tensors
+    calls = []
+
+    def flaky(spec):
+        calls.append(spec.id)
+        if len(calls) == 5:
+            raise RuntimeError("disk on fire")
+        return real(spec)
+
+    monkeypatch.setattr(gen_module, "case_tensors", flaky)
+    with pytest.raises(RuntimeError):
+        generate(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["g"]  # no staging folder left behind
+
+
+def test_generate_refuses_to_overwrite_a_foreign_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FixtureError, match="refusing to overwrite"):
+        generate(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_custom_catalog_generates_and_runs(tmp_path, capsys):
+    catalog = tmp_path / "cases.json"
+    catalog.write_text(json.dumps([{"id": "mine", "config": {"d_model": 6, "num_heads": 2, "causal": True},
+                                    "batch": 2, "tgt_len": 3, "src_len": 5, "seed": 99}]))
+    out = tmp_path / "golden"
+    assert main(["generate", "--catalog", str(catalog), "--out", str(out)]) == 0
+    assert main(["generate", "--catalog", str(catalog), "--out", str(out), "--check"]) == 0
+    assert main(["run", "numpy", "--golden", str(out)]) == 0
+    assert "mine" in capsys.readouterr().out
+    catalog.write_text('[{"id": "mine", "config": {"d_model": 6, "num_heads": 4}, "batch": 1, '
+                       '"tgt_len": 1, "src_len": 1, "seed": 1}]')
+    assert main(["generate", "--catalog", str(catalog), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cases.json: case 0 (mine) is invalid" in err and "d_model=6 is not divisible by num_heads=4" in err

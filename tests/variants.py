@@ -1,0 +1,190 @@
+"""MHA implementations for the two-sided proof of the tolerance model.
+
+One small numpy implementation, written independently of the reference and
+of the numpy adapter, whose steps can each be switched to a *correct
+alternative* (einsum vs per-head loop, pre-scaled query, fused QKV, fp16
+accumulation, finfo.min fill) or to a *realistic bug*.  Each bug is named by
+the stage where it must first be caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from mhaspec.spec import Case
+
+DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+@dataclass
+class Variant:
+    """An adapter; every field off = a correct, straightforward implementation."""
+
+    name: str = "variant"
+    # correct alternatives
+    per_head_loop: bool = False  # explicit loop over heads instead of einsum
+    prescale_query: bool = False  # (scale · Q) Kᵀ instead of scale · (Q Kᵀ)
+    fused_qkv: bool = False  # one matmul with [w_q | w_k | w_v] for self-attention
+    native_accumulation: bool = False  # every partial sum rounded to the dtype under test
+    finfo_fill: bool = False  # masked scores filled with finfo.min, fully masked rows zeroed afterwards
+    # bugs
+    no_scale: bool = False
+    scale_by_d_model: bool = False
+    softmax_axis_t: bool = False
+    split_heads_wrong: bool = False
+    merge_without_transpose: bool = False
+    w_o_transposed: bool = False
+    causal_off_by_one: bool = False
+    causal_wrong_alignment: bool = False
+    mask_inverted: bool = False
+    gqa_modulo: bool = False
+    no_max_subtraction: bool = False
+    compute_dtype: str | None = None  # compute in this dtype whatever was asked
+    drop_output_bias: bool = False
+    uniform_masked_rows: bool = False
+    nan_masked_rows: bool = False
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg = case.config
+        dt = DT[self.compute_dtype or case.dtype]
+        low = dt in (np.float16, ml_dtypes.bfloat16)
+        acc = dt if (self.native_accumulation or not low) else np.float32
+        out_dt = DT[case.dtype]
+
+        def r(x):
+            return np.asarray(x).astype(dt)
+
+        def mm(a, b):
+            if self.native_accumulation:  # every partial sum rounded to the dtype: the worst correct order
+                a, b = r(a), r(b)
+                total = r(np.zeros(np.broadcast_shapes(a.shape[:-1] + (1,), b.shape[:-2] + (1, b.shape[-1]))))
+                for i in range(a.shape[-1]):
+                    term = r(a[..., :, i : i + 1].astype(np.float64) * b[..., i : i + 1, :].astype(np.float64))
+                    total = r(total.astype(np.float64) + term.astype(np.float64))
+                return total
+            return r(np.matmul(r(a).astype(acc), r(b).astype(acc)))
+
+        w = case.weights
+        B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
+        Dk, Dv = cfg.D_k, cfg.D_v
+
+        def bias(x, b):
+            return x if b is None else r(x.astype(acc) + r(b).astype(acc))
+
+        if self.fused_qkv and case.self_attention:
+            w_qkv = np.concatenate([w.w_q, w.w_k, w.w_v], axis=1)
+            qkv = mm(case.inputs.query, w_qkv)
+            q, k, v = np.split(qkv, [H * Dk, H * Dk + G * Dk], axis=-1)
+            q, k, v = bias(q, w.b_q), bias(k, w.b_k), bias(v, w.b_v)
+        else:
+            q = bias(mm(case.inputs.query, w.w_q), w.b_q)
+            k = bias(mm(case.inputs.key, w.w_k), w.b_k)
+            v = bias(mm(case.inputs.value, w.w_v), w.b_v)
+
+        def heads(x, n, d):
+            if self.split_heads_wrong:  # (B, L, D, n) instead of (B, L, n, D)
+                return x.reshape(B, -1, d, n).transpose(0, 3, 1, 2)
+            return x.reshape(B, -1, n, d).transpose(0, 2, 1, 3)  # (B, n, L, d)
+
+        Q, K, V = heads(q, H, Dk), heads(k, G, Dk), heads(v, G, Dv)
+        kv_of = [(h % G) if self.gqa_modulo else h // (H // G) for h in range(H)]
+        K, V = K[:, kv_of], V[:, kv_of]
+
+        scale = cfg.scale
+        if self.no_scale:
+            scale = 1.0
+        if self.scale_by_d_model:
+            scale = 1.0 / np.sqrt(cfg.d_model)
+        if self.prescale_query:
+            s = mm(r(Q.astype(acc) * r(scale).astype(acc)), np.swapaxes(K, -1, -2))
+        elif self.per_head_loop:
+            s = np.stack([mm(Q[:, h], np.swapaxes(K[:, h], -1, -2)) for h in range(H)], axis=1)
+            s = r(s.astype(acc) * r(scale).astype(acc))
+        elif self.native_accumulation:
+            s = r(mm(Q, np.swapaxes(K, -1, -2)).astype(acc) * r(scale).astype(acc))
+        else:
+            s = r(np.einsum("bhtd,bhsd->bhts", Q.astype(acc), K.astype(acc)))
+            s = r(s.astype(acc) * r(scale).astype(acc))
+
+        allowed = np.ones((B, H, T, S), dtype=bool)
+        if cfg.causal:
+            shift = 0 if cfg.causal_alignment == "top_left" else S - T
+            if self.causal_wrong_alignment:
+                shift = S - T if shift == 0 else 0
+            i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+            allowed &= (j < i + shift) if self.causal_off_by_one else (j <= i + shift)
+        if case.inputs.mask is not None:
+            m = np.broadcast_to(case.inputs.mask, allowed.shape)
+            allowed &= ~m if self.mask_inverted else m
+
+        x = s.astype(acc)
+        if self.finfo_fill:
+            x = np.where(allowed, x, np.finfo(np.float32 if acc != np.float64 else np.float64).min)
+        else:
+            x = np.where(allowed, x, -np.inf)
+        axis = -2 if self.softmax_axis_t else -1
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            if self.no_max_subtraction:
+                e = np.exp(x.astype(acc))
+            else:
+                peak = np.max(x, axis=axis, keepdims=True)
+                peak = np.where(np.isfinite(peak), peak, 0)
+                e = np.exp(x - peak)
+            total = np.sum(e, axis=axis, keepdims=True)
+            p = e / total
+        none_visible = ~allowed.any(axis=-1, keepdims=True)
+        if self.uniform_masked_rows:
+            p = np.where(none_visible, 1.0 / S, p)
+        elif self.nan_masked_rows:
+            p = np.where(none_visible, np.nan, p)
+        else:
+            p = np.where(none_visible | ~allowed, 0.0, p)
+        p = r(p)
+
+        if self.per_head_loop or self.native_accumulation:
+            o = np.stack([mm(p[:, h], V[:, h]) for h in range(H)], axis=1)
+        else:
+            o = r(np.einsum("bhts,bhse->bhte", p.astype(acc), V.astype(acc)))
+        if self.merge_without_transpose:
+            c = o.reshape(B, T, H * Dv)
+        else:
+            c = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv)
+        w_o = w.w_o.T if self.w_o_transposed else w.w_o
+        y = mm(c, w_o)
+        if not self.drop_output_bias:
+            y = bias(y, w.b_o)
+        stages = {"q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
+                  "head_outputs": o, "concat": c, "output": y}
+        return {name: np.asarray(val).astype(out_dt) for name, val in stages.items()}
+
+
+CORRECT = {
+    "einsum": Variant(name="einsum"),
+    "per_head_loop": Variant(name="per_head_loop", per_head_loop=True),
+    "prescaled_query": Variant(name="prescaled_query", prescale_query=True),
+    "fused_qkv": Variant(name="fused_qkv", fused_qkv=True),
+    "native_low_precision_accumulation": Variant(name="native_acc", native_accumulation=True),
+    "finfo_min_fill": Variant(name="finfo_fill", finfo_fill=True),
+}
+
+#: bug name -> (adapter, the stage where it must first be caught)
+BUGS = {
+    "missing_scale": (Variant(name="no_scale", no_scale=True), "scores"),
+    "scale_by_d_model": (Variant(name="scale_d_model", scale_by_d_model=True), "scores"),
+    "softmax_over_queries": (Variant(name="softmax_t", softmax_axis_t=True), "attn_weights"),
+    "heads_split_in_wrong_order": (Variant(name="split_wrong", split_heads_wrong=True), "scores"),
+    "heads_merged_without_transpose": (Variant(name="merge_wrong", merge_without_transpose=True), "concat"),
+    "w_o_transposed": (Variant(name="w_o_T", w_o_transposed=True), "output"),
+    "causal_off_by_one": (Variant(name="causal_obo", causal_off_by_one=True), "attn_weights"),
+    "causal_wrong_alignment": (Variant(name="causal_align", causal_wrong_alignment=True), "attn_weights"),
+    "mask_polarity_inverted": (Variant(name="mask_inv", mask_inverted=True), "attn_weights"),
+    "gqa_heads_by_modulo": (Variant(name="gqa_mod", gqa_modulo=True), "scores"),
+    "softmax_without_max_subtraction": (Variant(name="no_max", no_max_subtraction=True), "attn_weights"),
+    "float16_when_float32_asked": (Variant(name="fp16_for_fp32", compute_dtype="float16"), "q_proj"),
+    "output_bias_dropped": (Variant(name="no_b_o", drop_output_bias=True), "output"),
+    "uniform_weights_on_fully_masked_rows": (Variant(name="uniform_rows", uniform_masked_rows=True), "attn_weights"),
+    "nan_on_fully_masked_rows": (Variant(name="nan_rows", nan_masked_rows=True), "attn_weights"),
+}
