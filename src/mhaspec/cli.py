@@ -105,15 +105,21 @@ def _run(args: argparse.Namespace) -> int:
         report_path = Path(args.report)
         if not report_path.parent.is_dir():
             raise MhaspecError(f"--report: folder {report_path.parent} does not exist")
-    report = check(
-        args.adapter,
-        dtypes=dtypes,
-        pattern=args.pattern,
-        golden=args.golden,
-        timeout=args.timeout or None,
-        device=args.device,
-    )
-    print(report.table(verbose=args.verbose))
+    from .adapters import adapter_framework
+    from .conformance import Report, Session, select_cases
+    from .conformance.runner import resolve_dtypes
+
+    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, device=args.device)
+    width = Report.case_width(select_cases(session.golden, None, args.pattern))
+    framework, version = adapter_framework(session.adapter)
+    header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))
+    print(header + "\n\n" + Report.column_titles(width), flush=True)
+
+    def progress(result):  # stream rows as they are judged: framework adapters can take a while
+        print(Report.row(result, width), flush=True)
+
+    report = check(session, dtypes=dtypes, pattern=args.pattern, progress=progress)
+    print("\n".join(report.footer(verbose=args.verbose)))
     if args.report:
         report.write_json(args.report)
         print(f"report written to {args.report}")

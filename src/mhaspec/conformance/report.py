@@ -132,11 +132,12 @@ class Report:
 
     # -- output ----------------------------------------------------------
     def header(self) -> str:
-        fw = f" ({self.framework} {self.framework_version or '?'})" if self.framework else ""
-        return (
-            f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {self.adapter}{fw} · "
-            f"dtypes {', '.join(self.dtypes)} · golden {self.golden}"
-        )
+        return self.format_header(self.adapter, self.framework, self.framework_version, self.dtypes, self.golden)
+
+    @staticmethod
+    def format_header(adapter: str, framework: str | None, version: str | None, dtypes: list[str], golden: str) -> str:
+        fw = f" ({framework} {version or '?'})" if framework else ""
+        return f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {', '.join(dtypes)} · golden {golden}"
 
     def summary(self) -> str:
         c = self.counts()
@@ -151,22 +152,36 @@ class Report:
 
     def table(self, verbose: bool = False) -> str:
         """The per case × dtype table, then details of what did not pass."""
-        width = max([len(r.case) for r in self.results] + [4])
-        lines = [self.header(), ""]
-        lines.append(f"{'case':<{width}}  {'dtype':<8}  {'verdict':<15}  {'first failing stage':<19}  worst ratio")
-        for r in self.results:
-            ratio = r.worst_ratio
-            ratio_txt = "" if ratio is None else (f"{ratio:.3g}" if np.isfinite(ratio) else "inf")
-            lines.append(
-                f"{r.case:<{width}}  {r.dtype:<8}  {r.verdict:<15}  {(r.first_failing_stage or ''):<19}  {ratio_txt}"
-            )
+        width = self.case_width([r.case for r in self.results])
+        lines = [self.header(), "", self.column_titles(width)]
+        lines += [self.row(r, width) for r in self.results]
+        lines += self.footer(verbose)
+        return "\n".join(lines)
+
+    @staticmethod
+    def case_width(case_ids: list[str]) -> int:
+        return max([len(c) for c in case_ids] + [4])
+
+    @staticmethod
+    def column_titles(width: int) -> str:
+        return f"{'case':<{width}}  {'dtype':<8}  {'verdict':<15}  {'first failing stage':<19}  worst ratio"
+
+    @staticmethod
+    def row(r: CaseResult, width: int) -> str:
+        ratio = r.worst_ratio
+        ratio_txt = "" if ratio is None else (f"{ratio:.3g}" if np.isfinite(ratio) else "inf")
+        return f"{r.case:<{width}}  {r.dtype:<8}  {r.verdict:<15}  {(r.first_failing_stage or ''):<19}  {ratio_txt}"
+
+    def footer(self, verbose: bool = False) -> list[str]:
+        """Details of what did not pass, warnings, and the summary line."""
+        lines: list[str] = []
         details = self.details(verbose)
         if details:
             lines += ["", *details]
         if self.warnings:
             lines += [""] + [f"warning: {w}" for w in self.warnings]
         lines += ["", self.summary()]
-        return "\n".join(lines)
+        return lines
 
     def details(self, verbose: bool = False) -> list[str]:
         out: list[str] = []

@@ -221,15 +221,15 @@ def check(
 ) -> Report:
     """Run the conformance suite: every selected case × dtype × stage.
 
-    ``adapter`` is an adapter object, a class, a built-in name, ``module:attr``
-    or ``file.py:attr``; ``dtypes`` defaults to all four (those the adapter does
+    ``adapter`` is an adapter object, a class, a built-in name, ``module:attr``,
+    ``file.py:attr`` or a :class:`Session`; ``dtypes`` defaults to all four (those the adapter does
     not declare are reported unsupported); ``cases`` are exact case ids and
     ``pattern`` a -k style filter.  Options such as ``device="cuda"`` go to the
     adapter's constructor.  Raises :class:`mhaspec.errors.MhaspecError` for bad
     usage (unknown adapter, case, dtype; unreadable fixtures).
     """
     start = time.perf_counter()
-    session = Session(adapter, golden=golden, timeout=timeout, **options)
+    session = adapter if isinstance(adapter, Session) else Session(adapter, golden=golden, timeout=timeout, **options)
     wanted = resolve_dtypes(dtypes)
     results = []
     for case_id in select_cases(session.golden, cases, pattern):
