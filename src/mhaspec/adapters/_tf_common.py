@@ -54,6 +54,24 @@ def quiet_import(name: str) -> ModuleType:
 tf = quiet_import("tensorflow")
 
 
+def _distribution(module: str) -> str:
+    """The installed distribution that provides ``module`` (tensorflow, tensorflow-cpu, …),
+    so the report can show its version."""
+    from importlib.metadata import packages_distributions
+
+    return (packages_distributions().get(module) or [module])[0]
+
+
+TF_DISTRIBUTION = _distribution("tensorflow")
+
+
+#: A deviation of TensorFlow's CPU softmax, declared by every adapter that exposes attn_weights.
+ONEDNN_SOFTMAX = (
+    "TensorFlow's oneDNN CPU softmax (TF_ENABLE_ONEDNN_OPTS=1, the default on x86) returns 0 for "
+    "probabilities below 2^-125 (here 2.15e-38 expected); Eigen's softmax (TF_ENABLE_ONEDNN_OPTS=0) returns them"
+)
+
+
 def numpy_dtype(name: str) -> Any:
     """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes, as TensorFlow uses)."""
     if name == "bfloat16":

@@ -232,12 +232,14 @@ def adapter_framework(adapter: Any) -> tuple[str | None, str | None]:
     framework = getattr(adapter, "framework", None)
     if not framework:
         return None, None
-    try:
-        from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return str(framework), version(str(framework))
-    except PackageNotFoundError:
-        return str(framework), None
+    except PackageNotFoundError:  # e.g. tensorflow installed as tensorflow-cpu: ask the module
+        module = sys.modules.get(str(framework).replace("-", "_"))
+        found = getattr(module, "__version__", None)
+        return str(framework), str(found) if found is not None else None
 
 
 def adapter_dtypes(adapter: Any) -> tuple[str, ...]:

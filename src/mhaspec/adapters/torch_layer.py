@@ -93,9 +93,10 @@ class MultiHeadAttention(nn.Module):
         )
         self.config = cfg
         factory = {"device": device, "dtype": dtype}
+        kdim, vdim = int(cfg.kdim), int(cfg.vdim)  # type: ignore[arg-type]
         self.q_proj = nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=bias, **factory)  # W^Q
-        self.k_proj = nn.Linear(int(cfg.kdim), cfg.H_kv * cfg.D_k, bias=bias, **factory)  # type: ignore[arg-type]  # W^K
-        self.v_proj = nn.Linear(int(cfg.vdim), cfg.H_kv * cfg.D_v, bias=bias, **factory)  # type: ignore[arg-type]  # W^V
+        self.k_proj = nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=bias, **factory)  # W^K
+        self.v_proj = nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=bias, **factory)  # W^V
         self.out_proj = nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=bias, **factory)  # W^O
 
     @classmethod
@@ -178,7 +179,9 @@ class TorchMHAAdapter:
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         dtype = torch_dtype(case.dtype)
-        module = torch.nn.utils.skip_init(MultiHeadAttention, **case.config.model_dump(), device=self.device, dtype=dtype)
+        module = torch.nn.utils.skip_init(  # parameters made in the dtype, no random init
+            MultiHeadAttention, **case.config.model_dump(), device=self.device, dtype=dtype
+        )
         module.load_state_dict(canonical_to_state_dict(case.weights))
         module.eval()
 

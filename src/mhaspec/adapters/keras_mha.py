@@ -1,0 +1,262 @@
+"""``keras.layers.MultiHeadAttention`` (and ``GroupQueryAttention`` for H_kv < H)
+on the TensorFlow backend (built-in names ``keras`` and ``keras-scores``).
+
+``keras`` calls the layer as production code does: ``return_attention_scores``
+left False, which routes through ``keras.ops.dot_product_attention`` (the
+fused path) and exposes only the output.  ``keras-scores`` passes
+``return_attention_scores=True``, which takes the layer's other code path
+(einsum, ``keras.layers.Softmax`` with a mask, einsum) and also returns the
+per-head attention weights.  Both return ``q_proj``/``k_proj``/``v_proj`` from
+the layer's own projection sublayers (``query``, ``key``, ``value``).
+
+Weight layout (Keras ``EinsumDense`` kernels, one variable per sublayer,
+addressed by the sublayer's name, never by ``get_weights()`` position)::
+
+    query/kernel             (d_model, H,    D_k)    = w_q.reshape(d_model, H, D_k)
+    key/kernel               (kdim,    H_kv, D_k)    = w_k.reshape(kdim, H_kv, D_k)
+    value/kernel             (vdim,    H_kv, D_v)    = w_v.reshape(vdim, H_kv, D_v)
+    attention_output/kernel  (H, D_v, d_out)         = w_o.reshape(H, D_v, d_out)
+    query/bias (H, D_k)   key/bias (H_kv, D_k)   value/bias (H_kv, D_v)   attention_output/bias (d_out,)
+
+(head h owns canonical columns [h·D, (h+1)·D), which is exactly a C-order
+reshape; MultiHeadAttention has H_kv = H.)
+
+Mask: Keras's ``attention_mask`` is (B, T, S) with 1/True = attend, the
+spec's polarity; the spec's (B, 1, T, S) or (B, 1, 1, S) mask loses its head
+axis.  Causal cases pass ``use_causal_mask=True``, which is top-left aligned;
+bottom-right alignment with T != S goes into ``attention_mask`` as a band.
+
+What the layer cannot express is reported by ``supports()``; what it computes
+differently is declared in ``known_deviations`` (see docs/tensorflow.md).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..spec import CATALOG, Case, MHAConfig, Weights
+from .base import Deviation
+from ._tf_common import ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf, to_numpy, to_tensor
+
+keras = quiet_import("keras")
+
+# Keras warns on every softmax over a size-1 axis; S = 1 (one key) is a legitimate case here.
+warnings.filterwarnings("ignore", message=r"You are using a softmax over axis .* This axis has size 1",
+                        category=UserWarning, module=r"keras\.")
+
+#: canonical weight name -> the Keras variable, as "sublayer/variable".
+KERAS_WEIGHT_NAMES: dict[str, str] = {
+    "w_q": "query/kernel",
+    "w_k": "key/kernel",
+    "w_v": "value/kernel",
+    "w_o": "attention_output/kernel",
+    "b_q": "query/bias",
+    "b_k": "key/bias",
+    "b_v": "value/bias",
+    "b_o": "attention_output/bias",
+}
+
+
+def _keras_shapes(config: MHAConfig) -> dict[str, tuple[int, ...]]:
+    """Keras shape of each canonical weight (see the module docstring)."""
+    c = config
+    shapes = {
+        "w_q": (c.d_model, c.H, c.D_k),
+        "w_k": (int(c.kdim), c.H_kv, c.D_k),  # type: ignore[arg-type]
+        "w_v": (int(c.vdim), c.H_kv, c.D_v),  # type: ignore[arg-type]
+        "w_o": (c.H, c.D_v, c.d_out),
+    }
+    if c.bias:
+        shapes.update(b_q=(c.H, c.D_k), b_k=(c.H_kv, c.D_k), b_v=(c.H_kv, c.D_v), b_o=(c.d_out,))
+    return shapes
+
+
+def canonical_to_keras(weights: Weights | Mapping[str, np.ndarray], config: MHAConfig) -> dict[str, np.ndarray]:
+    """Canonical weights (a ``Weights`` or ``{"w_q": …}``) -> ``{"query/kernel": (d_model, H, D_k), …}``."""
+    if isinstance(weights, Weights):
+        weights = weights.as_dict()
+    expected = config.weight_shapes()
+    if set(weights) != set(expected):
+        raise ValueError(f"weights: expected {sorted(expected)}, got {sorted(weights)}")
+    out = {}
+    for name, shape in _keras_shapes(config).items():
+        w = np.asarray(weights[name])
+        if w.shape != expected[name]:
+            raise ValueError(f"weights.{name}: expected shape {expected[name]}, got {w.shape}")
+        out[KERAS_WEIGHT_NAMES[name]] = w.reshape(shape)
+    return out
+
+
+def keras_to_canonical(params: Mapping[str, np.ndarray], config: MHAConfig) -> dict[str, np.ndarray]:
+    """``{"query/kernel": …}`` -> canonical weights; the inverse of :func:`canonical_to_keras`."""
+    shapes = _keras_shapes(config)
+    wanted = {KERAS_WEIGHT_NAMES[n] for n in shapes}
+    if set(params) != wanted:
+        raise ValueError(f"Keras weights: expected {sorted(wanted)}, got {sorted(params)}")
+    out = {}
+    for name, canonical in config.weight_shapes().items():
+        p = np.asarray(params[KERAS_WEIGHT_NAMES[name]])
+        if p.shape != shapes[name]:
+            raise ValueError(f"{KERAS_WEIGHT_NAMES[name]}: expected shape {shapes[name]}, got {p.shape}")
+        out[name] = p.reshape(canonical)
+    return out
+
+
+def _variables(layer: Any) -> dict[str, Any]:
+    """The layer's variables by "sublayer/variable" (the last two parts of ``Variable.path``)."""
+    return {"/".join(v.path.split("/")[-2:]): v for v in layer.weights}
+
+
+def set_layer_weights(layer: Any, weights: Weights | Mapping[str, np.ndarray], config: MHAConfig) -> None:
+    """Load canonical weights into a built MultiHeadAttention / GroupQueryAttention, by sublayer."""
+    variables = _variables(layer)
+    params = canonical_to_keras(weights, config)
+    if set(variables) != set(params):
+        raise ValueError(f"layer {layer.name}: has variables {sorted(variables)}, the weights give {sorted(params)}")
+    for path, value in params.items():
+        var = variables[path]
+        if tuple(var.shape) != value.shape:
+            raise ValueError(f"layer {layer.name}: {path} has shape {tuple(var.shape)}, the weights give {value.shape}")
+        var.assign(value.astype(numpy_dtype(var.dtype)))
+
+
+def get_layer_weights(layer: Any, config: MHAConfig) -> dict[str, np.ndarray]:
+    """A layer's weights as canonical float64 arrays; the inverse of :func:`set_layer_weights`."""
+    params = {path: to_numpy(v.value).astype(np.float64) for path, v in _variables(layer).items()}
+    return keras_to_canonical(params, config)
+
+
+def make_layer(config: MHAConfig, dtype: str = "float32") -> Any:
+    """A built Keras layer for ``config`` computing in ``dtype`` (the layer's dtype policy):
+    ``MultiHeadAttention`` when H_kv = H, else ``GroupQueryAttention``."""
+    c = config
+    if c.H_kv == c.H:
+        layer = keras.layers.MultiHeadAttention(
+            num_heads=c.H, key_dim=c.D_k, value_dim=c.D_v, output_shape=c.d_out, use_bias=c.bias, dtype=dtype,
+        )
+    else:
+        layer = keras.layers.GroupQueryAttention(
+            head_dim=c.D_k, num_query_heads=c.H, num_key_value_heads=c.H_kv, use_bias=c.bias, dtype=dtype,
+        )
+    layer.build(query_shape=(None, None, c.d_model), value_shape=(None, None, c.vdim), key_shape=(None, None, c.kdim))
+    return layer
+
+
+def keras_masks(case: Case) -> tuple[Any, bool]:
+    """(attention_mask (B, T, S) bool or None, use_causal_mask) for the layer's call.
+
+    Keras's polarity is the spec's (1/True = attend); the head axis of the spec's
+    (B, 1, T|1, S) mask is dropped.  ``use_causal_mask`` is top-left aligned
+    (query i sees keys j <= i), so a bottom-right causal case with T != S is
+    given as the band j <= i + S - T ANDed into ``attention_mask`` instead.
+    """
+    c, B, T, S = case.config, case.B, case.T, case.S
+    mask = attend_mask(case.inputs.mask, B, T, S)  # (B, 1, T, S) or None
+    mask = None if mask is None else mask[:, 0]  # (B, T, S)
+    if not c.causal or c.causal_alignment == "top_left" or T == S:
+        return (None if mask is None else tf.constant(mask)), c.causal
+    band = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)  # (T, S)
+    mask = np.broadcast_to(band, (B, T, S)) if mask is None else mask & band
+    return tf.constant(mask), False
+
+
+def unsupported_reason(case: Case) -> str | None:
+    """Why the Keras layers cannot express ``case`` (None: they can)."""
+    c = case.config
+    if keras.backend.backend() != "tensorflow":
+        return f"Keras runs on the {keras.backend.backend()} backend here; these adapters test the TensorFlow backend"
+    if c.scale != 1.0 / math.sqrt(c.D_k):
+        return (f"the layer always scales scores by 1/sqrt(key_dim) = {1 / math.sqrt(c.D_k):.6g} and has no scale "
+                f"argument; the case asks for scale = {c.scale:g}")
+    mask = case.inputs.mask
+    if mask is not None and mask.ndim >= 3 and mask.shape[-3] > 1:
+        return "attention_mask is (B, T, S), one mask for every head; the case has a per-head mask"
+    if c.H_kv != c.H:
+        if c.D_v != c.D_k:
+            return (f"GroupQueryAttention has one head_dim for keys and values; the case has "
+                    f"D_k={c.D_k}, D_v={c.D_v}")
+        if c.d_out != c.d_model:
+            return (f"GroupQueryAttention's output has the query's feature size d_model={c.d_model} "
+                    f"(no output_shape); the case has d_out={c.d_out}")
+    return None
+
+
+_FULLY_MASKED = (
+    "fused path: a query row whose mask hides every key attends uniformly to all keys "
+    "(keras.ops.dot_product_attention on TensorFlow fills masked logits with the finite "
+    "-0.7·max(dtype) and never zeroes them), so its output is W_o·mean(V)+b_o instead of b_o; "
+    "the return_attention_scores=True path (keras-scores) zeroes them"
+)
+_SCALE_IN_FLOAT32 = (
+    "float64: the scale 1/sqrt(key_dim) is a Python float that Keras's TensorFlow backend passes "
+    "to tf.cast, which makes a float32 tensor before widening it (tensorflow/tensorflow#35938, "
+    "#57779, #64548), so the scores are scaled by 1/sqrt(D_k) rounded to float32 (relative error "
+    "up to 3e-8) wherever that value is not a float32 number"
+)
+#: catalog cases whose 1/sqrt(D_k) is not a float32 number (where _SCALE_IN_FLOAT32 shows).
+_SCALE_INEXACT_IN_FLOAT32 = [s.id for s in CATALOG if float(np.float32(s.config.scale)) != s.config.scale]
+
+
+def _deviations(stages: tuple[str, ...], fully_masked: tuple[str, ...], softmax: tuple[str, ...]) -> list[Deviation]:
+    out = [Deviation(_FULLY_MASKED, case=c, stage=s) for c in fully_masked for s in stages]
+    out += [Deviation(ONEDNN_SOFTMAX, case=c, dtype="float32", stage="attn_weights") for c in softmax]
+    out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s)
+            for c in _SCALE_INEXACT_IN_FLOAT32 for s in stages]
+    return out
+
+
+class KerasMHAAdapter:
+    """``keras.layers.MultiHeadAttention`` / ``GroupQueryAttention``, default (fused) path."""
+
+    name = "keras"
+    framework = "keras"
+    return_attention_scores = False
+    known_deviations = _deviations(("output",), fully_masked=("custom_mask", "causal_bottom_right_t_gt_s"), softmax=())
+
+    def __init__(self) -> None:
+        self._layers: dict[tuple[MHAConfig, str], Any] = {}  # built layers, reused per (config, dtype)
+        self._lock = threading.Lock()
+
+    def supports(self, case: Case) -> bool | str:
+        return unsupported_reason(case) or True
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg, dt, x = case.config, case.dtype, case.inputs
+        with self._lock:
+            layer = self._layers.get((cfg, dt))
+            if layer is None:
+                layer = self._layers[(cfg, dt)] = make_layer(cfg, dt)
+            set_layer_weights(layer, case.weights, cfg)
+
+            query = to_tensor(x.query, dt)
+            key, value = (query, query) if case.self_attention else (to_tensor(x.key, dt), to_tensor(x.value, dt))
+            attention_mask, use_causal_mask = keras_masks(case)
+            result = layer(
+                query=query, value=value, key=key,
+                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+                return_attention_scores=self.return_attention_scores,
+            )
+            out = {"output": result[0] if self.return_attention_scores else result}
+            if self.return_attention_scores:
+                out["attn_weights"] = result[1]  # (B, H, T, S)
+            # the layer's own projection sublayers: (B, L, heads, D) -> (B, L, heads·D).
+            # MultiHeadAttention exposes them as query_dense …; GroupQueryAttention only as _query_dense ….
+            for stage, sub, inp in (("q_proj", "query_dense", query), ("k_proj", "key_dense", key),
+                                    ("v_proj", "value_dense", value)):
+                y = getattr(layer, "_" + sub)(inp)
+                out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
+            return {stage: to_numpy(t) for stage, t in out.items()}
+
+
+class KerasMHAScoresAdapter(KerasMHAAdapter):
+    """The same layers called with ``return_attention_scores=True`` (the non-fused path)."""
+
+    name = "keras-scores"
+    return_attention_scores = True
+    known_deviations = _deviations(("attn_weights", "output"), fully_masked=(), softmax=("large_logits",))
