@@ -91,7 +91,7 @@ def _as_dict(weights: Any) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in dict(weights).items() if v is not None}
 
 
-def to_flax_tree(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
+def canonical_to_flax(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
     """Canonical weights -> ``{"query"|"key"|"value"|"out": {"kernel", "bias"}}`` (see module doc).
 
     ``weights`` is a :class:`~mhaspec.spec.Weights` or a mapping ``w_q … b_o``;
@@ -111,8 +111,8 @@ def to_flax_tree(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndar
     return tree
 
 
-def from_flax_tree(tree: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
-    """The inverse of :func:`to_flax_tree`: canonical ``w_q … b_o`` (biases only if present)."""
+def flax_to_canonical(tree: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """The inverse of :func:`canonical_to_flax`: canonical ``w_q … b_o`` (biases only if present)."""
     out: dict[str, np.ndarray] = {}
     for name, x in (("query", "q"), ("key", "k"), ("value", "v")):
         kernel = np.asarray(tree[name]["kernel"])  # (in, heads, size)

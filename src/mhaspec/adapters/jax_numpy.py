@@ -9,8 +9,8 @@ store every stage in that dtype and sum each product in float32
 
     query ─ linear ─ Q (B,T,H,D) ─┐
     key   ─ linear ─ K (B,S,G,D) ─┴─ scores (B,H,T,S) ─ softmax(where=allowed) ─┐
-    value ─ linear ─ V (B,S,G,E) ──────────────────────────────────────────────┴─ head_outputs
-          ─ concat (B,T,H·E) ─ linear ─ output (B,T,d_out)
+    value ─ linear ─ V (B,S,G,E) ───────────────────────────────────────────────┴─ head_outputs (B,H,T,E)
+    head_outputs ─ concat (B,T,H·E) ─ linear ─ output (B,T,d_out)
 """
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""``flax.linen.MultiHeadDotProductAttention`` with the case's weights in its params tree.
+
+Params layout (DenseGeneral kernels keep the heads as their own axis)::
+
+    query/kernel (d_model, H, D)   key/kernel (kdim, H, D)   value/kernel (vdim, H, D)   out/kernel (H, D, d_out)
+    query/bias   (H, D)            key/bias   (H, D)         value/bias   (H, D)         out/bias   (d_out,)
+
+What the layer exposes, and how it is read:
+
+- q_proj, k_proj, v_proj: the outputs of its ``query``/``key``/``value``
+  DenseGeneral submodules, from ``capture_intermediates=True``;
+- attn_weights: ``sow_weights=True`` (the ``intermediates`` collection);
+- head_outputs, concat: the (B, T, H, D) array the layer hands to its ``out``
+  DenseGeneral, read with ``nn.intercept_methods``;
+- scores: not exposed (the layer folds 1/sqrt(D) into the query first).
+
+The layer has no causal flag, no scale argument (it always divides the query
+by sqrt(head_dim)), one head size for query, key and value, and as many
+key/value heads as query heads.  Causal masking is a boolean mask made with
+``nn.make_attention_mask`` (query position + shift >= key position: shift 0
+is top-left, S - T bottom-right; ``nn.make_causal_mask`` is top-left and
+square only) and ANDed with the case's mask by ``nn.combine_masks``.  Mask
+polarity is the spec's: True = may attend.  Different kdim and vdim work: the
+key and value inputs are separate and DenseGeneral takes its input size from
+the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..spec import Case, MHAConfig
+from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
+
+_FULLY_MASKED = (
+    "dot_product_attention_weights fills masked logits with finfo(dtype).min rather than -inf, so a query "
+    "row that sees no key attends uniformly to every key instead of giving zeros (spec: all-zero weights)"
+)
+
+
+def canonical_to_linen_params(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
+    """Canonical weights (``Weights`` or a ``w_q … b_o`` mapping) -> the layer's ``params`` tree.
+
+    Use it as ``layer.apply({"params": canonical_to_linen_params(w, cfg)}, …)``; float64
+    numpy arrays, cast them to the layer's ``param_dtype`` as needed.
+    """
+    return canonical_to_flax(weights, config)
+
+
+def linen_params_to_canonical(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The layer's ``params`` tree (or ``{"params": tree}``) -> canonical ``w_q … b_o``."""
+    if "params" in params:
+        params = params["params"]
+    return flax_to_canonical(params)
+
+
+def causal_mask(case: Case) -> jax.Array | None:
+    """(1, 1, T, S) bool, True where query i may see key j (j <= i + shift), or None if not causal."""
+    cfg, T, S = case.config, case.tgt_len, case.src_len
+    if not cfg.causal:
+        return None
+    shift = 0 if cfg.causal_alignment == "top_left" else S - T
+    return nn.make_attention_mask(
+        query_input=jnp.arange(T)[None] + shift, key_input=jnp.arange(S)[None],
+        pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("layer",))
+def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, value: jax.Array,
+          mask: jax.Array | None) -> dict[str, jax.Array]:
+    """Call the layer once; return its output and what it exposes on the way."""
+    out_inputs = []
+
+    def read_out_input(next_fun, args, kwargs, context):  # the (B, T, H, D) array fed to W^O
+        if context.module.name == "out" and context.method_name == "__call__":
+            out_inputs.append(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(read_out_input):
+        y, state = layer.apply(
+            {"params": params}, inputs_q=query, inputs_k=key, inputs_v=value, mask=mask,
+            sow_weights=True, capture_intermediates=True, mutable=["intermediates"],
+        )
+    inter = state["intermediates"]
+    x = out_inputs[0]
+    B, T = x.shape[:2]
+    return {
+        "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
+        "k_proj": inter["key"]["__call__"][0].reshape(B, key.shape[1], -1),
+        "v_proj": inter["value"]["__call__"][0].reshape(B, value.shape[1], -1),
+        "attn_weights": inter["attention_weights"][0],
+        "head_outputs": x.transpose(0, 2, 1, 3),
+        "concat": x.reshape(B, T, -1),
+        "output": y,
+    }
+
+
+class FlaxLinenAdapter:
+    """The ``flax-linen`` adapter: ``flax.linen.MultiHeadDotProductAttention``."""
+
+    name = "flax-linen"
+    framework = "flax"
+    known_deviations = {
+        f"{case}/*/{stage}": _FULLY_MASKED
+        for case in ("custom_mask", "causal_bottom_right_t_gt_s")
+        for stage in ("attn_weights", "head_outputs", "concat", "output")
+    }
+
+    def __init__(self, *, device: str = "cpu") -> None:
+        self.device = device
+
+    def supports(self, case: Case) -> bool | str:
+        cfg = case.config
+        if cfg.H_kv != cfg.H:
+            return (f"MultiHeadDotProductAttention has as many key/value heads as query heads "
+                    f"(no num_kv_heads): H_kv={cfg.H_kv} != H={cfg.H}")
+        if cfg.D_v != cfg.D_k:
+            return (f"MultiHeadDotProductAttention uses one head size (qkv_features // num_heads) for query, "
+                    f"key and value: D_v={cfg.D_v} != D_k={cfg.D_k}")
+        if not math.isclose(cfg.scale, 1 / math.sqrt(cfg.D_k), rel_tol=1e-12):
+            return (f"MultiHeadDotProductAttention has no scale argument (it always divides the query by "
+                    f"sqrt(head_dim)): scale={cfg.scale} != 1/sqrt({cfg.D_k})")
+        return True
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg, dtype = case.config, case.dtype
+        with computing_in(dtype, self.device):
+            layer = nn.MultiHeadDotProductAttention(
+                num_heads=cfg.H, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out, use_bias=cfg.bias,
+                dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), deterministic=True,
+            )
+            params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
+            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
+            mask = nn.combine_masks(mask, causal_mask(case), dtype=jnp.bool_)
+            stages = apply(
+                layer, params, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
+                to_jax(case.inputs.value, dtype), mask,
+            )
+            return to_numpy(stages)

@@ -1,0 +1,181 @@
+"""``flax.nnx.MultiHeadAttention`` with the case's weights loaded into its state.
+
+State layout (LinearGeneral kernels keep the heads as their own axis)::
+
+    query.kernel (d_model, H, D)   key.kernel (kdim, H_kv, D)   value.kernel (kdim, H_kv, D)   out.kernel (H, D, d_out)
+    query.bias   (H, D)            key.bias   (H_kv, D)         value.bias   (H_kv, D)         out.bias   (d_out,)
+
+GQA through ``num_kv_heads`` where the installed flax has it (query head h
+reads key/value head h // (H / H_kv), as the spec says).  Two call paths:
+
+- ``flax-nnx`` (:class:`FlaxNNXAdapter`): ``sow_weights=True``, flax's own
+  einsum/softmax (``dot_product_attention_weights``), which exposes
+  attn_weights;
+- :class:`FlaxNNXFastAdapter`: ``sow_weights=False``, where flax hands the
+  core to ``jax.nn.dot_product_attention`` (the production path).
+
+Both read q_proj, k_proj, v_proj as the outputs of the ``query``/``key``/
+``value`` submodules through ``nnx.capture(..., method_outputs=...)``;
+scores, head_outputs and concat are not exposed.  Top-left causal uses the
+layer's ``is_causal``; bottom-right alignment is a boolean mask from
+``nnx.make_attention_mask`` (query position + S - T >= key position) ANDed
+with the case's mask by ``nnx.combine_masks``.  The mask is handed over in
+the layer's documented shape (B, 1, T, S): with ``is_causal=True`` and
+``sow_weights=True`` a broadcastable (B, 1, 1, S) mask raises (flax
+broadcasts the (T, S) causal matrix *to the mask's shape*).  Mask polarity is
+the spec's: True = may attend.
+
+No scale argument (always 1/sqrt(head_dim)), one head size for query, key and
+value, one ``in_kv_features`` for both key and value: cases needing those are
+unsupported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..spec import Case, MHAConfig
+from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
+
+_FULLY_MASKED = (
+    "masked logits are filled with finfo(dtype).min rather than -inf, so a query row that sees no key "
+    "attends uniformly to every key instead of giving zeros (spec: all-zero weights, output = b_o)"
+)
+_FAST_FULLY_MASKED = (
+    "jax.nn.dot_product_attention fills masked logits with -0.7·finfo.max rather than -inf, so a query row "
+    "that sees no key attends uniformly to every key instead of giving zeros (spec: output = b_o)"
+)
+_SOFTMAX_F32 = (
+    "the layer's fast path is jax.nn.dot_product_attention, whose softmax always runs in float32, "
+    "so float64 outputs carry float32 rounding"
+)
+_FULLY_MASKED_CASES = ("custom_mask", "causal_bottom_right_t_gt_s")
+
+HAS_KV_HEADS = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
+
+
+def canonical_to_nnx_state(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
+    """Canonical weights (``Weights`` or a ``w_q … b_o`` mapping) -> the layer's ``nnx.Param`` state as a pure dict.
+
+    Load it with ``state = nnx.state(layer, nnx.Param); nnx.replace_by_pure_dict(state, tree);
+    nnx.update(layer, state)`` (float64 numpy arrays: cast them to the layer's ``param_dtype``).
+    """
+    return canonical_to_flax(weights, config)
+
+
+def nnx_state_to_canonical(state: Any) -> dict[str, np.ndarray]:
+    """An ``nnx.MultiHeadAttention``, its ``nnx.State`` or the pure dict -> canonical ``w_q … b_o``."""
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+    if isinstance(state, nnx.State):
+        state = nnx.to_pure_dict(state)
+    return flax_to_canonical(state)
+
+
+def nnx_mask(case: Case) -> tuple[jax.Array | None, bool]:
+    """(boolean mask of shape (B, 1, T, S) or None, is_causal); True = may attend."""
+    cfg, B, T, S = case.config, case.batch, case.tgt_len, case.src_len
+    mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # (B, 1, 1|T, S)
+    is_causal = cfg.causal and cfg.causal_alignment == "top_left"
+    if cfg.causal and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
+        bottom_right = nnx.make_attention_mask(
+            query_input=jnp.arange(T)[None] + (S - T), key_input=jnp.arange(S)[None],
+            pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
+        )
+        mask = nnx.combine_masks(mask, bottom_right, dtype=jnp.bool_)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (B, 1, T, S))
+    return mask, is_causal
+
+
+def forward(layer: nnx.MultiHeadAttention, query: jax.Array, key: jax.Array, value: jax.Array,
+            mask: jax.Array | None, is_causal: bool, sow_weights: bool) -> tuple[jax.Array, dict]:
+    """Call the layer once; return its output and the captured intermediates (a pure dict)."""
+    call = nnx.capture(layer, nnx.Intermediate, method_outputs=nnx.Intermediate)
+    y, inter = call(query, key, value, mask=mask, is_causal=is_causal, sow_weights=sow_weights, deterministic=True)
+    return y, nnx.to_pure_dict(inter)
+
+
+#: :func:`forward` under ``nnx.jit``.  The fast path in float16 on CPU runs eagerly instead:
+#: jax.nn.dot_product_attention asks for precision F16_F16_F32, which XLA:CPU rejects when
+#: compiling; its fallback to the default precision only catches that error outside jit.
+forward_jit = nnx.jit(forward, static_argnames=("is_causal", "sow_weights"))
+
+
+class FlaxNNXAdapter:
+    """The ``flax-nnx`` adapter: ``flax.nnx.MultiHeadAttention`` with ``sow_weights=True``."""
+
+    name = "flax-nnx"
+    framework = "flax"
+    sow_weights = True
+    known_deviations = {
+        f"{case}/*/{stage}": _FULLY_MASKED
+        for case in _FULLY_MASKED_CASES for stage in ("attn_weights", "output")
+    }
+
+    def __init__(self, *, device: str = "cpu") -> None:
+        self.device = device
+
+    def supports(self, case: Case) -> bool | str:
+        cfg = case.config
+        if cfg.H_kv != cfg.H and not HAS_KV_HEADS:
+            return f"this flax's nnx.MultiHeadAttention has no num_kv_heads: H_kv={cfg.H_kv} != H={cfg.H}"
+        if cfg.D_v != cfg.D_k:
+            return (f"nnx.MultiHeadAttention uses one head size (qkv_features // num_heads) for query, key "
+                    f"and value: D_v={cfg.D_v} != D_k={cfg.D_k}")
+        if cfg.kdim != cfg.vdim:
+            return (f"nnx.MultiHeadAttention has one in_kv_features for key and value: "
+                    f"kdim={cfg.kdim} != vdim={cfg.vdim}")
+        if not math.isclose(cfg.scale, 1 / math.sqrt(cfg.D_k), rel_tol=1e-12):
+            return (f"nnx.MultiHeadAttention has no scale argument (it always divides the query by "
+                    f"sqrt(head_dim)): scale={cfg.scale} != 1/sqrt({cfg.D_k})")
+        return True
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg, dtype = case.config, case.dtype
+        with computing_in(dtype, self.device):
+            kv_heads = {"num_kv_heads": cfg.H_kv} if HAS_KV_HEADS else {}
+            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(  # abstract: no random init to compute
+                num_heads=cfg.H, in_features=cfg.d_model, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out,
+                in_kv_features=cfg.kdim, use_bias=cfg.bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype),
+                decode=False, rngs=nnx.Rngs(0), **kv_heads,
+            ))
+            state = nnx.state(layer, nnx.Param)
+            params = canonical_to_nnx_state(case.weights, cfg)
+            nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype), params))
+            nnx.update(layer, state)
+
+            mask, is_causal = nnx_mask(case)
+            eager = not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
+            y, inter = (forward if eager else forward_jit)(
+                layer, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
+                to_jax(case.inputs.value, dtype), mask, is_causal=is_causal, sow_weights=self.sow_weights,
+            )
+            B, T, S = case.batch, case.tgt_len, case.src_len
+            stages = {
+                "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
+                "k_proj": inter["key"]["__call__"][0].reshape(B, S, -1),
+                "v_proj": inter["value"]["__call__"][0].reshape(B, S, -1),
+                "output": y,
+            }
+            if self.sow_weights:
+                stages["attn_weights"] = inter["attention_weights"][0]
+            return to_numpy(stages)
+
+
+class FlaxNNXFastAdapter(FlaxNNXAdapter):
+    """``flax.nnx.MultiHeadAttention`` with ``sow_weights=False``: the core is ``jax.nn.dot_product_attention``."""
+
+    name = "flax-nnx-fast"
+    sow_weights = False
+    known_deviations = {
+        **{f"{case}/*/output": _FAST_FULLY_MASKED for case in _FULLY_MASKED_CASES},
+        "*/float64/output": _SOFTMAX_F32,
+    }

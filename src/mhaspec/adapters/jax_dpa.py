@@ -1,0 +1,105 @@
+"""``jax.nn.dot_product_attention`` for the attention core, jnp projections around it.
+
+Layout BTNH (query (B, T, H, D), key/value (B, S, H_kv, D)); GQA by passing
+fewer key/value heads; boolean ``mask`` with True = take part (the spec's
+polarity); ``scale`` passed through.  Its ``is_causal`` is top-left
+(``jnp.tril`` of a (T, S) ones matrix), so bottom-right alignment is given as
+a boolean mask instead.  The fused call exposes neither scores nor weights.
+
+    query ─ linear ─ Q (B,T,H,D) ─┐
+    key   ─ linear ─ K (B,S,G,D) ─┼─ jax.nn.dot_product_attention ─ (B,T,H,E) ─ concat ─ linear ─ output
+    value ─ linear ─ V (B,S,G,E) ─┘
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..spec import Case
+from ._jax_common import computing_in, linear, to_jax, to_numpy
+
+_SOFTMAX_F32 = (
+    "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
+    "logits with .astype(float32)), so float64 head outputs carry float32 rounding"
+)
+_FULLY_MASKED = (
+    "masked logits are filled with -0.7·finfo.max rather than -inf, so a query row that sees no "
+    "key attends uniformly to every key instead of giving zeros (spec: all-zero head outputs, output = b_o)"
+)
+
+
+def mha(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict,
+    *, heads: int, kv_heads: int, scale: float, is_causal: bool, dtype: str,
+) -> dict[str, jax.Array]:
+    w = weights
+    q = linear(query, w["w_q"], w.get("b_q"), dtype)  # (B, T, H·D)
+    k = linear(key, w["w_k"], w.get("b_k"), dtype)  # (B, S, G·D)
+    v = linear(value, w["w_v"], w.get("b_v"), dtype)  # (B, S, G·E)
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    encoded = jax.nn.dot_product_attention(
+        query=q.reshape(B, T, heads, -1), key=k.reshape(B, S, kv_heads, -1), value=v.reshape(B, S, kv_heads, -1),
+        mask=mask, scale=scale, is_causal=is_causal,
+    )  # BTNH
+    concat = encoded.reshape(B, T, -1)  # (B, T, H·E)
+    y = linear(concat, w["w_o"], w.get("b_o"), dtype)
+    return {
+        "q_proj": q, "k_proj": k, "v_proj": v,
+        "head_outputs": encoded.transpose(0, 2, 1, 3), "concat": concat, "output": y,
+    }
+
+
+#: jit-compiled :func:`mha`.  float16 on CPU runs :func:`mha` eagerly instead: the core asks
+#: dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
+#: try/except fallback to the default precision only catches that error outside jit.
+mha_jit = jax.jit(mha, static_argnames=("heads", "kv_heads", "scale", "is_causal", "dtype"))
+
+
+def dpa_mask(case: Case) -> tuple[jax.Array | None, bool]:
+    """(boolean mask, is_causal) for jax.nn.dot_product_attention; True = take part, as in the spec.
+
+    Top-left causal uses its ``is_causal``; bottom-right (j <= i + S - T) is ANDed into the mask.
+    """
+    cfg, T, S = case.config, case.tgt_len, case.src_len
+    mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # (B, 1, 1|T, S)
+    if not cfg.causal or cfg.causal_alignment == "top_left":
+        return mask, cfg.causal
+    bottom_right = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None, None]  # (1, 1, T, S)
+    return (bottom_right if mask is None else mask & bottom_right), False
+
+
+class JaxDPAAdapter:
+    """The ``jax-dpa`` adapter: projections, then ``jax.nn.dot_product_attention``, then W^O."""
+
+    name = "jax-dpa"
+    framework = "jax"
+    known_deviations = {
+        **{f"{case}/*/{stage}": _FULLY_MASKED
+           for case in ("custom_mask", "causal_bottom_right_t_gt_s") for stage in ("head_outputs", "concat", "output")},
+        **{f"*/float64/{stage}": _SOFTMAX_F32 for stage in ("head_outputs", "concat", "output")},
+    }
+
+    def __init__(self, *, device: str = "cpu") -> None:
+        self.device = device
+
+    def supports(self, case: Case) -> bool | str:
+        cfg = case.config
+        if cfg.D_v != cfg.D_k:
+            return (f"jax.nn.dot_product_attention needs value of the same shape as key (BSKH): "
+                    f"value_head_dim D_v={cfg.D_v} != head_dim D_k={cfg.D_k}")
+        return True
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        cfg, dtype = case.config, case.dtype
+        with computing_in(dtype, self.device):
+            weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
+            mask, is_causal = dpa_mask(case)
+            eager = dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
+            stages = (mha if eager else mha_jit)(
+                to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
+                to_jax(case.inputs.value, dtype), mask, weights,
+                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, is_causal=is_causal, dtype=dtype,
+            )
+            return to_numpy(stages)

@@ -1,0 +1,271 @@
+"""The JAX/Flax adapters: converters, mask polarity, supports() reasons, x64 per thread, conformance."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import require
+
+jax = require("jax")
+require("flax")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import mhaspec  # noqa: E402
+from mhaspec.adapters import flax_linen, flax_nnx, jax_dpa, jax_numpy, load_adapter  # noqa: E402
+from mhaspec.adapters._jax_common import computing_in  # noqa: E402
+from mhaspec.fixtures import GoldenSet  # noqa: E402
+from mhaspec.spec import Case, MHAConfig  # noqa: E402
+
+pytestmark = pytest.mark.jax
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = GoldenSet()
+ADAPTERS = ["jax", "jax-dpa", "flax-linen", "flax-nnx"]
+
+
+def golden_case(case_id: str, dtype: str = "float64") -> Case:
+    return GOLDEN.load(case_id).case(dtype)
+
+
+def arange_weights(cfg: MHAConfig) -> dict[str, np.ndarray]:
+    """Hand-checkable weights: each tensor is 0, 1, 2, … plus an offset naming it."""
+    offsets = {"w_q": 0, "w_k": 100, "w_v": 200, "w_o": 300, "b_q": 400, "b_k": 500, "b_v": 600, "b_o": 700}
+    return {
+        name: (offsets[name] + np.arange(int(np.prod(shape)), dtype=np.float64)).reshape(shape)
+        for name, shape in cfg.weight_shapes().items()
+    }
+
+
+def assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def shapes(tree) -> dict:
+    return jax.tree.map(lambda a: tuple(a.shape), tree)
+
+
+# -- converters ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", ["self_basic", "cross_attention", "no_bias", "head_dim_1"])
+def test_linen_converters_round_trip_through_a_real_layer(case_id: str) -> None:
+    case = golden_case(case_id)
+    cfg = case.config
+    layer = nn.MultiHeadDotProductAttention(
+        num_heads=cfg.H, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out, use_bias=cfg.bias,
+        param_dtype=jnp.float32,
+    )
+    inputs = {k: jnp.asarray(getattr(case.inputs, k), jnp.float32) for k in ("query", "key", "value")}
+    initial = jax.eval_shape(functools.partial(layer.init, inputs_q=inputs["query"], inputs_k=inputs["key"],
+                                               inputs_v=inputs["value"]), jax.random.key(0))  # shapes only
+    params = flax_linen.canonical_to_linen_params(case.weights, cfg)
+    assert shapes(params) == shapes(initial["params"])  # same tree, same shapes as the layer's own
+    # through the layer's dtype and back: the case weights are exact in float32
+    loaded = {"params": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)}
+    back = {k: v.astype(np.float64) for k, v in flax_linen.linen_params_to_canonical(loaded).items()}
+    assert_same_weights(back, case.weights.as_dict())
+
+
+@pytest.mark.parametrize("case_id", ["self_basic", "gqa", "mqa", "no_bias"])
+def test_nnx_converters_round_trip_through_a_real_layer(case_id: str) -> None:
+    case = golden_case(case_id)
+    cfg = case.config
+    with computing_in("float64", "cpu"):
+        layer = nnx.MultiHeadAttention(
+            num_heads=cfg.H, in_features=cfg.d_model, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out,
+            num_kv_heads=cfg.H_kv, in_kv_features=cfg.kdim, use_bias=cfg.bias, param_dtype=jnp.float64,
+            decode=False, rngs=nnx.Rngs(0),
+        )
+        state = nnx.state(layer, nnx.Param)
+        tree = flax_nnx.canonical_to_nnx_state(case.weights, cfg)
+        assert shapes(tree) == shapes(nnx.to_pure_dict(state))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, tree))
+        nnx.update(layer, state)
+        assert_same_weights(flax_nnx.nnx_state_to_canonical(layer), case.weights.as_dict())
+        assert_same_weights(flax_nnx.nnx_state_to_canonical(nnx.state(layer, nnx.Param)), case.weights.as_dict())
+
+
+def test_flax_layout_by_hand() -> None:
+    cfg = MHAConfig(d_model=3, num_heads=2, head_dim=4, kdim=5, vdim=7, out_dim=6)
+    w = arange_weights(cfg)  # w_q (3, 8), w_k (5, 8), w_v (7, 8), w_o (8, 6)
+    tree = flax_linen.canonical_to_linen_params(w, cfg)
+    assert shapes(tree) == {
+        "query": {"kernel": (3, 2, 4), "bias": (2, 4)}, "key": {"kernel": (5, 2, 4), "bias": (2, 4)},
+        "value": {"kernel": (7, 2, 4), "bias": (2, 4)}, "out": {"kernel": (2, 4, 6), "bias": (6,)},
+    }
+    # kernel[i, h, d] = w[i, h·D + d]: head 1 owns columns 4..7
+    np.testing.assert_array_equal(tree["query"]["kernel"][1, 1], [12, 13, 14, 15])
+    np.testing.assert_array_equal(tree["query"]["kernel"][2, 0], [16, 17, 18, 19])
+    np.testing.assert_array_equal(tree["key"]["bias"], [[500, 501, 502, 503], [504, 505, 506, 507]])
+    # out.kernel[h, e, o] = w_o[h·E + e, o]
+    assert tree["out"]["kernel"][1, 2, 3] == 300 + (1 * 4 + 2) * 6 + 3
+    np.testing.assert_array_equal(tree["out"]["bias"], 700 + np.arange(6))
+    assert_same_weights(flax_linen.linen_params_to_canonical(tree), w)
+
+
+def test_converters_leave_out_absent_biases() -> None:
+    cfg = MHAConfig(d_model=6, num_heads=2, num_kv_heads=1, bias=False)
+    tree = flax_nnx.canonical_to_nnx_state(arange_weights(cfg), cfg)
+    assert shapes(tree) == {
+        "query": {"kernel": (6, 2, 3)}, "key": {"kernel": (6, 1, 3)}, "value": {"kernel": (6, 1, 3)},
+        "out": {"kernel": (2, 3, 6)},
+    }
+    assert sorted(flax_nnx.nnx_state_to_canonical(tree)) == ["w_k", "w_o", "w_q", "w_v"]
+
+
+# -- masks ------------------------------------------------------------------
+
+
+def masked_case(dtype: str, T: int = 4, S: int = 6, causal: str | None = None) -> Case:
+    """Cross-attention, B=2, whose mask hides key S-1 from every query (True = may attend)."""
+    cfg = MHAConfig(d_model=6, num_heads=2, kdim=5, vdim=5, causal=causal is not None,
+                    causal_alignment=causal or "top_left")
+    rng = np.random.default_rng(3)
+    weights = {k: rng.integers(-8, 9, size=s) / 16 for k, s in cfg.weight_shapes().items()}
+    mask = np.ones((2, 1, 1, S), dtype=bool)
+    mask[:, :, :, -1] = False
+    inputs = {"query": rng.integers(-8, 9, (2, T, 6)) / 8, "key": rng.integers(-8, 9, (2, S, 5)) / 8,
+              "value": rng.integers(-8, 9, (2, S, 5)) / 8, "mask": mask}
+    return Case.from_arrays("masked", cfg, dtype, inputs, weights)
+
+
+def with_value(case: Case, s: int, delta: float) -> Case:
+    value = case.inputs.value.copy()
+    value[:, s] += delta
+    inputs = {"query": case.inputs.query, "key": case.inputs.key, "value": value, "mask": case.inputs.mask}
+    return Case.from_arrays(case.id, case.config, case.dtype, inputs, case.weights.as_dict())
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_mask_polarity_true_means_may_attend(name: str) -> None:
+    adapter = load_adapter(name)
+    case = masked_case("float32")
+    base = adapter.run(case)["output"]
+    hidden = adapter.run(with_value(case, -1, 4.0))["output"]  # the masked key's value: no effect
+    visible = adapter.run(with_value(case, 0, 4.0))["output"]  # a visible key's value: changes the output
+    np.testing.assert_array_equal(hidden, base)
+    assert np.abs(visible - base).max() > 1e-2
+
+
+def test_bottom_right_causal_masks() -> None:
+    case = masked_case("float32", T=3, S=5, causal="bottom_right")  # query i sees keys j <= i + 2 (and j != 4)
+    want = (np.arange(5)[None, :] <= np.arange(3)[:, None] + 2) & (np.arange(5) != 4)
+    linen = nn.combine_masks(jnp.asarray(case.inputs.mask), flax_linen.causal_mask(case), dtype=jnp.bool_)
+    dpa, dpa_causal = jax_dpa.dpa_mask(case)
+    nnx_mask, nnx_causal = flax_nnx.nnx_mask(case)
+    for got in (linen, dpa, nnx_mask):
+        np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), (2, 1, 3, 5))[1, 0], want)
+    assert not dpa_causal and not nnx_causal  # their is_causal is top-left: bottom-right goes in the mask
+    assert jax_numpy.causal_shift(case) == 2
+
+
+def test_top_left_causal_uses_the_frameworks_flag() -> None:
+    case = masked_case("float32", T=3, S=5, causal="top_left")
+    assert jax_dpa.dpa_mask(case)[1] and flax_nnx.nnx_mask(case)[1]
+    np.testing.assert_array_equal(np.asarray(flax_linen.causal_mask(case))[0, 0], np.tri(3, 5, dtype=bool))
+
+
+# -- supports() ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "case_id", "words"), [
+    ("jax-dpa", "custom_head_dims", "D_v=7 != head_dim D_k=5"),
+    ("flax-linen", "custom_head_dims", "D_v=7 != D_k=5"),
+    ("flax-linen", "gqa", "num_kv_heads"),
+    ("flax-linen", "mqa", "H_kv=1 != H=6"),
+    ("flax-linen", "custom_scale", "no scale argument"),
+    ("flax-nnx", "cross_attention", "kdim=10 != vdim=14"),
+    ("flax-nnx", "custom_head_dims", "D_v=7 != D_k=5"),
+    ("flax-nnx", "custom_scale", "scale=0.125"),
+])
+def test_supports_gives_the_reason(name: str, case_id: str, words: str) -> None:
+    reason = load_adapter(name).supports(golden_case(case_id))
+    assert isinstance(reason, str) and words in reason
+
+
+@pytest.mark.parametrize(("name", "case_id"), [
+    ("jax-dpa", "gqa"), ("flax-linen", "cross_attention"), ("flax-nnx", "gqa"), ("flax-nnx", "mqa"),
+])
+def test_supports_what_the_layer_can_express(name: str, case_id: str) -> None:
+    assert load_adapter(name).supports(golden_case(case_id)) is True
+
+
+# -- dtypes and the x64 switch -------------------------------------------------------
+
+
+def test_float64_runs_in_its_own_thread_without_leaking_x64() -> None:
+    got: dict = {}
+    inside = threading.Event()
+    release = threading.Event()
+
+    def worker() -> None:
+        with computing_in("float64", "cpu"):
+            inside.set()
+            release.wait(10)
+        got.update(load_adapter("flax-linen").run(golden_case("self_basic", "float64")))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert inside.wait(10)
+    assert jnp.asarray(np.ones(2)).dtype == jnp.float32  # the other thread's x64 is not ours
+    release.set()
+    thread.join(60)
+    assert got["output"].dtype == np.float64 and got["attn_weights"].dtype == np.float64
+    assert not jax.config.jax_enable_x64 and jnp.asarray(np.ones(2)).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_stages_come_back_in_the_dtype_under_test(name: str) -> None:
+    out = load_adapter(name).run(golden_case("one_head", "bfloat16"))
+    assert {a.dtype.name for a in out.values()} == {"bfloat16"}
+    assert out["output"].shape == (3, 6, 10)
+
+
+# -- conformance and the declared deviations ----------------------------------------
+
+
+@pytest.mark.parametrize(("name", "cases"), [
+    ("jax", ["gqa", "causal_bottom_right_t_gt_s", "custom_head_dims"]),
+    ("jax-dpa", ["mqa", "causal_bottom_right", "key_padding"]),
+    ("flax-linen", ["cross_attention", "causal_and_mask", "custom_mask"]),
+    ("flax-nnx", ["gqa", "causal_and_mask", "causal_bottom_right"]),
+])
+def test_adapter_conforms(name: str, cases: list[str]) -> None:
+    report = mhaspec.check(name, dtypes=["float64", "float16", "bfloat16"], cases=cases)
+    assert report.ok, str(report)
+
+
+def test_fully_masked_rows_attend_uniformly_in_flax() -> None:
+    """The declared deviation is what flax really does: a row that sees no key gets weight 1/S everywhere."""
+    case = golden_case("custom_mask", "float32")  # (batch 1, query row 0) sees no key
+    for name in ("flax-linen", "flax-nnx"):
+        weights = load_adapter(name).run(case)["attn_weights"]
+        np.testing.assert_allclose(weights[1, :, 0], 1 / case.src_len, rtol=1e-6)
+    report = mhaspec.check("flax-linen", dtypes=["float32"], cases=["custom_mask"])
+    assert report.result("custom_mask", "float32").stage("attn_weights").verdict == "known deviation"
+
+
+def test_jax_dpa_float64_softmax_is_float32() -> None:
+    """The declared float64 deviation is real: the error is float32-sized, not float64-sized."""
+    g = GOLDEN.load("long_sequence")
+    out = load_adapter("jax-dpa").run(g.case("float64"))
+    err = np.abs(out["head_outputs"] - g.stages["head_outputs"]).max() / np.abs(g.stages["head_outputs"]).max()
+    assert 1e-12 < err < 1e-5
+
+
+def test_user_example_adapter_conforms() -> None:
+    report = mhaspec.check(str(ROOT / "examples" / "flax_adapter.py") + ":MyFlaxMHA",
+                           dtypes=["float64", "float32"], cases=["self_basic", "key_padding", "gqa"])
+    assert report.ok, str(report)
+    assert report.result("gqa", "float32").verdict == "unsupported"
