@@ -211,3 +211,38 @@ def test_cli_commands_succeed(capsys):
     assert {"MHAConfig", "CaseSpec", "Manifest", "ToleranceTable"} <= set(schema)
     assert main(["adapters"]) == 0
     assert "numpy" in capsys.readouterr().out
+
+
+def test_row_scoped_deviation_excuses_only_the_rows_that_see_no_key():
+    from mhaspec.adapters import Deviation
+
+    from .variants import Variant
+
+    declared = [Deviation("uniform weights on rows that see no key", stage=s, rows="fully_masked")
+                for s in ("attn_weights", "head_outputs", "concat", "output")]
+    honest = Variant(name="uniform", uniform_masked_rows=True)
+    honest.known_deviations = declared
+    report = mhaspec.check(honest, dtypes=["float32"], timeout=None)
+    assert report.ok, report.table()
+    deviating = {r.case for r in report.results if r.verdict == KNOWN_DEVIATION}
+    assert deviating == {"custom_mask", "self_masked_rows", "causal_bottom_right_t_gt_s"}
+    assert "outside the query rows that see no key every element passes" in (
+        report.result("custom_mask", "float32").stage("attn_weights").message)
+
+    # The same declaration does not hide a bug elsewhere in those stages.
+    buggy = Variant(name="uniform+off-by-one", uniform_masked_rows=True, causal_off_by_one=True)
+    buggy.known_deviations = declared
+    result = mhaspec.check(buggy, dtypes=["float32"], cases=["causal_bottom_right_t_gt_s"], timeout=None)
+    assert result.result("causal_bottom_right_t_gt_s", "float32").first_failing_stage == "attn_weights"
+
+
+def test_deviation_declarations_are_validated():
+    from mhaspec.adapters import Deviation, parse_deviations
+
+    with pytest.raises(AdapterError, match="matches no stage"):
+        parse_deviations({"*/*/atn_weights": "typo"})
+    with pytest.raises(AdapterError, match="rows must be one of"):
+        parse_deviations([Deviation("x", rows="all")])
+    with pytest.raises(AdapterError, match="has no reason"):
+        parse_deviations({"gqa": " "})
+    assert parse_deviations({"gqa/float16": "r"})[0].pattern == "gqa/float16/*"

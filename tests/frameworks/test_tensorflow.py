@@ -213,11 +213,12 @@ def test_stages_come_back_in_the_dtype(dtype, numpy_name):
 # -- declared deviations -----------------------------------------------------
 @pytest.mark.parametrize("adapter", [keras_mha.KerasMHAAdapter, keras_mha.KerasMHAScoresAdapter,
                                      tf_ops.TensorFlowMHAAdapter])
-def test_declared_deviations_name_catalog_cases(adapter):
+def test_declared_deviations_are_narrow(adapter):
+    """Each deviation names a catalog case, or is scoped to the rows that see no key."""
     deviations = parse_deviations(adapter.known_deviations)
     assert deviations
     for dev in deviations:
-        assert dev.case in CATALOG, dev.pattern
+        assert dev.case in CATALOG or (dev.rows == "fully_masked" and dev.stage != "*"), dev.pattern
 
 
 # -- conformance (a few cases; `mhaspec run NAME` covers the catalog) -----------

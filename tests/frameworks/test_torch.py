@@ -8,39 +8,18 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
+from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, golden_case
 
 torch = require("torch")
 
 import mhaspec  # noqa: E402
 from mhaspec.adapters import torch_layer, torch_mha, torch_sdpa  # noqa: E402
 from mhaspec.adapters._torch_common import visible  # noqa: E402
-from mhaspec.fixtures import GoldenSet  # noqa: E402
-from mhaspec.spec import Case, MHAConfig  # noqa: E402
+from mhaspec.spec import MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = GoldenSet()
-
-
-def golden_case(case_id: str, dtype: str = "float64") -> Case:
-    return GOLDEN.load(case_id).case(dtype)
-
-
-def arange_weights(cfg: MHAConfig) -> dict[str, np.ndarray]:
-    """Hand-checkable weights: each tensor is 0, 1, 2, … plus an offset naming it."""
-    offsets = {"w_q": 0, "w_k": 100, "w_v": 200, "w_o": 300, "b_q": 400, "b_k": 500, "b_v": 600, "b_o": 700}
-    return {
-        name: (offsets[name] + np.arange(int(np.prod(shape)), dtype=np.float64)).reshape(shape)
-        for name, shape in cfg.weight_shapes().items()
-    }
-
-
-def assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].shape == want[name].shape, name
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 # -- converters ---------------------------------------------------------------
@@ -203,7 +182,8 @@ def test_cuda_device_is_refused_without_cuda() -> None:
 
 # -- conformance ----------------------------------------------------------------
 
-FEW = ["cross_attention", "custom_head_dims", "causal_bottom_right_t_gt_s", "custom_mask", "gqa", "large_logits"]
+FEW = ["cross_attention", "custom_head_dims", "causal_bottom_right_t_gt_s", "custom_mask", "self_masked_rows", "gqa",
+       "large_logits"]
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-mha", "torch-mha-fast", "torch-sdpa"])

@@ -34,12 +34,18 @@ class Deviation:
     ``case``, ``dtype`` and ``stage`` are shell-style patterns (``fnmatch``);
     a stage verdict that fails and matches is reported as ``known deviation``
     with ``reason`` instead of ``fail``.
+
+    ``rows="fully_masked"`` narrows it to the query rows that see no key (the
+    rows where frameworks give uniform or NaN weights): the stage is a known
+    deviation only if every element *outside* those rows passes; a failure
+    anywhere else is still a failure.  Such a deviation needs no case names.
     """
 
     reason: str
     case: str = "*"
     dtype: str = "*"
     stage: str = "*"
+    rows: str | None = None
 
     def matches(self, case: str, dtype: str, stage: str) -> bool:
         return (
@@ -50,7 +56,12 @@ class Deviation:
 
     @property
     def pattern(self) -> str:
-        return f"{self.case}/{self.dtype}/{self.stage}"
+        rows = f" (rows: {self.rows})" if self.rows else ""
+        return f"{self.case}/{self.dtype}/{self.stage}{rows}"
+
+
+#: Values of :attr:`Deviation.rows`.
+DEVIATION_ROWS = ("fully_masked",)
 
 
 def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Deviation]:
@@ -84,6 +95,8 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
     else:
         raise AdapterError(f"{where}: expected a mapping or a list, got {type(declared).__name__}")
     for dev in out:
+        if dev.rows is not None and dev.rows not in DEVIATION_ROWS:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: rows must be one of {DEVIATION_ROWS}")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
         if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES):
@@ -129,7 +142,9 @@ BUILTINS: dict[str, BuiltinAdapter] = {
         BuiltinAdapter("flax-linen", "mhaspec.adapters.flax_linen:FlaxLinenAdapter", "flax",
                        "flax.linen.MultiHeadDotProductAttention"),
         BuiltinAdapter("flax-nnx", "mhaspec.adapters.flax_nnx:FlaxNNXAdapter", "flax",
-                       "flax.nnx.MultiHeadAttention"),
+                       "flax.nnx.MultiHeadAttention, sow_weights=True (attention weights exposed)"),
+        BuiltinAdapter("flax-nnx-fast", "mhaspec.adapters.flax_nnx:FlaxNNXFastAdapter", "flax",
+                       "flax.nnx.MultiHeadAttention, sow_weights=False (the production dot_product_attention path)"),
     ]
 }
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, MHAConfig
+from .base import Deviation
 from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
 
 _FULLY_MASKED = (
@@ -109,11 +110,10 @@ class FlaxLinenAdapter:
 
     name = "flax-linen"
     framework = "flax"
-    known_deviations = {
-        f"{case}/*/{stage}": _FULLY_MASKED
-        for case in ("custom_mask", "causal_bottom_right_t_gt_s")
+    known_deviations = [
+        Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked")
         for stage in ("attn_weights", "head_outputs", "concat", "output")
-    }
+    ]
 
     def __init__(self, *, device: str = "cpu") -> None:
         self.device = device

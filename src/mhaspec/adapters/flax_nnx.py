@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from ..spec import Case, MHAConfig
+from .base import Deviation
 from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
 
 _FULLY_MASKED = (
@@ -56,7 +57,6 @@ _SOFTMAX_F32 = (
     "the layer's fast path is jax.nn.dot_product_attention, whose softmax always runs in float32, "
     "so float64 outputs carry float32 rounding"
 )
-_FULLY_MASKED_CASES = ("custom_mask", "causal_bottom_right_t_gt_s")
 
 HAS_KV_HEADS = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
 
@@ -115,10 +115,7 @@ class FlaxNNXAdapter:
     name = "flax-nnx"
     framework = "flax"
     sow_weights = True
-    known_deviations = {
-        f"{case}/*/{stage}": _FULLY_MASKED
-        for case in _FULLY_MASKED_CASES for stage in ("attn_weights", "output")
-    }
+    known_deviations = [Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")]
 
     def __init__(self, *, device: str = "cpu") -> None:
         self.device = device
@@ -175,7 +172,7 @@ class FlaxNNXFastAdapter(FlaxNNXAdapter):
 
     name = "flax-nnx-fast"
     sow_weights = False
-    known_deviations = {
-        **{f"{case}/*/output": _FAST_FULLY_MASKED for case in _FULLY_MASKED_CASES},
-        "*/float64/output": _SOFTMAX_F32,
-    }
+    known_deviations = [
+        Deviation(_FAST_FULLY_MASKED, stage="output", rows="fully_masked"),
+        Deviation(_SOFTMAX_F32, dtype="float64", stage="output"),
+    ]

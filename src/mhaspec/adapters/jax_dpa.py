@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case
+from .base import Deviation
 from ._jax_common import computing_in, linear, to_jax, to_numpy
 
 _SOFTMAX_F32 = (
@@ -75,11 +76,10 @@ class JaxDPAAdapter:
 
     name = "jax-dpa"
     framework = "jax"
-    known_deviations = {
-        **{f"{case}/*/{stage}": _FULLY_MASKED
-           for case in ("custom_mask", "causal_bottom_right_t_gt_s") for stage in ("head_outputs", "concat", "output")},
-        **{f"*/float64/{stage}": _SOFTMAX_F32 for stage in ("head_outputs", "concat", "output")},
-    }
+    known_deviations = [
+        *(Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("head_outputs", "concat", "output")),
+        *(Deviation(_SOFTMAX_F32, dtype="float64", stage=stage) for stage in ("head_outputs", "concat", "output")),
+    ]
 
     def __init__(self, *, device: str = "cpu") -> None:
         self.device = device

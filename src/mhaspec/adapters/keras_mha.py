@@ -203,8 +203,8 @@ _SCALE_IN_FLOAT32 = (
 _SCALE_INEXACT_IN_FLOAT32 = [s.id for s in CATALOG if float(np.float32(s.config.scale)) != s.config.scale]
 
 
-def _deviations(stages: tuple[str, ...], fully_masked: tuple[str, ...], softmax: tuple[str, ...]) -> list[Deviation]:
-    out = [Deviation(_FULLY_MASKED, case=c, stage=s) for c in fully_masked for s in stages]
+def _deviations(stages: tuple[str, ...], fully_masked: bool, softmax: tuple[str, ...]) -> list[Deviation]:
+    out = [Deviation(_FULLY_MASKED, stage=s, rows="fully_masked") for s in stages] if fully_masked else []
     out += [Deviation(ONEDNN_SOFTMAX, case=c, dtype="float32", stage="attn_weights") for c in softmax]
     out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s)
             for c in _SCALE_INEXACT_IN_FLOAT32 for s in stages]
@@ -217,7 +217,7 @@ class KerasMHAAdapter:
     name = "keras"
     framework = "keras"
     return_attention_scores = False
-    known_deviations = _deviations(("output",), fully_masked=("custom_mask", "causal_bottom_right_t_gt_s"), softmax=())
+    known_deviations = _deviations(("output",), fully_masked=True, softmax=())
 
     def __init__(self) -> None:
         self._layers: dict[tuple[MHAConfig, str], Any] = {}  # built layers, reused per (config, dtype)
@@ -259,4 +259,4 @@ class KerasMHAScoresAdapter(KerasMHAAdapter):
 
     name = "keras-scores"
     return_attention_scores = True
-    known_deviations = _deviations(("attn_weights", "output"), fully_masked=(), softmax=("large_logits",))
+    known_deviations = _deviations(("attn_weights", "output"), fully_masked=False, softmax=("large_logits",))

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..spec import Case, Weights
+from .base import Deviation
 from ._torch_common import (
     as_float64,
     canonical,
@@ -124,15 +125,15 @@ class TorchMultiheadAttentionAdapter:
     need_weights = True
 
     #: Rows that see no key come out NaN: the need_weights=True path adds -inf and calls plain
-    #: softmax (0/0).  Open upstream since 2020.  Only catalog cases with such rows are listed.
-    known_deviations = {
-        f"{case}/*/{stage}": (
+    #: softmax (0/0).  Open upstream since 2020.  Scoped to those rows: anything else still fails.
+    known_deviations = [
+        Deviation(
             "a query row with no visible key gives NaN attn_weights and output (softmax over an "
-            "all -inf row) instead of zeros; pytorch/pytorch#41508, #160064"
+            "all -inf row) instead of zeros; pytorch/pytorch#41508, #160064",
+            stage=stage, rows="fully_masked",
         )
-        for case in ("custom_mask", "causal_bottom_right_t_gt_s")
         for stage in ("attn_weights", "output")
-    }
+    ]
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = check_device(device)
@@ -179,4 +180,13 @@ class TorchMultiheadAttentionFastAdapter(TorchMultiheadAttentionAdapter):
 
     name = "torch-mha-fast"
     need_weights = False
-    known_deviations: dict[str, str] = {}
+    #: The native fast path (self-attention, even H, biases, eval, no grad) masks with -inf and
+    #: softmaxes without zeroing: NaN for such rows.  The SDPA route gives zeros.
+    known_deviations = [
+        Deviation(
+            "native fast path (torch._native_multi_head_attention): a query row with no visible key "
+            "gives NaN output instead of b_o; the SDPA route zeroes such rows. Upstream fix: "
+            "pytorch/pytorch#190486 (open)",
+            stage="output", rows="fully_masked",
+        )
+    ]

@@ -131,6 +131,13 @@ CATALOG = Catalog(
             mask=MaskSpec(kind="random", density=0.6, fully_masked=((0, 2), (1, 0), (1, 5))),
         ),
         _case(
+            "self_masked_rows",
+            "self-attention (even H, biases) with a (B, 1, T, S) mask hiding every key from some query rows",
+            dict(d_model=10, num_heads=2),
+            batch=3, tgt_len=6, src_len=6, inputs="self", seed=21,
+            mask=MaskSpec(kind="random", density=0.75, fully_masked=((0, 1), (2, 4))),
+        ),
+        _case(
             "causal_and_mask",
             "causal flag AND a key-padding mask",
             dict(d_model=12, num_heads=3, causal=True),
