@@ -58,3 +58,18 @@ def test_bfloat16_rounding_matches_ml_dtypes():
     x = np.random.default_rng(0).standard_normal(10_000) * 10.0 ** np.random.default_rng(1).integers(-20, 20, 10_000)
     assert np.array_equal(round_to_bfloat16(x), x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64))
     assert representable(np.array([1.0, 1 + 2**-7, 1 + 2**-8]), "bfloat16").tolist() == [True, True, False]
+
+
+def test_bfloat16_results_in_a_float16_run_are_recognised():
+    golden = np.random.default_rng(2).standard_normal((4, 16)) * 3
+    as_fp16 = golden.astype(np.float16).astype(np.float64)
+    as_bf16 = round_to_bfloat16(golden)
+    tol = np.full(golden.shape, 1.0)  # wide enough that only the precision check can fail
+    assert compare_stage("q_proj", as_fp16, golden, tol, "float16").verdict == PASS
+    res = compare_stage("q_proj", as_bf16, golden, tol, "float16")
+    assert res.verdict == FAIL and "computed in bfloat16, not float16" in res.message
+    # too few values to tell: no verdict from this check
+    assert compare_stage("q_proj", as_bf16[:1, :8], golden[:1, :8], tol[:1, :8], "float16").verdict == PASS
+    # data whose float16 values already fit 8 bits (here: small integers) is not informative
+    ints = np.arange(64.0).reshape(4, 16)
+    assert compare_stage("q_proj", ints, ints, tol, "float16").verdict == PASS

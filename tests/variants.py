@@ -184,6 +184,7 @@ BUGS = {
     "gqa_heads_by_modulo": (Variant(name="gqa_mod", gqa_modulo=True), "scores"),
     "softmax_without_max_subtraction": (Variant(name="no_max", no_max_subtraction=True), "attn_weights"),
     "float16_when_float32_asked": (Variant(name="fp16_for_fp32", compute_dtype="float16"), "q_proj"),
+    "bfloat16_when_float16_asked": (Variant(name="bf16_for_fp16", compute_dtype="bfloat16"), "q_proj"),
     "output_bias_dropped": (Variant(name="no_b_o", drop_output_bias=True), "output"),
     "uniform_weights_on_fully_masked_rows": (Variant(name="uniform_rows", uniform_masked_rows=True), "attn_weights"),
     "nan_on_fully_masked_rows": (Variant(name="nan_rows", nan_masked_rows=True), "attn_weights"),

@@ -78,6 +78,37 @@ def representable(values: np.ndarray, dtype: str) -> np.ndarray:
         return values.astype(dtype).astype(np.float64) == values
 
 
+#: A float16 result whose values nearly all fit bfloat16's 8 significant bits was computed in
+#: bfloat16: a correct float16 value fits them with probability 1/8.  Judged on stages with
+#: at least this many nonzero values, and only where the golden, rounded to float16, does not
+#: itself fit them.
+NARROW_MIN_VALUES = 32
+NARROW_FRACTION = 0.9
+
+
+def narrower_precision(values: np.ndarray, golden: np.ndarray, dtype: str) -> str:
+    """Why ``values`` look computed in a narrower dtype than ``dtype`` ("" when they do not).
+
+    Only float16 has a common narrower look-alike (bfloat16: autocast to the wrong
+    16-bit type).  The worst-case bound alone cannot tell them apart.
+    """
+    if dtype != "float16":
+        return ""
+    nonzero = np.isfinite(values) & (values != 0)
+    count = int(np.count_nonzero(nonzero))
+    if count < NARROW_MIN_VALUES:
+        return ""
+    narrow = int(np.count_nonzero(representable(values[nonzero], "bfloat16")))
+    with np.errstate(over="ignore"):
+        expected = golden.astype(np.float16).astype(np.float64)[nonzero]
+    if np.mean(representable(expected, "bfloat16")) >= NARROW_FRACTION / 2:
+        return ""  # the data itself has few significant bits: not informative
+    if narrow >= NARROW_FRACTION * count:
+        return (f"{narrow} of {count} nonzero values have at most 8 significant bits, as bfloat16 values do "
+                f"(a float16 result has more in 7 of 8 values): computed in bfloat16, not float16")
+    return ""
+
+
 def as_float_array(value: Any) -> tuple[np.ndarray | None, str]:
     """(float64 array, "") or (None, why it is not a floating-point array)."""
     try:
@@ -132,6 +163,9 @@ def compare_stage(
         problems.append(
             f"{not_exact} of {v.size} values are not representable in {dtype}: computed or returned in a wider dtype"
         )
+    narrower = narrower_precision(v, g, dtype)
+    if narrower:
+        problems.append(narrower)
 
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         err = np.abs(v - g)
