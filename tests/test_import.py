@@ -9,21 +9,20 @@ import sys
 FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "ml_dtypes"]
 
 
+def _frameworks_loaded_after(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; which frameworks did it import?"""
+    probe = f"{code}\nimport sys, json\nprint(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_importing_mhaspec_imports_no_framework():
-    code = (
-        "import sys, json, mhaspec, mhaspec.spec, mhaspec.reference, mhaspec.adapters, "
-        "mhaspec.conformance, mhaspec.cli, mhaspec.conformance.plugin\n"
-        f"print(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+    code = ("import mhaspec, mhaspec.spec, mhaspec.reference, mhaspec.adapters, mhaspec.conformance, "
+            "mhaspec.cli, mhaspec.conformance.plugin")
+    assert _frameworks_loaded_after(code) == []
 
 
-def test_adapters_list_imports_no_framework():
-    code = (
-        "import sys, json, io, contextlib\nfrom mhaspec.cli import main\n"
-        "with contextlib.redirect_stdout(io.StringIO()): main(['adapters'])\n"
-        f"print(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+def test_listing_adapters_imports_no_framework():
+    code = ("import io, contextlib\nfrom mhaspec.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['adapters'])")
+    assert _frameworks_loaded_after(code) == []
