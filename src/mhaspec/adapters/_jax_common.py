@@ -25,6 +25,7 @@ row-major reshape: no transpose, no copy of values.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -83,6 +84,22 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
 
 
 # -- the Flax parameter layout --------------------------------------------
+
+
+def flax_layer_limits(config: MHAConfig, layer: str) -> str | None:
+    """Why Flax's attention ``layer`` cannot express ``config``, or None.
+
+    Both Flax layers use one head size (qkv_features // num_heads) for query,
+    key and value, and always scale by 1/sqrt(head_dim).
+    """
+    if config.D_v != config.D_k:
+        return (f"{layer} uses one head size (qkv_features // num_heads) for query, key and value: "
+                f"D_v={config.D_v} != D_k={config.D_k}")
+    if not math.isclose(config.scale, 1 / math.sqrt(config.D_k), rel_tol=1e-12):
+        return (f"{layer} has no scale argument (it always divides the query by sqrt(head_dim)): "
+                f"scale={config.scale} != 1/sqrt({config.D_k})")
+    return None
+
 
 
 def _as_dict(weights: Any) -> dict[str, np.ndarray]:

@@ -28,7 +28,6 @@ the kernel.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +38,15 @@ import numpy as np
 
 from ..spec import Case, MHAConfig
 from .base import Deviation
-from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
+from ._jax_common import (
+    canonical_to_flax,
+    computing_in,
+    flax_layer_limits,
+    flax_to_canonical,
+    jax_dtype,
+    to_jax,
+    to_numpy,
+)
 
 _FULLY_MASKED = (
     "dot_product_attention_weights fills masked logits with finfo(dtype).min rather than -inf, so a query "
@@ -123,13 +130,7 @@ class FlaxLinenAdapter:
         if cfg.H_kv != cfg.H:
             return (f"MultiHeadDotProductAttention has as many key/value heads as query heads "
                     f"(no num_kv_heads): H_kv={cfg.H_kv} != H={cfg.H}")
-        if cfg.D_v != cfg.D_k:
-            return (f"MultiHeadDotProductAttention uses one head size (qkv_features // num_heads) for query, "
-                    f"key and value: D_v={cfg.D_v} != D_k={cfg.D_k}")
-        if not math.isclose(cfg.scale, 1 / math.sqrt(cfg.D_k), rel_tol=1e-12):
-            return (f"MultiHeadDotProductAttention has no scale argument (it always divides the query by "
-                    f"sqrt(head_dim)): scale={cfg.scale} != 1/sqrt({cfg.D_k})")
-        return True
+        return flax_layer_limits(cfg, "MultiHeadDotProductAttention") or True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype

@@ -33,7 +33,6 @@ unsupported.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any
 
 import jax
@@ -43,7 +42,15 @@ from flax import nnx
 
 from ..spec import Case, MHAConfig
 from .base import Deviation
-from ._jax_common import canonical_to_flax, computing_in, flax_to_canonical, jax_dtype, to_jax, to_numpy
+from ._jax_common import (
+    canonical_to_flax,
+    computing_in,
+    flax_layer_limits,
+    flax_to_canonical,
+    jax_dtype,
+    to_jax,
+    to_numpy,
+)
 
 _FULLY_MASKED = (
     "masked logits are filled with finfo(dtype).min rather than -inf, so a query row that sees no key "
@@ -124,16 +131,10 @@ class FlaxNNXAdapter:
         cfg = case.config
         if cfg.H_kv != cfg.H and not HAS_KV_HEADS:
             return f"this flax's nnx.MultiHeadAttention has no num_kv_heads: H_kv={cfg.H_kv} != H={cfg.H}"
-        if cfg.D_v != cfg.D_k:
-            return (f"nnx.MultiHeadAttention uses one head size (qkv_features // num_heads) for query, key "
-                    f"and value: D_v={cfg.D_v} != D_k={cfg.D_k}")
         if cfg.kdim != cfg.vdim:
             return (f"nnx.MultiHeadAttention has one in_kv_features for key and value: "
                     f"kdim={cfg.kdim} != vdim={cfg.vdim}")
-        if not math.isclose(cfg.scale, 1 / math.sqrt(cfg.D_k), rel_tol=1e-12):
-            return (f"nnx.MultiHeadAttention has no scale argument (it always divides the query by "
-                    f"sqrt(head_dim)): scale={cfg.scale} != 1/sqrt({cfg.D_k})")
-        return True
+        return flax_layer_limits(cfg, "nnx.MultiHeadAttention") or True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
