@@ -169,33 +169,52 @@ class Session:
             if stage not in returned:
                 stages.append(StageResult(stage, NOT_EXPOSED))
                 continue
+            def judge(selected: np.ndarray | None, stage: str = stage) -> StageResult:
+                return compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, selected)
+
             visible = golden.visible if stage == "scores" else None
-            res = compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, visible)
-            for i, dev in enumerate(self.deviations):
-                if not dev.matches(case_id, dtype, stage):
-                    continue
-                if dev.rows == "fully_masked":
-                    outside = _outside_blind_rows(golden, stage)
-                    if outside is None or outside.all():
-                        continue  # this case has no such rows, or the stage has no query-row axis
-                if res.verdict != FAIL:
-                    self._passed_matching.add(i)
-                    break
-                if dev.rows == "fully_masked":
-                    rest = compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype,
-                                         outside if visible is None else outside & visible)
-                    if rest.verdict == FAIL:
-                        continue  # it fails outside those rows too: a real failure
-                    res.message += (f"; outside the query rows that see no key every element passes "
-                                    f"(worst ratio {rest.worst_ratio:.3g})")
-                res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
-                self._used.add(i)
-                break
+            res = judge(visible)
+            self._apply_deviations(res, golden, dtype, visible, judge)
             stages.append(res)
 
         verdicts = {st.verdict for st in stages}
         verdict = FAIL if FAIL in verdicts else KNOWN_DEVIATION if KNOWN_DEVIATION in verdicts else "pass"
         return CaseResult(case_id, dtype, verdict, stages, adapter_s=adapter_s, harness_s=time.perf_counter() - t0)
+
+    def _apply_deviations(
+        self,
+        res: StageResult,
+        golden: GoldenCase,
+        dtype: str,
+        visible: np.ndarray | None,
+        judge: Callable[[np.ndarray | None], StageResult],
+    ) -> None:
+        """Turn a failing ``res`` into a known deviation when the first applicable declaration excuses it.
+
+        A row-scoped declaration applies only where the case has rows that see
+        no key, and excuses the failure only if ``judge`` passes everything
+        outside those rows.
+        """
+        for i, dev in enumerate(self.deviations):
+            if not dev.matches(golden.id, dtype, res.stage):
+                continue
+            outside = None
+            if dev.rows == "fully_masked":
+                outside = _outside_blind_rows(golden, res.stage)
+                if outside is None or outside.all():
+                    continue  # this case has no such rows, or the stage has no query-row axis
+            if res.verdict != FAIL:
+                self._passed_matching.add(i)
+                return
+            if outside is not None:
+                rest = judge(outside if visible is None else outside & visible)
+                if rest.verdict == FAIL:
+                    continue  # it fails outside those rows too: a real failure
+                res.message += (f"; outside the query rows that see no key every element passes "
+                                f"(worst ratio {rest.worst_ratio:.3g})")
+            res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
+            self._used.add(i)
+            return
 
     def deviation_warnings(self) -> list[str]:
         """Declared deviations that match no catalog case, or that never occurred in this run."""
