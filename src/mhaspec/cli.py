@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                      help="per-case timeout for the adapter (default 300; 0 = none)")
-    run.add_argument("-v", "--verbose", action="store_true", help="also list stages the adapter does not expose")
+    run.add_argument("-v", "--verbose", action="store_true", help="list every failing stage of every case (default: grouped by first failing stage) "
+                     "and the stages the adapter does not expose")
 
     gen = sub.add_parser(
         "generate",

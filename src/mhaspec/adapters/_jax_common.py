@@ -10,6 +10,14 @@ meanwhile still sees the process default (x64 off).  Setting
 ``jax.config.update("jax_enable_x64", True)`` instead would change every
 thread of the process for good, so it is never used here.
 
+Compiling, not running, is what a catalog run costs: the arrays are tiny and
+every case × dtype has its own shapes, so each is one XLA compilation.
+:func:`compiled` jit-compiles with :data:`FAST_COMPILE` on the CPU (XLA's
+backend optimisation level 0 and its classic loop emitters), about five
+times cheaper to compile; the numerics are XLA:CPU's own (no fast-math
+either way), differing from the default pipeline by an ulp or so in ``exp``.
+Pass ``fast_compile=False`` to an adapter to judge XLA's default pipeline.
+
 Flax layout (``flax.linen.MultiHeadDotProductAttention`` params and
 ``flax.nnx.MultiHeadAttention`` state share it)::
 
@@ -25,8 +33,9 @@ row-major reshape: no transpose, no copy of values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -62,6 +71,22 @@ def computing_in(dtype: str, device: str) -> Iterator[None]:
     target = jax.devices(device)[0]
     with _enable_x64(dtype == "float64"), jax.default_device(target):
         yield
+
+
+#: XLA:CPU compile options that cut compile time about fivefold on the catalog's graphs
+#: (0.06 s instead of 0.3 s per case × dtype): no LLVM optimisation, classic loop emitters.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def use_fast_compile(device: str, wanted: bool = True) -> bool:
+    """Whether to compile with :data:`FAST_COMPILE`: asked for, and the device is a CPU."""
+    return wanted and jax.devices(device)[0].platform == "cpu"
+
+
+@functools.cache
+def compiled(fun: Callable, static_argnames: tuple[str, ...], fast: bool) -> Callable:
+    """``jax.jit(fun)``, with :data:`FAST_COMPILE` when ``fast``; one wrapper (and jit cache) per choice."""
+    return jax.jit(fun, static_argnames=static_argnames, compiler_options=FAST_COMPILE if fast else None)
 
 
 def to_jax(x: np.ndarray | None, dtype: str) -> jax.Array | None:

@@ -27,7 +27,6 @@ the kernel.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,12 +39,14 @@ from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
     canonical_to_flax,
+    compiled,
     computing_in,
     flax_layer_limits,
     flax_to_canonical,
     jax_dtype,
     to_jax,
     to_numpy,
+    use_fast_compile,
 )
 
 _FULLY_MASKED = (
@@ -82,10 +83,9 @@ def causal_mask(case: Case) -> jax.Array | None:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("layer",))
 def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, value: jax.Array,
           mask: jax.Array | None) -> dict[str, jax.Array]:
-    """Call the layer once; return its output and what it exposes on the way."""
+    """Call the layer once; return its output and what it exposes on the way (jit-compiled, ``layer`` static)."""
     out_inputs = []
 
     def read_out_input(next_fun, args, kwargs, context):  # the (B, T, H, D) array fed to W^O
@@ -122,8 +122,8 @@ class FlaxLinenAdapter:
         for stage in ("attn_weights", "head_outputs", "concat", "output")
     ]
 
-    def __init__(self, *, device: str = "cpu") -> None:
-        self.device = device
+    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
+        self.device, self.fast_compile = device, fast_compile
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
@@ -142,7 +142,7 @@ class FlaxLinenAdapter:
             params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
             mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
             mask = nn.combine_masks(mask, causal_mask(case), dtype=jnp.bool_)
-            stages = apply(
+            stages = compiled(apply, ("layer",), use_fast_compile(self.device, self.fast_compile))(
                 layer, params, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
                 to_jax(case.inputs.value, dtype), mask,
             )

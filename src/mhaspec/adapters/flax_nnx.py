@@ -44,12 +44,14 @@ from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
     canonical_to_flax,
+    compiled,
     computing_in,
     flax_layer_limits,
     flax_to_canonical,
     jax_dtype,
     to_jax,
     to_numpy,
+    use_fast_compile,
 )
 
 _FULLY_MASKED = (
@@ -110,10 +112,13 @@ def forward(layer: nnx.MultiHeadAttention, query: jax.Array, key: jax.Array, val
     return y, nnx.to_pure_dict(inter)
 
 
-#: :func:`forward` under ``nnx.jit``.  The fast path in float16 on CPU runs eagerly instead:
-#: jax.nn.dot_product_attention asks for precision F16_F16_F32, which XLA:CPU rejects when
-#: compiling; its fallback to the default precision only catches that error outside jit.
-forward_jit = nnx.jit(forward, static_argnames=("is_causal", "sow_weights"))
+def forward_split(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, value: jax.Array,
+                  mask: jax.Array | None, is_causal: bool, sow_weights: bool) -> tuple[jax.Array, dict]:
+    """:func:`forward` on ``nnx.merge(graphdef, state)``: the functional form ``jax.jit`` compiles
+    (``graphdef`` static).  The fast path in float16 on CPU runs :func:`forward` eagerly instead:
+    jax.nn.dot_product_attention asks for precision F16_F16_F32, which XLA:CPU rejects when
+    compiling; its fallback to the default precision only catches that error outside jit."""
+    return forward(nnx.merge(graphdef, state), query, key, value, mask, is_causal, sow_weights)
 
 
 class FlaxNNXAdapter:
@@ -124,8 +129,8 @@ class FlaxNNXAdapter:
     sow_weights = True
     known_deviations = [Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")]
 
-    def __init__(self, *, device: str = "cpu") -> None:
-        self.device = device
+    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
+        self.device, self.fast_compile = device, fast_compile
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
@@ -151,11 +156,14 @@ class FlaxNNXAdapter:
             nnx.update(layer, state)
 
             mask, is_causal = nnx_mask(case)
-            eager = not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
-            y, inter = (forward if eager else forward_jit)(
-                layer, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
-                to_jax(case.inputs.value, dtype), mask, is_causal=is_causal, sow_weights=self.sow_weights,
-            )
+            inputs = (to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype), to_jax(case.inputs.value, dtype))
+            if not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu":
+                y, inter = forward(layer, *inputs, mask, is_causal, self.sow_weights)  # eager: see forward_split
+            else:
+                jitted = compiled(forward_split, ("graphdef", "is_causal", "sow_weights"),
+                                  use_fast_compile(self.device, self.fast_compile))
+                graphdef, params = nnx.split(layer)
+                y, inter = jitted(graphdef, params, *inputs, mask, is_causal=is_causal, sow_weights=self.sow_weights)
             B, T, S = case.batch, case.tgt_len, case.src_len
             stages = {
                 "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),

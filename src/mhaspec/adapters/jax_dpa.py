@@ -19,7 +19,7 @@ import numpy as np
 
 from ..spec import Case
 from .base import Deviation
-from ._jax_common import computing_in, linear, to_jax, to_numpy
+from ._jax_common import compiled, computing_in, linear, to_jax, to_numpy, use_fast_compile
 
 _SOFTMAX_F32 = (
     "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
@@ -31,31 +31,48 @@ _FULLY_MASKED = (
 )
 
 
-def mha(
-    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict,
-    *, heads: int, kv_heads: int, scale: float, is_causal: bool, dtype: str,
-) -> dict[str, jax.Array]:
+def project(query: jax.Array, key: jax.Array, value: jax.Array, weights: dict, *, dtype: str) -> tuple[jax.Array, ...]:
+    """The jnp projections: (q (B, T, H·D), k (B, S, G·D), v (B, S, G·E))."""
     w = weights
-    q = linear(query, w["w_q"], w.get("b_q"), dtype)  # (B, T, H·D)
-    k = linear(key, w["w_k"], w.get("b_k"), dtype)  # (B, S, G·D)
-    v = linear(value, w["w_v"], w.get("b_v"), dtype)  # (B, S, G·E)
-    B, T, S = query.shape[0], query.shape[1], key.shape[1]
-    encoded = jax.nn.dot_product_attention(
+    return (linear(query, w["w_q"], w.get("b_q"), dtype), linear(key, w["w_k"], w.get("b_k"), dtype),
+            linear(value, w["w_v"], w.get("b_v"), dtype))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+           *, heads: int, kv_heads: int, scale: float, is_causal: bool) -> jax.Array:
+    """``jax.nn.dot_product_attention`` on the projections: encoded (B, T, H, E)."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    return jax.nn.dot_product_attention(
         query=q.reshape(B, T, heads, -1), key=k.reshape(B, S, kv_heads, -1), value=v.reshape(B, S, kv_heads, -1),
         mask=mask, scale=scale, is_causal=is_causal,
     )  # BTNH
-    concat = encoded.reshape(B, T, -1)  # (B, T, H·E)
-    y = linear(concat, w["w_o"], w.get("b_o"), dtype)
+
+
+def finish(q: jax.Array, k: jax.Array, v: jax.Array, encoded: jax.Array, weights: dict,
+           *, dtype: str) -> dict[str, jax.Array]:
+    """Concat and the output projection; every stage."""
+    concat = encoded.reshape(encoded.shape[0], encoded.shape[1], -1)  # (B, T, H·E)
+    y = linear(concat, weights["w_o"], weights.get("b_o"), dtype)
     return {
         "q_proj": q, "k_proj": k, "v_proj": v,
         "head_outputs": encoded.transpose(0, 2, 1, 3), "concat": concat, "output": y,
     }
 
 
-#: jit-compiled :func:`mha`.  float16 on CPU runs :func:`mha` eagerly instead: the core asks
-#: dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
-#: try/except fallback to the default precision only catches that error outside jit.
-mha_jit = jax.jit(mha, static_argnames=("heads", "kv_heads", "scale", "is_causal", "dtype"))
+def mha(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict,
+    *, heads: int, kv_heads: int, scale: float, is_causal: bool, dtype: str,
+) -> dict[str, jax.Array]:
+    q, k, v = project(query, key, value, weights, dtype=dtype)
+    encoded = attend(q, k, v, mask, heads=heads, kv_heads=kv_heads, scale=scale, is_causal=is_causal)
+    return finish(q, k, v, encoded, weights, dtype=dtype)
+
+
+#: :func:`mha` is jit-compiled with these static arguments.  float16 on CPU cannot be: the core
+#: asks dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
+#: try/except fallback to the default precision only catches that error outside jit.  There the
+#: projections and the output are compiled and :func:`attend` runs eagerly between them.
+STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
 
 
 def dpa_mask(case: Case) -> tuple[jax.Array | None, bool]:
@@ -81,8 +98,8 @@ class JaxDPAAdapter:
         *(Deviation(_SOFTMAX_F32, dtype="float64", stage=stage) for stage in ("head_outputs", "concat", "output")),
     ]
 
-    def __init__(self, *, device: str = "cpu") -> None:
-        self.device = device
+    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
+        self.device, self.fast_compile = device, fast_compile
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
@@ -96,10 +113,13 @@ class JaxDPAAdapter:
         with computing_in(dtype, self.device):
             weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
             mask, is_causal = dpa_mask(case)
-            eager = dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
-            stages = (mha if eager else mha_jit)(
-                to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
-                to_jax(case.inputs.value, dtype), mask, weights,
-                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, is_causal=is_causal, dtype=dtype,
-            )
+            fast = use_fast_compile(self.device, self.fast_compile)
+            inputs = (to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype), to_jax(case.inputs.value, dtype))
+            core = {"heads": cfg.H, "kv_heads": cfg.H_kv, "scale": cfg.scale, "is_causal": is_causal}
+            if dtype == "float16" and jax.devices(self.device)[0].platform == "cpu":
+                q, k, v = compiled(project, ("dtype",), fast)(*inputs, weights, dtype=dtype)
+                encoded = attend(q, k, v, mask, **core)  # eager: see STATIC
+                stages = compiled(finish, ("dtype",), fast)(q, k, v, encoded, weights, dtype=dtype)
+            else:
+                stages = compiled(mha, STATIC, fast)(*inputs, mask, weights, **core, dtype=dtype)
             return to_numpy(stages)

@@ -15,7 +15,6 @@ store every stage in that dtype and sum each product in float32
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -23,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case
-from ._jax_common import accumulator, computing_in, jax_dtype, linear, to_jax, to_numpy
+from ._jax_common import accumulator, compiled, computing_in, jax_dtype, linear, to_jax, to_numpy, use_fast_compile
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "kv_heads", "scale", "causal_shift", "dtype"))
+STATIC = ("heads", "kv_heads", "scale", "causal_shift", "dtype")
+
+
 def mha(
     query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict[str, Any],
     *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, dtype: str,
@@ -72,20 +73,24 @@ def causal_shift(case: Case) -> int | None:
 
 
 class JaxMHAAdapter:
-    """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage."""
+    """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage.
+
+    ``fast_compile=False`` compiles with XLA's default options (see ``_jax_common``).
+    """
 
     name = "jax"
     framework = "jax"
 
-    def __init__(self, *, device: str = "cpu") -> None:
-        self.device = device
+    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
+        self.device, self.fast_compile = device, fast_compile
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
             weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
             mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
-            stages = mha(
+            jitted = compiled(mha, STATIC, use_fast_compile(self.device, self.fast_compile))
+            stages = jitted(
                 to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
                 to_jax(case.inputs.value, dtype), mask, weights,
                 heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, causal_shift=causal_shift(case), dtype=dtype,

@@ -7,6 +7,7 @@ The JSON keys are documented in docs/report.md and are stable within a
 from __future__ import annotations
 
 import json
+import re
 import platform
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,9 @@ from ..spec import SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
 
 REPORT_VERSION = 1
+
+#: a stage or case the dtype cannot resolve (issue 9); shown, never a pass
+_UNINFORMATIVE = "uninformative"
 
 # case-level verdicts
 ERROR, UNSUPPORTED = "error", "unsupported"
@@ -33,6 +37,7 @@ class CaseResult:
     verdict: str
     stages: list[StageResult] = field(default_factory=list)
     message: str = ""  # the error, or the reason it is unsupported
+    hints: list[str] = field(default_factory=list)  # recognised bug signatures (diagnose.py), failing cases only
     adapter_s: float = 0.0  # time spent inside the adapter
     harness_s: float = 0.0  # time spent judging
 
@@ -48,6 +53,17 @@ class CaseResult:
     def worst_ratio(self) -> float | None:
         ratios = [st.worst_ratio for st in self.stages if st.worst_ratio is not None and st.verdict in (PASS, FAIL)]
         return max(ratios) if ratios else None
+
+    @property
+    def shown_ratio(self) -> float | None:
+        """The ratio the table shows: over the failing stages for a failing case (None when
+        none of them failed on values, e.g. a wrong shape or dtype), else :attr:`worst_ratio`."""
+        if self.verdict == FAIL:
+            ratios = [st.worst_ratio for st in self.stages if st.verdict == FAIL and st.worst_ratio is not None]
+            return max(ratios) if ratios else None
+        if self.verdict in (PASS, KNOWN_DEVIATION):
+            return self.worst_ratio
+        return None
 
     @property
     def ok(self) -> bool:
@@ -67,6 +83,7 @@ class CaseResult:
             "first_failing_stage": self.first_failing_stage,
             "worst_ratio": _num(self.worst_ratio),
             "message": self.message,
+            "diagnosis": list(self.hints),
             "adapter_seconds": round(self.adapter_s, 6),
             "stages": [st.to_json() for st in self.stages],
         }
@@ -142,16 +159,15 @@ class Report:
     def summary(self) -> str:
         c = self.counts()
         margin = self.smallest_margin()
-        margin_txt = f" · smallest margin {margin:.3g}x" if margin is not None and np.isfinite(margin) else ""
+        # the margin means something only when everything judged on values passed
+        meaningful = self.ok and margin is not None and np.isfinite(margin) and c.get(PASS, 0) > 0
+        margin_txt = f" · smallest margin {margin:.3g}x" if meaningful else ""
         status = "CONFORMS" if self.ok else ("ERROR" if self.exit_code == 2 else "DOES NOT CONFORM")
-        return (
-            f"{self.adapter}: {status} — {c[PASS]} pass, {c[KNOWN_DEVIATION]} known deviation, "
-            f"{c[FAIL]} fail, {c[ERROR]} error, {c[UNSUPPORTED]} unsupported "
-            f"({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
-        )
+        shown = ", ".join(f"{n} {v}" for v, n in c.items() if n or v in (PASS, FAIL))
+        return f"{self.adapter}: {status} — {shown} ({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
 
     def table(self, verbose: bool = False) -> str:
-        """The per case × dtype table, then details of what did not pass."""
+        """The per case × dtype table, then what did not pass (grouped; every detail when ``verbose``)."""
         width = self.case_width([r.case for r in self.results])
         lines = [self.header(), "", self.column_titles(width)]
         lines += [self.row(r, width) for r in self.results]
@@ -168,14 +184,14 @@ class Report:
 
     @staticmethod
     def row(r: CaseResult, width: int) -> str:
-        ratio = r.worst_ratio
-        ratio_txt = "" if ratio is None else (f"{ratio:.3g}" if np.isfinite(ratio) else "inf")
-        return f"{r.case:<{width}}  {r.dtype:<8}  {r.verdict:<15}  {(r.first_failing_stage or ''):<19}  {ratio_txt}"
+        return (f"{r.case:<{width}}  {r.dtype:<8}  {r.verdict:<15}  {(r.first_failing_stage or ''):<19}  "
+                f"{ratio_text(r.shown_ratio)}")
 
     def footer(self, verbose: bool = False) -> list[str]:
-        """Details of what did not pass, warnings, and the summary line."""
+        """What did not pass (grouped by first failing stage, or every detail when ``verbose``),
+        warnings, and the summary line."""
         lines: list[str] = []
-        details = self.details(verbose)
+        details = self.details() if verbose else self.grouped()
         if details:
             lines += ["", *details]
         if self.warnings:
@@ -183,29 +199,68 @@ class Report:
         lines += ["", self.summary()]
         return lines
 
-    def details(self, verbose: bool = False) -> list[str]:
-        out: list[str] = []
-        reasons: dict[str, list[str]] = {}
+    def grouped(self) -> list[str]:
+        """What did not pass, one group per first failing stage (with an example, its message and
+        any recognised signature), then errors, known deviations, uninformative and unsupported."""
+        failing: dict[str, list[CaseResult]] = {}
+        errors: dict[str, list[CaseResult]] = {}
         for r in self.results:
-            if r.verdict in (ERROR, UNSUPPORTED):
-                if r.verdict == ERROR:
-                    out.append(f"{r.case} [{r.dtype}] error: {r.message}")
-                else:
-                    reasons.setdefault(f"unsupported: {r.message}", []).append(f"{r.case}[{r.dtype}]")
+            if r.verdict == FAIL:
+                failing.setdefault(r.first_failing_stage or "?", []).append(r)
+            elif r.verdict == ERROR:
+                errors.setdefault(r.message, []).append(r)
+        out: list[str] = []
+        order = {s: i for i, s in enumerate(STAGES)}
+        if failing:
+            out.append("first failing stage (where to look first):")
+        for stage in sorted(failing, key=lambda s: order.get(s, len(order))):
+            group = failing[stage]
+            first = group[0]
+            out.append(f"  {stage}: {len(group)} case×dtype — e.g. {first.case}/{first.dtype}: "
+                       f"{_stage_message(first, stage)}")
+            kinds: dict[str, list[str]] = {}  # one entry per kind of signature (its numbers aside)
+            for r in group:
+                for h in r.hints:
+                    kinds.setdefault(re.sub(r"[-\d.e+]+\d|\d", "#", h), []).append(h)
+            for examples in sorted(kinds.values(), key=len, reverse=True)[:3]:
+                out.append(f"      signature ({len(examples)} of {len(group)}, e.g.): {examples[0]}")
+            out.append(f"      {_where(group)}")
+        for message, group in errors.items():
+            out.append(f"error: {message}\n    {_where(group)}")
+        out += self._reasons(verbose=False)
+        if failing or errors:
+            out.append("(`-v` lists every failing stage of every case)")
+        return out
+
+    def details(self, verbose: bool = True) -> list[str]:
+        """Every failing stage of every case and every error, then grouped reasons (``verbose``: also
+        the stages the adapter does not expose)."""
+        out: list[str] = []
+        for r in self.results:
+            if r.verdict == ERROR:
+                out.append(f"{r.case} [{r.dtype}] error: {r.message}")
                 continue
             for st in r.stages:
                 if st.verdict == FAIL:
                     out.append(f"{r.case} [{r.dtype}] {st.stage}: FAIL — {st.message}")
-                elif st.verdict == KNOWN_DEVIATION:
-                    reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(
-                        f"{r.case}[{r.dtype}]"
-                    )
+            out += [f"{r.case} [{r.dtype}] signature: {h}" for h in r.hints]
+        return out + self._reasons(verbose)
+
+    def _reasons(self, verbose: bool) -> list[str]:
+        """Known deviations, uninformative stages and unsupported cases, grouped by their reason."""
+        reasons: dict[str, list[CaseResult]] = {}
+        for r in self.results:
+            if r.verdict in (UNSUPPORTED, _UNINFORMATIVE) and not r.stages:
+                reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
+                continue
+            for st in r.stages:
+                if st.verdict == KNOWN_DEVIATION:
+                    reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(r)
+                elif st.verdict == _UNINFORMATIVE:
+                    reasons.setdefault(f"uninformative ({st.stage}): {st.reason or st.message}", []).append(r)
                 elif verbose and st.verdict == NOT_EXPOSED:
-                    reasons.setdefault(f"not exposed: {st.stage}", []).append(f"{r.case}[{r.dtype}]")
-        for reason, where in reasons.items():
-            shown = ", ".join(where[:6]) + (f", … ({len(where)} in all)" if len(where) > 6 else "")
-            out.append(f"{reason}\n    {shown}")
-        return out
+                    reasons.setdefault(f"not exposed: {st.stage}", []).append(r)
+        return [f"{reason}\n    {_where(group)}" for reason, group in reasons.items()]
 
     def __str__(self) -> str:
         return self.table()
@@ -242,3 +297,29 @@ class Report:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_json(), fh, indent=2)
             fh.write("\n")
+
+
+def ratio_text(ratio: float | None) -> str:
+    """A worst error/tolerance ratio for the table: "—" when there is none."""
+    if ratio is None:
+        return "—"
+    return f"{ratio:.3g}" if np.isfinite(ratio) else ("nan" if np.isnan(ratio) else "inf")
+
+
+def _stage_message(r: CaseResult, stage: str) -> str:
+    try:
+        return r.stage(stage).message or r.verdict
+    except KeyError:
+        return r.message or r.verdict
+
+
+def _where(group: list[CaseResult], limit: int = 6) -> str:
+    """``case[dtype, dtype], case[…]`` for up to ``limit`` cases, then how many in all."""
+    by_case: dict[str, list[str]] = {}
+    for r in group:
+        by_case.setdefault(r.case, []).append(r.dtype)
+    parts = [f"{case}[{', '.join(dtypes)}]" for case, dtypes in by_case.items()]
+    shown = ", ".join(parts[:limit])
+    if len(parts) > limit:
+        shown += f", … ({len(parts)} cases, {len(group)} case×dtype in all)"
+    return shown

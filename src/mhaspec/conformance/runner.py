@@ -16,6 +16,7 @@ from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_ada
 from ..errors import MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import DTYPES, STAGES
+from .diagnose import diagnose
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, compare_stage, StageResult
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import stage_tolerances
@@ -179,7 +180,9 @@ class Session:
 
         verdicts = {st.verdict for st in stages}
         verdict = FAIL if FAIL in verdicts else KNOWN_DEVIATION if KNOWN_DEVIATION in verdicts else "pass"
-        return CaseResult(case_id, dtype, verdict, stages, adapter_s=adapter_s, harness_s=time.perf_counter() - t0)
+        hints = diagnose(golden, returned, dtype, stages) if verdict == FAIL else []  # text only, never a verdict
+        return CaseResult(case_id, dtype, verdict, stages, hints=hints, adapter_s=adapter_s,
+                          harness_s=time.perf_counter() - t0)
 
     def _apply_deviations(
         self,
