@@ -1,4 +1,4 @@
-"""Imports flow one way (DESIGN.md §1): spec <- reference; spec <- adapters; conformance loads adapters by name."""
+"""Imports flow one way (docs/spec.md §1): spec <- reference; spec <- adapters; conformance loads adapters by name."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -69,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
     cases = sub.add_parser("cases", help="list the catalog's cases", description="List the catalog's cases.")
     cases.add_argument("--json", action="store_true", help="print the case specs as JSON")
+    matrix = sub.add_parser(
+        "matrix",
+        help="one conformance matrix (md, html, png) from JSON reports",
+        description="Adapters as rows, case × dtype (grouped by case) as columns, each cell the verdict and "
+        "its worst error/tolerance ratio: writes DIR/matrix.md, DIR/matrix.html (self-contained, hover a cell "
+        "for its first failing stage and reason) and DIR/matrix.png (needs matplotlib: the `plot` extra).",
+        epilog="exit codes: 0 written, 2 bad usage or an unreadable report (nothing is written then)",
+    )
+    matrix.add_argument("reports", nargs="+", metavar="REPORT",
+                        help="JSON reports from `mhaspec run --report`, or folders of them (every *.json)")
+    matrix.add_argument("--out", metavar="DIR", required=True, help="folder to write the matrix files into")
     sub.add_parser("adapters", help="list the built-in adapters and whether each is usable here",
                    description="List the built-in adapters and whether each one's framework is installed.")
     return parser
@@ -87,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "schema": _schema,
             "cases": _cases,
             "adapters": _adapters,
+            "matrix": _matrix,
         }[args.command](args)
     except MhaspecError as exc:
         print(f"mhaspec: error: {exc}", file=sys.stderr)
@@ -94,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mhaspec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (`mhaspec schema | head`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not raise again
+        return 141
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -140,12 +157,28 @@ def _generate(args: argparse.Namespace) -> int:
                 print(f"drift: {d}")
             print(f"{len(drifts)} difference(s): the golden fixtures are not current; run `mhaspec generate`")
             return 1
-        print(f"golden fixtures are current ({len(catalog)} cases, {time.perf_counter() - start:.2f} s)")
+        print(f"golden fixtures are current ({_plural(len(catalog), 'case')}, {time.perf_counter() - start:.2f} s)")
         return 0
     start = time.perf_counter()
     folder = generate(args.out, catalog)
     size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"wrote {len(catalog)} cases to {folder} ({size / 1e6:.2f} MB, {time.perf_counter() - start:.2f} s)")
+    print(f"wrote {_plural(len(catalog), 'case')} to {folder} ({size / 1e6:.2f} MB, {time.perf_counter() - start:.2f} s)")
+    return 0
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    from .conformance.matrix import build, write
+
+    m = build(args.reports)  # reads and checks every report before anything is written
+    written, note = write(m, args.out)
+    print(f"matrix of {_plural(len(m.adapters), 'adapter')} × {len(m.columns)} case×dtype: "
+          + ", ".join(str(p) for p in written))
+    if note:
+        print(note)
     return 0
 
 

@@ -2,7 +2,7 @@
 (convert weights, convert mask polarity, call the layer, convert back).
 
 An adapter is any object with ``name`` and ``run(case) -> Mapping[str, ArrayLike]``
-(DESIGN.md §5).  Optional: ``supports(case) -> bool | str``,
+(docs/spec.md §5).  Optional: ``supports(case) -> bool | str``,
 ``known_deviations`` (see :class:`Deviation`), ``dtypes`` (the dtypes it can
 compute in), ``framework`` (the distribution whose version the report shows).
 

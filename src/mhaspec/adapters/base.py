@@ -168,6 +168,9 @@ def _import_target(target: str, what: str) -> Any:
         if spec is None or spec.loader is None:
             raise AdapterError(f"adapter {what!r}: cannot load {path} as a Python module")
         module = importlib.util.module_from_spec(spec)
+        folder = str(path.resolve().parent)  # its neighbours import as they would with `python file.py`
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)

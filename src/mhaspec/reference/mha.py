@@ -1,4 +1,4 @@
-"""The float64 reference: one small pure function per stage of DESIGN.md §2.
+"""The float64 reference: one small pure function per stage of docs/spec.md §2.
 
 Dataflow (axis legend in :mod:`mhaspec.spec.config`)::
 
@@ -129,7 +129,7 @@ def output_projection(c: np.ndarray, w_o: np.ndarray, b_o: np.ndarray | None) ->
 def forward(
     config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Every stage of DESIGN.md §2, by name, in float64."""
+    """Every stage of docs/spec.md §2, by name, in float64."""
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     assert query is not None and key is not None and value is not None
     (B, T, _), S = query.shape, key.shape[1]

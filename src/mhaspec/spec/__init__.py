@@ -1,4 +1,4 @@
-"""The specification: what MHA computes, named once (DESIGN.md §2).
+"""The specification: what MHA computes, named once (docs/spec.md §2).
 
 Imports only numpy and pydantic.
 """

@@ -7,7 +7,7 @@ Axis legend (used in docstrings, error messages and einsum strings alike):
     T     query length
     S     key/value length
     H     query heads (``num_heads``)
-    G     key/value heads (``num_kv_heads``, written H_kv in DESIGN.md)
+    G     key/value heads (``num_kv_heads``, written H_kv in docs/spec.md)
     D     per-head query/key size (``head_dim``, D_k)
     E     per-head value size (``value_head_dim``, D_v)
 
@@ -29,7 +29,7 @@ class MHAConfig(BaseModel):
     """Sizes and semantics of one multi-head attention layer.
 
     Only ``d_model`` and ``num_heads`` are required; every other size is
-    resolved once, here, from the DESIGN.md §2 defaults.  After validation
+    resolved once, here, from the docs/spec.md §2 defaults.  After validation
     every size is an ``int`` and ``scale`` is a ``float``.
     """
 
@@ -89,7 +89,7 @@ class MHAConfig(BaseModel):
             object.__setattr__(self, name, value)
         return self
 
-    # Short aliases matching the DESIGN.md symbols.
+    # Short aliases matching the docs/spec.md symbols.
     @property
     def H(self) -> int:
         return self.num_heads
@@ -147,7 +147,7 @@ class MHAConfig(BaseModel):
         }
 
 
-#: The fixed names of what is compared, in pipeline order (DESIGN.md §2).
+#: The fixed names of what is compared, in pipeline order (docs/spec.md §2).
 STAGES: tuple[str, ...] = (
     "q_proj",
     "k_proj",

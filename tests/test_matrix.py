@@ -1,0 +1,116 @@
+"""`mhaspec matrix`: any set of reports -> matrix.md, matrix.html (hover text), matrix.png."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import mhaspec
+from mhaspec.cli import main
+from mhaspec.conformance import matrix
+from mhaspec.errors import MhaspecError
+
+
+def stage(name, verdict, ratio=None, reason="", message=""):
+    return {"stage": name, "verdict": verdict, "worst_ratio": ratio, "reason": reason, "message": message}
+
+
+def result(case, dtype, verdict, first=None, ratio=None, message="", stages=(), **extra):
+    return {"case": case, "dtype": dtype, "verdict": verdict, "first_failing_stage": first,
+            "worst_ratio": ratio, "message": message, "stages": list(stages), **extra}
+
+
+#: a hand-made report with every verdict, a string "inf", and keys the matrix does not know
+EVERY_VERDICT = {
+    "report_version": 1,
+    "adapter": {"name": "hand-made", "framework": "numpy", "framework_version": "9.9"},
+    "partial": True,  # another helper's extra key
+    "results": [
+        result("self_basic", "float64", "pass", ratio=0.25, stages=[stage("output", "pass", 0.25)]),
+        result("self_basic", "float32", "known deviation", ratio=0.5,
+               stages=[stage("attn_weights", "known deviation", 3.0, reason="uniform rows, upstream #1")]),
+        result("self_basic", "float16", "fail", first="scores", ratio=0.4,
+               stages=[stage("q_proj", "pass", 0.4), stage("scores", "fail", "inf", message="1 NaN")],
+               diagnosis=["scores: NaN in the 1 query row(s) that see no key"]),
+        result("self_basic", "bfloat16", "uninformative", message="bfloat16 cannot resolve scores here"),
+        result("gqa", "float64", "error", message="run() raised RuntimeError: boom"),
+        result("gqa", "float32", "unsupported", message="no GQA in this layer"),
+        result("gqa", "float16", "fail", first="output", ratio=0.9,
+               stages=[stage("q_proj", "pass", 0.9), stage("output", "fail", None, message="shape (1,) expected (2,)")]),
+        result("gqa", "bfloat16", "a-verdict-from-the-future"),
+    ],
+}
+
+
+@pytest.fixture
+def reports(tmp_path):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (folder / "hand.json").write_text(json.dumps(EVERY_VERDICT))
+    mhaspec.check("numpy", dtypes=["float32", "bfloat16"], cases=["self_basic", "causal_square"]).write_json(
+        str(folder / "numpy.json"))
+    return folder
+
+
+def test_cells_carry_verdict_ratio_and_reason(reports):
+    m = matrix.build([reports])
+    assert m.adapters == ["hand-made", "numpy"]  # sorted file names: hand.json, numpy.json
+    assert m.cases == ["self_basic", "gqa", "causal_square"]
+    assert [d for c, d in m.columns if c == "gqa"] == ["float64", "float32", "float16", "bfloat16"]
+    fail = m.cell("hand-made", "self_basic", "float16")
+    assert fail.verdict == "fail" and fail.first_failing_stage == "scores" and fail.ratio == float("inf")
+    assert m.cell("hand-made", "gqa", "float16").ratio is None  # failed on shape: no ratio, never the 0.9 of a pass
+    assert m.cell("hand-made", "gqa", "float64").ratio is None
+    assert m.cell("numpy", "gqa", "float32") is None  # not run
+    assert m.cell("numpy", "causal_square", "bfloat16").verdict == "pass"
+    assert m.stage_worst("hand-made")["attn_weights"] == 3.0
+
+
+def test_markdown_html_and_png(reports, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["matrix", str(reports), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    assert "| `hand-made` (numpy 9.9) | ✓~✗? | E–✗? |" in md
+    assert "| `numpy` (numpy " in md and "| ·✓·✓ |" in md
+    assert "| `hand-made` | gqa | float64 | error |  | — | run() raised RuntimeError: boom |" in md
+    page = (tmp_path / "out" / "matrix.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page  # self-contained
+    assert 'title="hand-made · self_basic / float16: fail\nworst ratio (error/tolerance): inf\n' in page
+    assert "first failing stage: scores" in page and "signature: scores: NaN in the 1 query row" in page
+    assert "attn_weights: known deviation: uniform rows, upstream #1" in page
+    assert "bfloat16 cannot resolve scores here" in page
+    png = (tmp_path / "out" / "matrix.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_without_matplotlib_md_and_html_are_still_written(reports, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["matrix", str(reports / "numpy.json"), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "pip install 'mhaspec[plot]'" in out
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["matrix.html", "matrix.md"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "not an mhaspec report"),
+    ('{"results": []}', "adapter.name: missing"),
+    ('{"adapter": {"name": "a"}}', "results: missing or not a list"),
+    ('{"adapter": {"name": "a"}, "results": [{"case": "c", "dtype": "float32"}]}', "results[0].verdict: missing"),
+])
+def test_bad_reports_are_named_and_nothing_is_written(tmp_path, capsys, content, expected):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main(["matrix", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: " in err and expected in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_paths_and_empty_folders_are_errors(tmp_path):
+    with pytest.raises(MhaspecError, match="no such report file or folder"):
+        matrix.build([tmp_path / "nope.json"])
+    with pytest.raises(MhaspecError, match="holds no"):
+        matrix.build([tmp_path])

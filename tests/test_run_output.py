@@ -1,0 +1,152 @@
+"""What a run prints: grouped by first failing stage, recognised bug signatures, '—' without a ratio,
+the margin only on a conforming run; and the small first-hour fixes of the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import mhaspec
+from mhaspec.adapters.numpy_mha import NumpyMHA
+from mhaspec.cli import main
+from mhaspec.conformance import FAIL
+from tests.variants import Variant
+
+
+def hints(report) -> list[str]:
+    return [h for r in report.results for h in r.hints]
+
+
+class ScaledScores(NumpyMHA):
+    """Correct, except that the scores come out times ``factor`` (a wrong scale)."""
+
+    name = "scaled-scores"
+    factor = 2.0
+
+    def run(self, case):
+        out = super().run(case)
+        out["scores"] = (out["scores"].astype(np.float64) * self.factor).astype(out["scores"].dtype)
+        return out
+
+
+class ReversedHeads(NumpyMHA):
+    """Correct values, but every per-head stage lists the heads in reverse order."""
+
+    name = "reversed-heads"
+
+    def run(self, case):
+        out = super().run(case)
+        for stage in ("scores", "attn_weights", "head_outputs"):
+            out[stage] = out[stage][:, ::-1]
+        return out
+
+
+class WrongShape(NumpyMHA):
+    name = "wrong-shape"
+
+    def run(self, case):
+        out = super().run(case)
+        out["output"] = out["output"][:, :1]
+        return out
+
+
+def test_a_wrong_scale_is_named_with_its_factor():
+    report = mhaspec.check(ScaledScores(), dtypes=["float32", "float16"], cases=["self_basic", "gqa"])
+    assert all(r.verdict == FAIL and r.first_failing_stage == "scores" for r in report.results)
+    for r in report.results:
+        assert len(r.hints) >= 1 and "golden × 2 everywhere" in r.hints[0], r.hints
+
+
+def test_a_real_scale_bug_is_named_with_the_inverse_factor():
+    report = mhaspec.check(Variant(name="no-scale", no_scale=True), dtypes=["float64"], cases=["self_basic"])
+    (r,) = report.results
+    assert r.first_failing_stage == "scores"
+    assert any("golden × 2 everywhere" in h for h in r.hints), r.hints  # D_k = 4: 1/sqrt(4) left out
+
+
+def test_heads_in_the_wrong_order_give_the_permutation():
+    report = mhaspec.check(ReversedHeads(), dtypes=["float64"], cases=["self_basic", "head_dim_1"])
+    by_case = {r.case: r for r in report.results}
+    assert any("perm = [2, 1, 0]" in h for h in by_case["self_basic"].hints), by_case["self_basic"].hints
+    assert any("perm = [6, 5, 4, 3, 2, 1, 0]" in h for h in by_case["head_dim_1"].hints)
+
+
+@pytest.mark.parametrize("flag, text", [("nan_masked_rows", "NaN in the"), ("uniform_masked_rows", "attend uniformly")])
+def test_rows_that_see_no_key(flag, text):
+    report = mhaspec.check(Variant(name=flag, **{flag: True}), dtypes=["float32"], cases=["custom_mask"])
+    (r,) = report.results
+    assert r.verdict == FAIL
+    assert any(text in h and "see no key" in h for h in r.hints), r.hints
+
+
+def test_w_o_transposed_is_recognised():
+    report = mhaspec.check(Variant(name="wo-t", w_o_transposed=True), dtypes=["float64"], cases=["self_basic"])
+    (r,) = report.results
+    assert r.first_failing_stage == "output"
+    assert any("W^O (w_o) transposed" in h for h in r.hints), r.hints
+
+
+def test_a_narrower_dtype_is_recognised():
+    report = mhaspec.check(Variant(name="f16", compute_dtype="float16"), dtypes=["float64"], cases=["self_basic"])
+    (r,) = report.results
+    assert r.verdict == FAIL and any("every value fits float16" in h for h in r.hints), r.hints
+
+
+def test_correct_implementations_get_no_hint_and_failures_without_a_signature_get_none():
+    assert not hints(mhaspec.check("numpy", dtypes=["float32"], pattern="causal"))
+    report = mhaspec.check(Variant(name="causal", causal_off_by_one=True), dtypes=["float64"], cases=["causal_square"])
+    assert report.results[0].verdict == FAIL and not hints(report)
+
+
+def test_failures_are_grouped_by_first_failing_stage_and_v_lists_them_all():
+    report = mhaspec.check(ScaledScores(), dtypes=["float64", "float32"], cases=["self_basic", "no_bias", "gqa"])
+    text = "\n".join(report.footer())
+    assert "  scores: 6 case×dtype — e.g. self_basic/float64: " in text
+    assert "signature (6 of 6, e.g.): scores: the returned scores are the golden × 2" in text
+    assert "self_basic[float64, float32], no_bias[float64, float32], gqa[float64, float32]" in text
+    assert text.count("FAIL —") == 0 and "`-v`" in text
+    verbose = "\n".join(report.footer(verbose=True))
+    assert verbose.count("scores: FAIL —") == 6
+
+
+def test_margin_only_on_a_conforming_run_and_a_dash_without_a_ratio():
+    good = mhaspec.check("numpy", dtypes=["float32"], cases=["self_basic"])
+    assert "smallest margin" in good.summary()
+    bad = mhaspec.check(ScaledScores(), dtypes=["float32"], cases=["self_basic"])
+    assert "smallest margin" not in bad.summary()
+    shape = mhaspec.check(WrongShape(), dtypes=["float32"], cases=["self_basic"])
+    (r,) = shape.results
+    assert r.verdict == FAIL and r.shown_ratio is None
+    assert shape.row(r, 10).rstrip().endswith("—")
+    assert r.worst_ratio is not None and r.worst_ratio <= 1  # the passing stages' ratio, not shown for a fail
+
+
+def test_an_adapter_file_imports_its_neighbour(tmp_path, capsys):
+    (tmp_path / "my_helpers.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "my_adapter.py").write_text(textwrap.dedent("""
+        from my_helpers import SCALE
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        class Mine(NumpyMHA):
+            name = "mine"
+    """))
+    assert main(["run", str(tmp_path / "my_adapter.py") + ":Mine", "--dtype", "float32", "-k", "self_basic"]) == 0
+    assert "mine: CONFORMS" in capsys.readouterr().out
+
+
+def test_schema_into_a_closed_pipe_is_quiet():
+    proc = subprocess.run(f"{sys.executable} -m mhaspec schema | head -1", shell=True, capture_output=True, text=True)
+    assert proc.stdout.strip() == "{"
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_generate_says_case_not_cases(tmp_path, capsys):
+    catalog = tmp_path / "one.json"
+    catalog.write_text('[{"id": "mine", "config": {"d_model": 4, "num_heads": 2}, "batch": 1, '
+                       '"tgt_len": 2, "src_len": 2, "seed": 1}]')
+    assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g")]) == 0
+    assert "wrote 1 case to" in capsys.readouterr().out
