@@ -169,9 +169,18 @@ def compare_stage(
     if values.shape != golden.shape:
         return StageResult(stage, FAIL, message=f"shape {values.shape}, expected {golden.shape}")
 
-    selected = np.ones(golden.shape, dtype=bool) if visible is None else np.broadcast_to(visible, golden.shape)
-    v, g, tol = values[selected], golden[selected], tolerance[selected]
-    index_of = np.argwhere(selected)
+    if visible is None:  # every element: flat views, no fancy indexing
+        flat = None
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)
+    else:
+        flat = np.flatnonzero(np.broadcast_to(visible, golden.shape))
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)[flat]
+
+    v, g, tol = pick(values), pick(golden), pick(tolerance)
     result = StageResult(stage, PASS, compared=int(v.size))
     if v.size == 0:
         result.message = "nothing to compare (every entry is masked)"
@@ -201,7 +210,7 @@ def compare_stage(
     result.max_abs_err = float(err.max())
     result.max_rel_err = float(rel.max())
     result.worst_ratio = float(ratio[worst])
-    result.worst_index = tuple(int(i) for i in index_of[worst])
+    result.worst_index = tuple(int(i) for i in np.unravel_index(worst if flat is None else flat[worst], golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
         at = result.worst_index
@@ -210,7 +219,7 @@ def compare_stage(
             f"expected {g[worst]:.9g}, |error| {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
         )
     if noise is not None and rms_limit is not None:
-        sigma, worst_part = (np.broadcast_to(a, golden.shape)[selected] for a in noise)
+        sigma, worst_part = (pick(a) for a in noise)
         positive = sigma > 0
         n_rms = int(np.count_nonzero(positive))
         if n_rms >= rms_min_elements:
@@ -226,7 +235,7 @@ def compare_stage(
         result.verdict = FAIL
         result.message = "; ".join(problems)
     elif would_pass_zero(g, tol, None if noise is None else
-                         tuple(np.broadcast_to(a, golden.shape)[selected] for a in noise),  # type: ignore[arg-type]
+                         tuple(pick(a) for a in noise),  # type: ignore[arg-type]
                          rms_limit, rms_min_elements):
         result.verdict = UNINFORMATIVE
         result.message = "a zero result would pass: the tolerance is at least |expected| at every element"
