@@ -16,16 +16,13 @@ import numpy as np
 
 from .. import __version__
 from ..spec import SPEC_VERSION, STAGES
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
 
 REPORT_VERSION = 1
 
-#: a stage or case the dtype cannot resolve (issue 9); shown, never a pass
-_UNINFORMATIVE = "uninformative"
-
 # case-level verdicts
 ERROR, UNSUPPORTED = "error", "unsupported"
-CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED)
+CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED, UNINFORMATIVE)
 
 
 @dataclass
@@ -67,7 +64,9 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        return self.verdict in (PASS, KNOWN_DEVIATION, UNSUPPORTED)
+        """Nothing wrong was found (uninformative and unsupported cases are not failures, but
+        they are not passes either: a run needs at least one informative verdict)."""
+        return self.verdict in (PASS, KNOWN_DEVIATION, UNSUPPORTED, UNINFORMATIVE)
 
     def stage(self, name: str) -> StageResult:
         for st in self.stages:
@@ -104,15 +103,24 @@ class Report:
     duration_s: float = 0.0
 
     @property
+    def judged(self) -> int:
+        """How many case×dtype got an informative verdict (pass, known deviation or fail)."""
+        return sum(r.verdict in (PASS, KNOWN_DEVIATION, FAIL) for r in self.results)
+
+    @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        """Every case conforms and at least one was judged informatively."""
+        return self.judged > 0 and all(r.ok for r in self.results)
 
     @property
     def exit_code(self) -> int:
-        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no output)."""
+        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no
+        output) or nothing informative was judged."""
         if any(r.verdict == ERROR for r in self.results):
             return 2
-        return 0 if self.ok else 1
+        if any(r.verdict == FAIL for r in self.results):
+            return 1
+        return 0 if self.ok else 2
 
     def counts(self) -> dict[str, int]:
         out = {v: 0 for v in CASE_VERDICTS}
@@ -162,7 +170,14 @@ class Report:
         # the margin means something only when everything judged on values passed
         meaningful = self.ok and margin is not None and np.isfinite(margin) and c.get(PASS, 0) > 0
         margin_txt = f" · smallest margin {margin:.3g}x" if meaningful else ""
-        status = "CONFORMS" if self.ok else ("ERROR" if self.exit_code == 2 else "DOES NOT CONFORM")
+        if self.ok:
+            status = "CONFORMS"
+        elif self.exit_code == 1:
+            status = "DOES NOT CONFORM"
+        elif any(r.verdict == ERROR for r in self.results):
+            status = "ERROR"
+        else:
+            status = "NOTHING JUDGED (no case×dtype got an informative verdict: not a conformance)"
         shown = ", ".join(f"{n} {v}" for v, n in c.items() if n or v in (PASS, FAIL))
         return f"{self.adapter}: {status} — {shown} ({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
 
@@ -250,14 +265,14 @@ class Report:
         """Known deviations, uninformative stages and unsupported cases, grouped by their reason."""
         reasons: dict[str, list[CaseResult]] = {}
         for r in self.results:
-            if r.verdict in (UNSUPPORTED, _UNINFORMATIVE) and not r.stages:
+            if r.verdict in (UNSUPPORTED, UNINFORMATIVE) and not r.stages:
                 reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
                 continue
             for st in r.stages:
                 if st.verdict == KNOWN_DEVIATION:
                     reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(r)
-                elif st.verdict == _UNINFORMATIVE:
-                    reasons.setdefault(f"uninformative ({st.stage}): {st.reason or st.message}", []).append(r)
+                elif st.verdict == UNINFORMATIVE:
+                    reasons.setdefault(f"uninformative ({st.stage}): {st.message or st.reason}", []).append(r)
                 elif verbose and st.verdict == NOT_EXPOSED:
                     reasons.setdefault(f"not exposed: {st.stage}", []).append(r)
         return [f"{reason}\n    {_where(group)}" for reason, group in reasons.items()]
