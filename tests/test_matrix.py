@@ -114,3 +114,26 @@ def test_missing_paths_and_empty_folders_are_errors(tmp_path):
         matrix.build([tmp_path / "nope.json"])
     with pytest.raises(MhaspecError, match="holds no"):
         matrix.build([tmp_path])
+
+
+def test_tox_writes_every_report_and_draws_the_matrix_last():
+    """Every `mhaspec run` in tox.ini writes its report to the shared folder, and the matrix env
+    depends on every other env (a new framework env must join both to appear in the matrix)."""
+    import configparser
+    import re
+    from pathlib import Path
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(Path(__file__).resolve().parents[1] / "tox.ini")
+    envs = [e.strip() for e in tox["tox"]["env_list"].split(",")]
+    assert envs[-1] == "matrix"
+    depends = {e.strip() for e in tox["testenv:matrix"]["depends"].replace("\n", ",").split(",") if e.strip()}
+    assert depends == set(envs[:-1])
+    assert "mhaspec matrix {toxworkdir}/reports --out {toxworkdir}/matrix" in tox["testenv:matrix"]["commands"]
+    runs = [line.strip() for env in envs[:-1] for line in tox[f"testenv:{env}"]["commands"].splitlines()
+            if line.strip().startswith("mhaspec run")]
+    assert runs
+    for line in runs:
+        adapter = line.split()[2]
+        assert re.fullmatch(rf"mhaspec run {re.escape(adapter)} .*--report {{toxworkdir}}/reports/"
+                            rf"{re.escape(adapter)}\.json.*", line), line

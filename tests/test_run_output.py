@@ -150,3 +150,14 @@ def test_generate_says_case_not_cases(tmp_path, capsys):
                        '"tgt_len": 2, "src_len": 2, "seed": 1}]')
     assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g")]) == 0
     assert "wrote 1 case to" in capsys.readouterr().out
+
+
+def test_the_readme_example_adapter_conforms_from_any_folder(tmp_path, monkeypatch, capsys):
+    """examples/numpy_adapter.py (every stage, every dtype) imports attention_helpers.py beside it."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "numpy_adapter.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder the run adds is dropped afterwards
+    assert main(["run", f"{example}:MyNumpyMHA", "-k", "self_basic,gqa,custom_mask,causal_bottom_right"]) == 0
+    assert "my-numpy-mha: CONFORMS — 20 pass" in capsys.readouterr().out
