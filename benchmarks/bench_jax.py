@@ -12,7 +12,7 @@ Wall time depends on what else runs on the machine, so the process CPU time
 
     python benchmarks/bench_jax.py                  # every JAX/Flax adapter, before and after
     python benchmarks/bench_jax.py jax flax-nnx     # some of them
-    python benchmarks/bench_jax.py --after-only
+    python benchmarks/bench_jax.py --after-only --reports DIR   # and keep the reports for `mhaspec matrix`
     python benchmarks/bench_jax.py --tox            # also time a warm `tox -p` (run it on a quiet machine)
 """
 
@@ -40,6 +40,8 @@ from mhaspec.adapters import load_adapter
 report = mhaspec.check(load_adapter(sys.argv[1], fast_compile=sys.argv[2] == "1"))
 t2 = time.perf_counter()
 r1 = resource.getrusage(resource.RUSAGE_SELF)
+if sys.argv[3]:
+    report.write_json(sys.argv[3])
 print(json.dumps({
     "import_s": t1 - t0, "run_s": t2 - t1,
     "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
@@ -48,8 +50,8 @@ print(json.dumps({
 """
 
 
-def measure(adapter: str, fast: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, adapter, "1" if fast else "0"],
+def measure(adapter: str, fast: bool, report: str = "") -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, adapter, "1" if fast else "0", report],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{adapter}: the benchmark process exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -61,13 +63,15 @@ def main() -> None:
     parser.add_argument("adapters", nargs="*", default=ADAPTERS)
     parser.add_argument("--after-only", action="store_true", help="skip the XLA-default ('before') runs")
     parser.add_argument("--tox", action="store_true", help="also time `tox -p` (its envs must exist: warm)")
+    parser.add_argument("--reports", metavar="DIR", help="write each 'after' run's JSON report here (for mhaspec matrix)")
     args = parser.parse_args()
 
     print(f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     print(f"{'adapter':<14} {'mode':<7} {'import s':>8} {'run wall s':>10} {'run cpu s':>9}  target run <= 8 s  verdicts")
     for name in args.adapters:
         for fast in ([True] if args.after_only else [False, True]):
-            m = measure(name, fast)
+            report = os.path.join(args.reports, f"{name}.json") if args.reports and fast else ""
+            m = measure(name, fast, report)
             verdict = "conforms" if m["ok"] else "DOES NOT CONFORM"
             counts = ", ".join(f"{n} {v}" for v, n in m["counts"].items() if n)
             hit = "yes" if m["run_s"] <= 8 else ("cpu only" if m["cpu_s"] <= 8 else "no")

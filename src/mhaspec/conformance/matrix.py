@@ -18,7 +18,6 @@ import html
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,8 @@ class Matrix:
         return self.cells.get((adapter, case, dtype))
 
     def stage_worst(self, adapter: str) -> dict[str, float]:
-        """The worst error/tolerance ratio of ``adapter`` in each stage, over every cell."""
+        """The worst error/tolerance ratio of ``adapter`` in each stage over every cell, where the
+        stage passed or failed (a declared known deviation is not counted: its ratio is expected)."""
         out: dict[str, float] = {}
         for (a, _, _), cell in self.cells.items():
             if a == adapter:
@@ -139,7 +139,7 @@ def _cell(r: dict[str, Any]) -> Cell:
             continue
         ratio = _number(st.get("worst_ratio"))
         name, verdict = str(st.get("stage", "?")), st.get("verdict")
-        if ratio is not None and verdict in ("pass", "fail", "known deviation"):
+        if ratio is not None and verdict in ("pass", "fail"):  # declared deviations are shown as such
             stage_ratios[name] = ratio if not math.isnan(ratio) else math.inf
         if verdict in ("known deviation", "uninformative") and (st.get("reason") or st.get("message")):
             reasons.append(f"{name}: {verdict}: {st.get('reason') or st.get('message')}")
@@ -334,7 +334,8 @@ error/tolerance ratio (≤ 1 passes; — none); hover a cell for its first faili
 {chr(10).join(rows)}
 </table>
 <h2>Worst error/tolerance per stage</h2>
-<p>Over every case and dtype an adapter ran (≤ 1 is within tolerance; known deviations included).</p>
+<p>Over every case and dtype an adapter ran, where the stage passed or failed (≤ 1 is within tolerance;
+declared known deviations are not counted).</p>
 <table><tr><th></th>{heat_head}</tr>
 {chr(10).join(heat_rows)}
 </table>
@@ -360,9 +361,10 @@ def draw_png(m: Matrix, path: Path) -> None:
     heat = [[m.stage_worst(a).get(s, math.nan) for s in stages_present] for a in m.adapters]
 
     n_rows, n_cols = len(m.adapters), len(m.columns)
-    fig_w = max(8.0, 0.12 * n_cols + 2.5)
-    fig = plt.figure(figsize=(fig_w, 0.32 * n_rows * 2 + 3.2), dpi=110)
-    top = fig.add_axes((0.14, 0.48, 0.84, 0.40))
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(8.0, 0.12 * n_cols + 2.5), 0.55 * n_rows + 4.0), dpi=110,
+        gridspec_kw={"height_ratios": [1.0, 0.8], "hspace": 0.25},
+    )
     top.imshow(grid, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto",
                interpolation="nearest")
     cases, dts = m.cases, list(dict.fromkeys(d for _, d in m.columns))
@@ -379,7 +381,6 @@ def draw_png(m: Matrix, path: Path) -> None:
     top.legend(handles=[Patch(facecolor=colours[i], edgecolor="#999", label=kinds[i]) for i in sorted(used)],
                loc="upper left", bbox_to_anchor=(0, -0.06), ncol=7, fontsize=7, frameon=False)
 
-    bottom = fig.add_axes((0.14, 0.06, 0.45, 0.24))
     logs = [[math.log10(max(x, 1e-6)) if not math.isnan(x) else math.nan for x in row] for row in heat]
     norm = TwoSlopeNorm(vmin=-4, vcenter=0, vmax=2)  # green within the tolerance, red beyond it
     image = bottom.imshow(logs, cmap="RdYlGn_r", norm=norm, aspect="auto", interpolation="nearest")
@@ -391,20 +392,25 @@ def draw_png(m: Matrix, path: Path) -> None:
     bottom.set_xticklabels(stages_present, rotation=30, ha="right", fontsize=7)
     bottom.set_yticks(range(n_rows))
     bottom.set_yticklabels(m.adapters, fontsize=7)
-    bottom.set_title("worst error / tolerance per stage (log10; 0 = at the tolerance)", fontsize=8)
+    bottom.set_title("worst error / tolerance per stage where it passed or failed (known deviations not counted; "
+                     "colour: log10, 0 = at the tolerance)", fontsize=8)
     fig.colorbar(image, ax=bottom, fraction=0.05, pad=0.02).ax.tick_params(labelsize=7)
     fig.savefig(path, bbox_inches="tight")  # room for the rotated labels
     plt.close(fig)
 
 
+def _temporary(path: Path) -> Path:
+    """A hidden file beside ``path`` to write first and rename (created with the usual permissions)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = _temporary(path)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -426,13 +432,12 @@ def write(m: Matrix, out: str | Path) -> tuple[list[Path], str]:
         import matplotlib  # noqa: F401
     except ImportError:
         return written, "matrix.png not written: matplotlib is missing (pip install 'mhaspec[plot]')"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".matrix.png.", suffix=".png")
-    os.close(fd)
+    tmp = _temporary(folder / "matrix.png")
     try:
-        draw_png(m, Path(tmp))
+        draw_png(m, tmp)
         os.replace(tmp, folder / "matrix.png")
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     written.append(folder / "matrix.png")
     return written, ""
