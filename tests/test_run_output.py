@@ -161,3 +161,17 @@ def test_the_readme_example_adapter_conforms_from_any_folder(tmp_path, monkeypat
     monkeypatch.setattr(sys, "path", list(sys.path))  # the folder the run adds is dropped afterwards
     assert main(["run", f"{example}:MyNumpyMHA", "-k", "self_basic,gqa,custom_mask,causal_bottom_right"]) == 0
     assert "my-numpy-mha: CONFORMS — 20 pass" in capsys.readouterr().out
+
+
+def test_generate_announces_a_large_case_before_computing(tmp_path, capsys, monkeypatch):
+    catalog = tmp_path / "big.json"
+    catalog.write_text('[{"id": "big", "config": {"d_model": 4, "num_heads": 2}, "batch": 1, '
+                       '"tgt_len": 2, "src_len": 2, "seed": 1}, {"id": "small", "config": {"d_model": 4, '
+                       '"num_heads": 1}, "batch": 1, "tgt_len": 1, "src_len": 1, "seed": 2}]')
+    from mhaspec import cli
+
+    monkeypatch.setattr(cli, "LARGE_CASE", 8)  # B·H·T·S of "big" is 8
+    assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("computing 2 cases with the exact float64 reference; the largest, big (B·H·T·S = 8)")
+    assert out[1].startswith("wrote 2 cases to")

@@ -156,6 +156,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .spec import CATALOG, load_catalog_file
 
     catalog = load_catalog_file(args.catalog) if args.catalog else CATALOG
+    _announce_large(catalog)
     if args.check:
         start = time.perf_counter()
         drifts = check(args.out, catalog)
@@ -171,6 +172,19 @@ def _generate(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(f"wrote {_plural(len(catalog), 'case')} to {folder} ({size / 1e6:.2f} MB, {time.perf_counter() - start:.2f} s)")
     return 0
+
+
+#: score elements (B·H·T·S) from which the exact float64 reference takes noticeable time
+LARGE_CASE = 1 << 16
+
+
+def _announce_large(catalog) -> None:
+    """One progress line before a long computation, so a log shows why nothing else appears yet."""
+    size = lambda s: s.batch * s.config.H * s.tgt_len * s.src_len  # noqa: E731
+    biggest = max(catalog, key=size, default=None)
+    if biggest is not None and size(biggest) >= LARGE_CASE:
+        print(f"computing {_plural(len(catalog), 'case')} with the exact float64 reference; the largest, "
+              f"{biggest.id} (B·H·T·S = {size(biggest):,}), takes a while …", flush=True)
 
 
 def _plural(n: int, noun: str) -> str:
