@@ -63,9 +63,9 @@ GRAPH_STAGES = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "concat"
 
 _SQRT_SCALE_F32 = (
     "onnxruntime has no float64 kernel for Attention and runs the operator's function body "
-    "(onnx/defs/nn/defs.cc, AttentionAppendFunction...: CalculatedScale = 1/Sqrt(Cast<float>(head_size)), "
-    "ScaleFactorSqrt = Sqrt(scale) in float32, then Cast to double), so Q and K are each multiplied by a "
-    "float32-rounded sqrt(scale): float64 scores are off by ~1e-8 relative, and every later stage with them"
+    "(onnx/defs/nn/defs.cc, Attention's function builder: CalculatedScale = Div(1, Sqrt(Cast<float>(head_size))), "
+    "ScaleFactorSqrt = Sqrt(ScaleFactor) in float32, ScaleFactorF = Cast<double>), so Q and K are each multiplied "
+    "by a float32-rounded sqrt(scale): float64 scores are off by ~3e-8 relative, and every later stage with them"
 )
 
 

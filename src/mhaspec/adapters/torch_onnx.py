@@ -30,7 +30,6 @@ ANDs the causal mask in, in the config's alignment.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -83,13 +82,16 @@ def initializers_to_canonical(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence the exporter's progress lines, warnings and torchvision notices."""
+    """Silence the exporter's warnings and notices (its progress lines: ``verbose=False``).
+
+    Log levels and warning filters are process-wide; stdout is left alone (the runner
+    prints rows from another thread)."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript", "torch._dynamo")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -130,7 +132,7 @@ def export_model(
         kwargs["mask"] = torch.ones(mask_shape, dtype=torch.bool)
     with _quiet():
         program = torch.onnx.export(
-            module, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=optimize,
+            module, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=optimize, verbose=False,
             input_names=list(_INPUTS[: 3 + (mask_shape is not None)]), output_names=list(STAGES),
         )
     return program.model_proto
