@@ -221,6 +221,32 @@ def test_reference_evaluator_takes_an_explicit_scales_root_in_float32() -> None:
     assert root != math.sqrt(case.config.scale)
 
 
+class FloatSoftmaxReference(onnx_attention.OnnxReferenceAdapter):
+    """The onnx-reference graph with ``softmax_precision = FLOAT`` on both Attention nodes."""
+
+    name = "onnx-reference-float-softmax"
+    known_deviations = []
+
+    def run(self, case):
+        model, feed = onnx_attention.case_model(case)
+        for node in model.graph.node:
+            if node.op_type == "Attention":
+                node.attribute.append(helper.make_attribute("softmax_precision", TensorProto.FLOAT))
+        return dict(zip(onnx_attention.GRAPH_STAGES, ReferenceEvaluator(model).run(list(onnx_attention.GRAPH_STAGES), feed)))
+
+
+def test_reference_evaluator_softmax_in_bfloat16_is_the_declared_cause() -> None:
+    # The declared long_sequence/bfloat16/attn_weights deviation: the op's default softmax precision is
+    # the input type. Asking for a float32 softmax removes it; without the declaration it fails.
+    native = mhaspec.check(onnx_attention.OnnxReferenceAdapter(), dtypes=["bfloat16"], cases=["long_sequence"])
+    assert native.result("long_sequence", "bfloat16").verdict == "known deviation"
+    bare = type("Bare", (onnx_attention.OnnxReferenceAdapter,), {"known_deviations": []})()
+    failed = mhaspec.check(bare, dtypes=["bfloat16"], cases=["long_sequence"])
+    assert failed.result("long_sequence", "bfloat16").first_failing_stage == "attn_weights"
+    fixed = mhaspec.check(FloatSoftmaxReference(), dtypes=["bfloat16"], cases=["long_sequence"])
+    assert fixed.result("long_sequence", "bfloat16").verdict == "pass", str(fixed)
+
+
 def test_torch_export_scales_float64_scores_by_a_float32_scale(torch_onnx) -> None:
     case = golden_case("large_logits")  # D_k = 8: float32 cannot hold 1/sqrt(8)
     scores = torch_onnx.TorchOnnxAdapter().run(case)["scores"]

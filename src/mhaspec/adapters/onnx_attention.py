@@ -77,6 +77,14 @@ _EXPLICIT_SCALE_F32 = (
     "The default scale (no attribute) is computed in float64 and conforms"
 )
 
+_SOFTMAX_IN_BFLOAT16 = (
+    "the Attention op computes its softmax in the input type unless softmax_precision is set (spec: 'If softmax "
+    "precision is not provided, the same precision as the input of softmax (Q and K) is used'), and the reference "
+    "evaluator does exp and the sum over S in bfloat16 (onnx/reference/ops/op_attention.py _softmax): more "
+    "rounding than a float32 softmax, beyond the precision contract's tolerance at S = 128. With "
+    "softmax_precision=FLOAT the case passes"
+)
+
 
 def canonical_to_initializers(weights: Weights | Mapping[str, Any], dtype: str = "float64") -> list[TensorProto]:
     """Canonical weights -> the graph's initializers in ``dtype``.
@@ -246,8 +254,12 @@ class OnnxReferenceAdapter:
     name = "onnx-reference"
     framework = "onnx"
     #: the catalog's one case with an explicit scale; a float64 case of your own with one deviates alike
-    known_deviations = [Deviation(_EXPLICIT_SCALE_F32, case="custom_scale", dtype="float64", stage=s)
-                        for s in ("scores", "attn_weights", "concat", "output")]
+    known_deviations = [
+        *(Deviation(_EXPLICIT_SCALE_F32, case="custom_scale", dtype="float64", stage=s)
+          for s in ("scores", "attn_weights", "concat", "output")),
+        # seen where S is long enough for bfloat16 sums to show (S = 128); shorter rows pass
+        Deviation(_SOFTMAX_IN_BFLOAT16, case="long_sequence", dtype="bfloat16", stage="attn_weights"),
+    ]
 
     def __init__(self, *, opset: int = ATTENTION_OPSET) -> None:
         if opset < ATTENTION_OPSET:
