@@ -239,7 +239,7 @@ class OnnxRuntimeAdapter:
 
     def supports(self, case: Case) -> bool | str:
         if case.dtype == "bfloat16":
-            return ORT_NO_BFLOAT16
+            return ORT_NO_BFLOAT16 + ", nor an Attention kernel (its function body needs Expand, which has none either)"
         return _scale_limit(case)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
