@@ -172,7 +172,7 @@ class Report:
         status = "CONFORMS" if self.ok else ("ERROR" if self.exit_code == 2 else "DOES NOT CONFORM")
         if self.partial:
             status = "INCOMPLETE"
-        elif not self.judged and status != "ERROR":
+        elif not self.judged and not c[ERROR]:
             status = "NOTHING JUDGED"
         return (
             f"{self.adapter}: {status} — {c[PASS]} pass, {c[KNOWN_DEVIATION]} known deviation, "

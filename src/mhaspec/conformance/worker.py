@@ -154,7 +154,7 @@ def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
         try:
             array = np.asarray(value)
         except Exception as exc:  # e.g. a tensor that requires grad
-            special[key] = {"type": type(value).__name__, "error": f"{type(exc).__name__}: {exc}"}
+            special[key] = {"type": type(value).__name__, "error": str(exc)}
             continue
         if array.dtype.name in _CODES:
             arrays[key] = array
@@ -327,6 +327,29 @@ def _detach_from_terminal_signals(parent: int, die_with_parent: bool) -> None:
         os._exit(0)
 
 
+def _forget_golden() -> None:
+    """In a forked worker: empty every golden fixture inherited from the runner's memory.
+
+    A forked child starts as a copy of the runner, golden stages included; the
+    adapter must find none of them (e.g. through ``gc``).
+    """
+    fixtures = sys.modules.get("mhaspec.fixtures")
+    if fixtures is None:
+        return
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, fixtures.GoldenSet):
+            obj._loaded.clear()
+        elif isinstance(obj, fixtures.GoldenCase):
+            obj.stages.clear()
+            obj.inputs.clear()
+            obj.weights.clear()
+            obj._cases.clear()
+            object.__setattr__(obj, "visible", None)
+    gc.collect()
+
+
 def _finish(code: int) -> None:
     """Leave at once: never wait for threads the adapter left behind."""
     for stream in (sys.stdout, sys.stderr):
@@ -474,6 +497,7 @@ class Worker:
                     os.close(to_child_w)
                     os.close(to_parent_r)
                     _detach_from_terminal_signals(parent, die_with_parent)
+                    _forget_golden()
                     serve(_Pipe(to_child_r, to_parent_w), self._ref)
                 except BaseException:  # noqa: BLE001
                     traceback.print_exc()
