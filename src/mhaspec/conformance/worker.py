@@ -498,7 +498,9 @@ class Worker:
                     os.close(to_parent_r)
                     _detach_from_terminal_signals(parent, die_with_parent)
                     _forget_golden()
-                    serve(_Pipe(to_child_r, to_parent_w), self._ref)
+                    pipe = _Pipe(to_child_r, to_parent_w)
+                    pipe.send({"ok": True})  # ready: the start-up is not counted in the first case's timeout
+                    serve(pipe, self._ref)
                 except BaseException:  # noqa: BLE001
                     traceback.print_exc()
                     code_ = 70
@@ -509,7 +511,7 @@ class Worker:
         os.close(to_parent_w)
         self._process, self._pipe = process, _Pipe(to_parent_r, to_child_w)
         self._sent = None
-        self._ready = not self._spawn
+        self._ready = False
         self._finalizer = weakref.finalize(self, _reap, process, self._pipe)
         if self._spawn:
             self._pipe.send({"adapter": self._ref, "options": self._options, "sys_path": list(sys.path)})
@@ -532,7 +534,8 @@ class Worker:
         if not reply["ok"]:
             self._discard()
             raise AdapterError(reply["error"])
-        self.info = {k: v for k, v in reply.items() if k != "ok"}
+        if self._spawn:
+            self.info = {k: v for k, v in reply.items() if k != "ok"}
         self._ready = True
         return self.info
 
