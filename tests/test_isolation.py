@@ -349,6 +349,16 @@ def test_the_pytest_plugin_survives_a_crashing_adapter(faulty, tmp_path):
     assert "8 passed" in proc.stdout  # batch_one's eight stages
 
 
+def test_an_adapter_that_kills_its_worker_while_loading_is_one_line(tmp_path, capsys):
+    path = tmp_path / "dies.py"
+    path.write_text("import os\nos._exit(3)\n")
+    assert main(["run", f"{path}:X", "--report", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "worker exited with status 3 without answering" in err and "while loading the adapter" in err
+    assert err.count("mhaspec: error:") == 1 and "Traceback" not in err
+    assert json.loads((tmp_path / "r.json").read_text())["partial"] is True
+
+
 def test_the_default_timeout_is_minutes_for_the_whole_catalog():
     from mhaspec import cli
 
