@@ -114,8 +114,8 @@ EXPECTED = {
     "no_bias": "worker exited with status 0 without answering",
     "one_head": "worker killed by SIGABRT",
     "head_dim_1": "worker killed by SIGSEGV",
-    "gqa": "did not return within 2 s (per-case timeout); its worker process was killed",
-    "mqa": "did not return within 2 s (per-case timeout); its worker process was killed",
+    "gqa": "did not return within 2 s (per-case timeout) in run(); its worker process was killed",
+    "mqa": "did not return within 2 s (per-case timeout) in run(); its worker process was killed",
 }
 
 
@@ -143,18 +143,20 @@ def _assert_faults(results):
     assert all(PASS in order[i:] for i, v in enumerate(order) if v == ERROR), order
 
 
-def test_every_process_fault_costs_one_case_through_the_cli(faulty, tmp_path):
-    """Spawned worker (adapter named by file); the CLI must finish despite the stray thread, and write the report."""
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_every_process_fault_costs_one_case_through_the_cli(faulty, tmp_path, start):
+    """Adapter named by file: the worker loads it (spawned, or forked from the clean CLI process);
+    the CLI must finish despite the stray thread, and write the report."""
     report = tmp_path / "report.json"
-    start = time.monotonic()
+    start_time = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "mhaspec", "run", f"{faulty}:Faulty", "--dtype", "float64", "--timeout", "2",
          "-k", ",".join(CASES), "--report", str(report)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, MHASPEC_WORKER_START=start),
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start_time < 60
     rep = json.loads(report.read_text())
     assert rep["partial"] is False and rep["exit_code"] == 2 and rep["ok"] is False
     results = [mhaspec.conformance.CaseResult(r["case"], r["dtype"], r["verdict"], message=r["message"])
@@ -357,6 +359,19 @@ def test_an_adapter_that_kills_its_worker_while_loading_is_one_line(tmp_path, ca
     assert "worker exited with status 3 without answering" in err and "while loading the adapter" in err
     assert err.count("mhaspec: error:") == 1 and "Traceback" not in err
     assert json.loads((tmp_path / "r.json").read_text())["partial"] is True
+
+
+def test_named_adapters_are_forked_only_from_a_process_without_frameworks(monkeypatch):
+    import types
+
+    from mhaspec.conformance.worker import start_method
+
+    monkeypatch.delenv("MHASPEC_WORKER_START", raising=False)
+    assert start_method(by_name=False) == "fork"  # an object can only be inherited
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    assert start_method(by_name=True) == "spawn"
+    monkeypatch.setenv("MHASPEC_WORKER_START", "fork")
+    assert start_method(by_name=True) == "fork"
 
 
 def test_the_default_timeout_is_minutes_for_the_whole_catalog():

@@ -132,12 +132,19 @@ def _report_path(value: str) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .conformance import Report, Session, check, select_cases
-    from .conformance.runner import resolve_dtypes, validate_timeout
-    from .fixtures import DEFAULT_GOLDEN
+    from .conformance.worker import Worker, validate_timeout
 
     timeout = validate_timeout(DEFAULT_TIMEOUT if args.timeout is None else args.timeout, "--timeout")
     report_path = _report_path(args.report) if args.report else None
+    adapter = args.adapter
+    if not args.no_isolate:  # start the worker now: it imports the adapter's framework while we import the rest
+        adapter = Worker(args.adapter, {"device": args.device})
+        adapter.start()
+
+    from .conformance import Report, Session, check, select_cases
+    from .conformance.runner import resolve_dtypes
+    from .fixtures import DEFAULT_GOLDEN
+
     dtypes = None
     if args.dtype:
         dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()]
@@ -163,8 +170,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"partial report written to {report_path}", file=sys.stderr)
 
     try:
-        session = Session(args.adapter, golden=args.golden, timeout=timeout, isolate=not args.no_isolate,
-                          device=args.device)
+        session = Session(adapter, golden=args.golden, timeout=timeout, isolate=not args.no_isolate,
+                          **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
         header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))
@@ -187,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if session is not None:
             session.close()
+        elif isinstance(adapter, Worker):
+            adapter.close()
     print("\n".join(report.footer(verbose=args.verbose)))
     if report_path is not None:
         report.write_json(report_path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -19,7 +18,7 @@ from ..spec import DTYPES, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, compare_stage, StageResult
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import stage_tolerances
-from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe  # noqa: F401 (re-exported)
+from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
@@ -28,19 +27,6 @@ DEFAULT_TIMEOUT = 60.0
 #: After this many timed-out case × dtype, the session stops calling the adapter: the rest are
 #: ``error`` ("not run"), so an adapter that hangs everywhere costs about 3 minutes at the default.
 MAX_TIMEOUTS = 3
-
-
-def validate_timeout(timeout: Any, where: str = "timeout") -> float | None:
-    """Seconds as a float, None for no timeout (None or 0); anything else is a usage error."""
-    if timeout is None:
-        return None
-    try:
-        value = float(timeout)
-    except (TypeError, ValueError):
-        raise MhaspecError(f"{where}: expected a number of seconds, got {timeout!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise MhaspecError(f"{where}: must be a finite number of seconds >= 0 (0 = no timeout), got {timeout!r}")
-    return value or None
 
 
 def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern: str | None = None) -> list[str]:
@@ -100,7 +86,9 @@ class Session:
         self.isolate = bool(isolate)
         #: The adapter object, when it lives in this process (given as an object, or isolate=False).
         self.adapter: Any = None
-        if self.isolate and isinstance(adapter, str) and _jsonable(options):
+        if isinstance(adapter, Worker):  # already started (the CLI starts it before importing the rest)
+            self._worker = adapter
+        elif self.isolate and isinstance(adapter, str) and _jsonable(options):
             self._worker: Worker | InProcess = Worker(adapter, options)  # a spawned worker loads it by name
             self._worker.start()  # it imports the framework while this process reads the golden folder
         else:
@@ -157,7 +145,7 @@ class Session:
                 answer = self._worker.supports(case, self.timeout)
             except CaseTimeout as exc:
                 self._timeouts += 1
-                return CaseResult(case_id, dtype, ERROR, message=f"supports(): {exc}")
+                return CaseResult(case_id, dtype, ERROR, message=str(exc))
             except AdapterCrash as exc:
                 return CaseResult(case_id, dtype, ERROR, message=str(exc))
             if answer is not True:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import select
 import signal
@@ -50,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
-from ..errors import AdapterError
+from ..errors import AdapterError, MhaspecError
 from ..spec import STAGES, Case, MHAConfig
 
 #: Seconds a spawned worker may take to import and construct the adapter.
@@ -66,6 +67,19 @@ _CODES = {
     "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
 }
 _NAMES = {code: name for name, code in _CODES.items()}
+
+
+def validate_timeout(timeout: Any, where: str = "timeout") -> float | None:
+    """Seconds as a float, None for no timeout (None or 0); anything else is a usage error."""
+    if timeout is None:
+        return None
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        raise MhaspecError(f"{where}: expected a number of seconds, got {timeout!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise MhaspecError(f"{where}: must be a finite number of seconds >= 0 (0 = no timeout), got {timeout!r}")
+    return value or None
 
 
 class CaseTimeout(Exception):
@@ -296,7 +310,12 @@ def _call_adapter(adapter: Any, op: str, case: Case) -> tuple[dict[str, Any], by
 
 
 def serve(pipe: _Pipe, adapter: Any) -> None:
-    """Answer ``supports``/``run`` requests until ``close`` or the end of the pipe."""
+    """Answer requests until ``close`` or the end of the pipe.
+
+    ``supports`` and ``run`` get one reply; ``supports+run`` gets the answer of
+    ``supports()`` at once and, if it is True, the reply of ``run()`` after it
+    (one round trip per case instead of two).
+    """
     case: Case | None = None
     while True:
         try:
@@ -309,8 +328,11 @@ def serve(pipe: _Pipe, adapter: Any) -> None:
         if not header.get("reuse"):
             case = _case_from_message(header["case"], payload)
         assert case is not None
-        reply, data = _call_adapter(adapter, op, case)
-        pipe.send(reply, data)
+        for step in op.split("+"):
+            reply, data = _call_adapter(adapter, step, case)
+            pipe.send(reply, data)
+            if step == "supports" and not (reply["ok"] and reply["answer"] is True):
+                break
 
 
 def _detach_from_terminal_signals(parent: int, die_with_parent: bool) -> None:
@@ -360,6 +382,24 @@ def _finish(code: int) -> None:
     os._exit(code)
 
 
+def _load_and_serve(pipe: _Pipe, ref: str, options: Mapping[str, Any]) -> None:
+    """Load the adapter named ``ref``, answer with its description (or the error), then serve."""
+    try:
+        adapter = load_adapter(ref, **options)
+        info = describe_adapter(adapter)
+    except SystemExit as exc:
+        pipe.send({"ok": False, "error": f"adapter called sys.exit({exc.code!r}) while being loaded"})
+        return
+    except AdapterError as exc:
+        pipe.send({"ok": False, "error": str(exc)})
+        return
+    except BaseException as exc:  # noqa: BLE001
+        pipe.send({"ok": False, "error": f"loading adapter {ref!r} failed: {_describe(exc)}"})
+        return
+    pipe.send({"ok": True, **info})
+    serve(pipe, adapter)
+
+
 def main(argv: list[str]) -> None:
     """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``."""
     code = 0
@@ -368,25 +408,37 @@ def main(argv: list[str]) -> None:
         _detach_from_terminal_signals(int(argv[2]), argv[3] == "1")
         header, _ = pipe.recv()
         sys.path[:] = header["sys_path"]
-        try:
-            adapter = load_adapter(header["adapter"], **header["options"])
-            info = describe_adapter(adapter)
-        except SystemExit as exc:
-            pipe.send({"ok": False, "error": f"adapter called sys.exit({exc.code!r}) while being loaded"})
-            return
-        except AdapterError as exc:
-            pipe.send({"ok": False, "error": str(exc)})
-            return
-        except BaseException as exc:  # noqa: BLE001
-            pipe.send({"ok": False, "error": f"loading adapter {header['adapter']!r} failed: {_describe(exc)}"})
-            return
-        pipe.send({"ok": True, **info})
-        serve(pipe, adapter)
+        _load_and_serve(pipe, header["adapter"], header["options"])
     except BaseException:  # noqa: BLE001 - a broken worker must still leave at once
         traceback.print_exc()
         code = 70
     finally:
         _finish(code)
+
+
+#: Modules whose threads or device state a forked child may inherit in a broken state.
+FRAMEWORKS = frozenset({"torch", "tensorflow", "jax", "jaxlib", "keras", "flax", "onnxruntime", "cupy", "numba",
+                        "triton", "tensorrt", "mxnet", "paddle", "tvm"})
+
+
+def start_method(by_name: bool) -> str:
+    """``fork`` or ``spawn`` for a new worker.
+
+    An adapter given by name is loaded in the worker; the worker is forked when
+    that is safe — this process runs one thread and has imported no ML framework
+    (the CLI never does) — which saves the new interpreter's imports, and spawned
+    otherwise.  An adapter object can only be inherited: fork.  The environment
+    variable ``MHASPEC_WORKER_START=spawn|fork`` overrides the choice for names.
+    """
+    if not by_name:
+        return "fork"
+    forced = os.environ.get("MHASPEC_WORKER_START", "auto")
+    if forced in ("spawn", "fork"):
+        return forced
+    if not hasattr(os, "fork") or threading.active_count() > 1:
+        return "spawn"
+    loaded = {name.partition(".")[0] for name in list(sys.modules)}
+    return "spawn" if loaded & FRAMEWORKS else "fork"
 
 
 # -- the runner's side ---------------------------------------------------------------
@@ -456,13 +508,14 @@ class Worker:
         self._ref = adapter
         self._options = {k: v for k, v in (options or {}).items() if v is not None}
         self._load_timeout = load_timeout
-        self._spawn = isinstance(adapter, str)
-        if not self._spawn and not hasattr(os, "fork"):
+        self._by_name = isinstance(adapter, str)
+        if not self._by_name and not hasattr(os, "fork"):
             raise AdapterError("isolation of an adapter object needs fork(); pass the adapter by name or use isolate=False")
         self._process: _Process | None = None
         self._pipe: _Pipe | None = None
         self._sent: tuple[str, str, int] | None = None  # the case the current worker already holds
-        self.info: dict[str, Any] | None = None if self._spawn else describe_adapter(adapter)
+        self._pending: tuple[str, tuple[str, str, int]] | None = None  # a reply on its way (run after supports)
+        self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
         self._finalizer: weakref.finalize | None = None
         self._ready = False
         self.restarts = 0
@@ -475,7 +528,8 @@ class Worker:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         die_with_parent = threading.current_thread() is threading.main_thread()
-        if self._spawn:
+        spawn = start_method(self._by_name) == "spawn"
+        if spawn:
             root = str(Path(__file__).resolve().parents[2])
             code = f"import sys; sys.path.insert(0, {root!r}); from mhaspec.conformance.worker import main; main(sys.argv[1:])"
             args = [sys.executable, "-c", code, str(to_child_r), str(to_parent_w), str(os.getpid()), "1" if die_with_parent else "0"]
@@ -491,7 +545,7 @@ class Worker:
                 stream.flush()
             parent = os.getpid()
             pid = os.fork()
-            if pid == 0:  # the child: serve the inherited adapter object, never return
+            if pid == 0:  # the child: load the named adapter or keep the inherited object; never return
                 code_ = 0
                 try:
                     os.close(to_child_w)
@@ -499,8 +553,11 @@ class Worker:
                     _detach_from_terminal_signals(parent, die_with_parent)
                     _forget_golden()
                     pipe = _Pipe(to_child_r, to_parent_w)
-                    pipe.send({"ok": True})  # ready: the start-up is not counted in the first case's timeout
-                    serve(pipe, self._ref)
+                    if self._by_name:
+                        _load_and_serve(pipe, self._ref, self._options)
+                    else:
+                        pipe.send({"ok": True})  # ready: the start-up is not counted in the first case's timeout
+                        serve(pipe, self._ref)
                 except BaseException:  # noqa: BLE001
                     traceback.print_exc()
                     code_ = 70
@@ -513,7 +570,7 @@ class Worker:
         self._sent = None
         self._ready = False
         self._finalizer = weakref.finalize(self, _reap, process, self._pipe)
-        if self._spawn:
+        if spawn:
             self._pipe.send({"adapter": self._ref, "options": self._options, "sys_path": list(sys.path)})
 
     def wait_loaded(self) -> dict[str, Any]:
@@ -534,7 +591,7 @@ class Worker:
         if not reply["ok"]:
             self._discard()
             raise AdapterError(reply["error"])
-        if self._spawn:
+        if self._by_name:
             self.info = {k: v for k, v in reply.items() if k != "ok"}
         self._ready = True
         return self.info
@@ -545,6 +602,7 @@ class Worker:
             self._finalizer()
         self._process = self._pipe = None
         self._sent = None
+        self._pending = None
         self._ready = False
 
     def close(self) -> None:
@@ -560,28 +618,44 @@ class Worker:
 
     # -- requests --
     def _request(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
-        if self._process is not None and self._process.poll() is not None:
-            self._discard()
+        """Send ``op`` for ``case`` (unless its reply is already on the way) and read one reply."""
+        key = (case.id, case.dtype, id(case))
+        pending, self._pending = self._pending, None
+        if pending == (op, key):  # run() after supports+run: the reply follows the supports answer
+            return self._reply(op, timeout)
+        if pending is not None or (self._process is not None and self._process.poll() is not None):
+            self._discard()  # a reply nobody will read, or a worker that died between cases
         if self._process is None:
             self.restarts += self.info is not None
             try:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        assert self._pipe is not None and self._process is not None
-        key = (case.id, case.dtype, id(case))
+        assert self._pipe is not None
+        wire = "supports+run" if op == "supports" else op
         try:
             if self._sent == key:
-                self._pipe.send({"op": op, "reuse": True})
+                self._pipe.send({"op": wire, "reuse": True})
             else:
                 header, payload = _case_message(case)
-                self._pipe.send({"op": op, "case": header}, payload)
+                self._pipe.send({"op": wire, "case": header}, payload)
                 self._sent = key
+        except _WorkerDied:
+            pass  # the reply tells how it died
+        reply = self._reply(op, timeout)
+        if op == "supports" and reply[0]["answer"] is True:
+            self._pending = ("run", key)
+        return reply
+
+    def _reply(self, op: str, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+        assert self._pipe is not None and self._process is not None
+        try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
         except _Deadline:
             self._discard()
             raise CaseTimeout(
-                f"the adapter did not return within {timeout:g} s (per-case timeout); its worker process was killed"
+                f"the adapter did not return within {timeout:g} s (per-case timeout) in {op}(); "
+                "its worker process was killed"
             ) from None
         except _WorkerDied:
             cause = _death_cause(self._process.poll(wait=2.0))
@@ -592,6 +666,7 @@ class Worker:
         return reply, data
 
     def supports(self, case: Case, timeout: float | None) -> bool | str:
+        """The answer of ``supports(case)``; if it is True, ``run(case)`` has already started in the worker."""
         reply, _ = self._request("supports", case, timeout)
         return reply["answer"]
 
