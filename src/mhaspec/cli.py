@@ -20,10 +20,11 @@ from .errors import MhaspecError
 
 DEFAULT_TIMEOUT, MAX_TIMEOUTS = 60.0, 3  # kept equal to mhaspec.conformance.runner's (tests check)
 
-EPILOG = "exit codes: 0 all conform, 1 a non-conformance, 2 bad usage or bad input"
+EPILOG = ("exit codes: 0 all conform, 1 a non-conformance, 2 bad usage or bad input "
+          "(or nothing could be judged informatively)")
 RUN_EPILOG = (
     "exit codes: 0 all conform; 1 a non-conformance; 2 bad usage or bad input, an adapter error (raised, "
-    "crashed, exited, hung, no output), a broken fixture, or nothing judged; 130 interrupted. "
+    "crashed, exited, hung, no output), a broken fixture, or nothing judged informatively; 130 interrupted. "
     "The adapter runs in a worker process (restarted after a crash); --report is written even when the "
     "run is cut short, marked \"partial\"."
 )
@@ -64,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-isolate", action="store_true",
                      help="call the adapter in this process instead of a worker (to debug it with pdb; a crash "
                      "then ends the run and a timeout cannot stop native code)")
+    run.add_argument("--precision", choices=("standard", "worst-case"), default="standard",
+                     help="precision contract (docs/tolerances.md): standard = results stored in the dtype, sums "
+                     "and softmax in float32 or wider, as production kernels do (default); worst-case = anything a "
+                     "correct algorithm accumulating in the dtype could produce (wider; stages it cannot resolve "
+                     "are reported uninformative)")
     run.add_argument("-v", "--verbose", action="store_true", help="also list stages the adapter does not expose")
 
     gen = sub.add_parser(
@@ -170,8 +176,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"partial report written to {report_path}", file=sys.stderr)
 
     try:
-        session = Session(adapter, golden=args.golden, timeout=timeout, isolate=not args.no_isolate,
-                          **({"device": args.device} if args.no_isolate else {}))
+        session = Session(adapter, golden=args.golden, timeout=timeout, precision=args.precision,
+                          isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
         header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))

@@ -15,6 +15,7 @@ from typing import Any
 
 _EXPORTS = {
     "FAIL": "compare", "KNOWN_DEVIATION": "compare", "NOT_EXPOSED": "compare", "PASS": "compare",
+    "UNINFORMATIVE": "compare",
     "StageResult": "compare", "compare_stage": "compare",
     "ERROR": "report", "UNSUPPORTED": "report", "CaseResult": "report", "Report": "report",
     "DEFAULT_TIMEOUT": "runner", "Session": "runner", "check": "runner", "select_cases": "runner",

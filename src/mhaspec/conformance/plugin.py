@@ -5,7 +5,8 @@
 gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
 passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
 skip with the reason, ``known deviation`` is an xfail with the declared
-reason.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
+reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
+reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
 CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
 or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
 runs it in the pytest process, for debugging).  Importing this plugin imports
@@ -31,6 +32,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="per case × dtype timeout in seconds (default 60; 0 = none); the worker is killed")
     group.addoption("--mha-no-isolate", action="store_true", default=False,
                     help="call the adapter in the pytest process instead of a worker process (for debugging)")
+    group.addoption("--mha-precision", default="standard", choices=("standard", "worst-case"),
+                    help="precision contract: standard (stored in the dtype, float32 sums; default) or worst-case")
 
 
 class _State:
@@ -54,6 +57,7 @@ def _session(config: pytest.Config) -> Any:
                 timeout=validate_timeout(DEFAULT_TIMEOUT if timeout is None else timeout, "--mha-timeout"),
                 isolate=not config.getoption("--mha-no-isolate"),
                 device=config.getoption("--mha-device"),
+                precision=config.getoption("--mha-precision"),
             )
             state.dtypes = resolve_dtypes(",".join(dtypes) if dtypes else None)
         except MhaspecError as exc:
@@ -111,7 +115,7 @@ def mha_session(request: pytest.FixtureRequest) -> Any:
 
 def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
     """Turn one stage verdict into a pytest outcome."""
-    from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED
+    from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, UNINFORMATIVE
     from .report import ERROR, UNSUPPORTED
 
     result = session.result(case_id, dtype)
@@ -122,6 +126,8 @@ def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
     st = result.stage(stage)
     if st.verdict == NOT_EXPOSED:
         pytest.skip(f"{stage} is not exposed by adapter {session.name}")
+    if st.verdict == UNINFORMATIVE:
+        pytest.skip(f"uninformative: {st.message}")
     if st.verdict == KNOWN_DEVIATION:
         pytest.xfail(f"known deviation: {st.reason}")
     if st.verdict == FAIL:
