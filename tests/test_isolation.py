@@ -380,4 +380,3 @@ def test_the_default_timeout_is_minutes_for_the_whole_catalog():
     assert (cli.DEFAULT_TIMEOUT, cli.MAX_TIMEOUTS) == (runner_module.DEFAULT_TIMEOUT, runner_module.MAX_TIMEOUTS)
     # a hung adapter costs MAX_TIMEOUTS timeouts, then the other cases are reported "not run"
     assert runner_module.DEFAULT_TIMEOUT * runner_module.MAX_TIMEOUTS <= 5 * 60
-    assert os.environ.get("MHASPEC_NO_ISOLATE") is None  # nothing turns isolation off behind the tests' back
