@@ -88,6 +88,23 @@ FAULTY = textwrap.dedent(
             raise AssertionError("never called")
 
 
+    class Scribbler:
+        """Writes garbage to every pipe it can find, the worker's own included."""
+        name = "scribbler"
+
+        def run(self, case):
+            import stat
+
+            if case.id == "gqa":
+                for fd in range(3, 256):
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.write(fd, bytes([255]) * 64)
+                    except OSError:
+                        pass
+            return NumpyMHA().run(case)
+
+
     class Cheat:
         """Looks for the golden stages in its own process, as an adapter that wants to pass would."""
         name = "cheat"
@@ -178,6 +195,13 @@ def test_sys_exit_is_an_error_also_in_process(faulty):
                            isolate=False)
     assert report.result("self_basic", "float64").message == "adapter called sys.exit(0) in run()"
     assert report.result("batch_one", "float64").verdict == PASS
+
+
+def test_garbage_on_the_workers_pipe_costs_one_case(faulty):
+    report = mhaspec.check(f"{faulty}:Scribbler", dtypes=["float32"], cases=["gqa", "mqa", "batch_one"], timeout=5)
+    gqa = report.result("gqa", "float32")
+    assert gqa.verdict == ERROR and "the worker sent" in gqa.message, gqa.message
+    assert [report.result(c, "float32").verdict for c in ("mqa", "batch_one")] == [PASS, PASS]
 
 
 def test_the_golden_is_not_reachable_from_the_worker(faulty):

@@ -221,6 +221,15 @@ class _Deadline(Exception):
     pass
 
 
+class _Malformed(Exception):
+    """Bytes on the pipe that are not a message of ours (e.g. an adapter writing to the worker's descriptors)."""
+
+
+#: Bounds on one message: a header is a few KB; a payload holds one case's arrays.
+MAX_HEADER = 1 << 24
+MAX_PAYLOAD = 1 << 40
+
+
 class _Pipe:
     """Framed messages over two file descriptors."""
 
@@ -241,7 +250,14 @@ class _Pipe:
     def recv(self, deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
         head = self._read(_FRAME.size, deadline)
         n_header, n_payload = _FRAME.unpack(head)
-        header = json.loads(self._read(n_header, deadline))
+        if n_header > MAX_HEADER or n_payload > MAX_PAYLOAD:
+            raise _Malformed(f"a message of {n_header} + {n_payload} bytes")
+        try:
+            header = json.loads(self._read(n_header, deadline))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _Malformed(f"a header that is not JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise _Malformed("a header that is not a JSON object")
         return header, bytes(self._read(n_payload, deadline)) if n_payload else b""
 
     def _read(self, n: int, deadline: float | None) -> bytearray:
@@ -588,6 +604,9 @@ class Worker:
             cause = _death_cause(self._process.poll(wait=2.0))
             self._discard()
             raise AdapterError(f"adapter {self._ref!r}: {cause} while loading the adapter") from None
+        except _Malformed as exc:
+            self._discard()
+            raise AdapterError(f"adapter {self._ref!r}: the worker sent {exc} while loading the adapter") from None
         if not reply["ok"]:
             self._discard()
             raise AdapterError(reply["error"])
@@ -661,8 +680,12 @@ class Worker:
             cause = _death_cause(self._process.poll(wait=2.0))
             self._discard()
             raise AdapterCrash(f"{cause} during {op}()") from None
-        if not reply["ok"]:
-            raise AdapterCrash(reply["error"])
+        except _Malformed as exc:
+            self._discard()
+            raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
+                               "worker process killed") from None
+        if reply.get("ok") is not True:
+            raise AdapterCrash(str(reply.get("error", f"the worker sent a malformed reply during {op}()")))
         return reply, data
 
     def supports(self, case: Case, timeout: float | None) -> bool | str:
@@ -673,7 +696,12 @@ class Worker:
     def run(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         """(what ``run(case)`` returned, seconds it took in the worker)."""
         reply, data = self._request("run", case, timeout)
-        return _unpack_returned(reply, data), float(reply["seconds"])
+        try:
+            return _unpack_returned(reply, data), float(reply["seconds"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            self._discard()
+            raise AdapterCrash(f"the worker sent a malformed reply during run() ({type(exc).__name__}: {exc}); "
+                               "worker process killed") from None
 
 
 class InProcess:
