@@ -197,7 +197,8 @@ def test_sys_exit_is_an_error_also_in_process(faulty):
     assert report.result("batch_one", "float64").verdict == PASS
 
 
-def test_garbage_on_the_workers_pipe_costs_one_case(faulty):
+def test_garbage_on_the_workers_pipe_costs_one_case(faulty, monkeypatch):
+    monkeypatch.setenv("MHASPEC_WORKER_START", "spawn")  # a fresh process: its only pipes are the worker's
     report = mhaspec.check(f"{faulty}:Scribbler", dtypes=["float32"], cases=["gqa", "mqa", "batch_one"], timeout=5)
     gqa = report.result("gqa", "float32")
     assert gqa.verdict == ERROR and "the worker sent" in gqa.message, gqa.message
