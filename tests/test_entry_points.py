@@ -136,7 +136,7 @@ def test_json_report_has_the_documented_keys(tmp_path):
     rep = json.loads(path.read_text())
     assert set(rep) >= {"report_version", "mhaspec_version", "spec_version", "adapter", "platform", "golden",
                         "dtypes", "stages", "ok", "exit_code", "counts", "smallest_margin",
-                        "duration_seconds", "warnings", "results"}
+                        "duration_seconds", "warnings", "results", "partial", "partial_reason", "judged"}
     assert rep["adapter"]["name"] == "numpy" and rep["adapter"]["framework"] == "numpy"
     stage = rep["results"][0]["stages"][3]
     assert set(stage) == {"stage", "verdict", "max_abs_err", "max_rel_err", "worst_ratio", "worst_index",
