@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-k", dest="pattern", metavar="PATTERN",
                      help="only cases whose name contains PATTERN (or matches it as a glob); comma = or")
     run.add_argument("--golden", metavar="DIR", help="golden folder (default: the fixtures shipped with mhaspec)")
+    run.add_argument("--catalog", metavar="FILE.json",
+                     help="judge your own cases (JSON list of case specs, see `mhaspec schema`), computed on the fly "
+                     "by the fast float64 reference; no fixture is written")
     run.add_argument("--report", metavar="FILE.json", help="also write the JSON report (keys in docs/report.md)")
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
@@ -109,7 +112,14 @@ def _run(args: argparse.Namespace) -> int:
     from .conformance import Report, Session, select_cases
     from .conformance.runner import resolve_dtypes
 
-    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, device=args.device)
+    golden = args.golden
+    if args.catalog:
+        if args.golden:
+            raise MhaspecError("--catalog and --golden: give one of them (a catalog is computed on the fly)")
+        from .reference.onthefly import OnTheFlyGolden
+
+        golden = OnTheFlyGolden(args.catalog)
+    session = Session(args.adapter, golden=golden, timeout=args.timeout or None, device=args.device)
     width = Report.case_width(select_cases(session.golden, None, args.pattern))
     framework, version = adapter_framework(session.adapter)
     header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))

@@ -163,7 +163,7 @@ class TorchMultiheadAttentionAdapter:
 
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = query if case.self_attention else to_tensor(case.inputs.value, dtype, self.device)
+        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
 
         with torch.inference_mode():
             output, attn_weights = module(
