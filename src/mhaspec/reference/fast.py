@@ -77,25 +77,31 @@ def grid_exponent(a: np.ndarray) -> int | None:
     return int(np.min(exp.astype(np.int64) - 53 + tz))
 
 
-def exact_product(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> bool:
-    """True when ``a @ b (+ bias)`` is exact in float64 in every summation order (and with FMA).
+def exact_product(
+    a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None, *,
+    grid_a: int | None = None, grid_b: int | None = None,
+) -> tuple[bool, int | None]:
+    """Whether ``a @ b (+ bias)`` is exact in float64 in every summation order (and with FMA),
+    and a grid exponent of the result (every entry a multiple of 2^grid; None: all zero).
 
     Every product lies on the grid 2^(e_a + e_b) and the bias on its own grid;
     all partial sums are integer multiples of the finer of the two, bounded by
     n·max|a|·max|b| + max|bias|, so they are exact while that is below 2^53
-    grid units.  a (..., n, k), b (..., k, m).
+    grid units.  ``grid_a``/``grid_b``: grids already known (a finer grid than
+    the true one is always safe).  a (..., n, k), b (..., k, m).
     """
-    ea, eb = grid_exponent(a), grid_exponent(b)
-    if ea is None or eb is None:
-        return True  # every product is zero: the result is the bias, exactly
-    unit = ea + eb
-    magnitude = a.shape[-1] * float(np.max(np.abs(a))) * float(np.max(np.abs(b)))
+    ea = grid_exponent(a) if grid_a is None else grid_a
+    eb = grid_exponent(b) if grid_b is None else grid_b
+    unit = None if ea is None or eb is None else ea + eb  # None: every product is zero
+    magnitude = 0.0 if unit is None else a.shape[-1] * float(np.max(np.abs(a))) * float(np.max(np.abs(b)))
     if bias is not None:
         ebias = grid_exponent(bias)
         if ebias is not None:
-            unit = min(unit, ebias)
+            unit = ebias if unit is None else min(unit, ebias)
             magnitude += float(np.max(np.abs(bias)))
-    return magnitude < 2.0 ** (53 + unit)
+    if unit is None:
+        return True, None
+    return magnitude < 2.0 ** (53 + unit), unit
 
 
 @dataclass
@@ -109,15 +115,18 @@ class FastForward:
     exact: dict[str, bool] = field(default_factory=dict)
 
 
-def _project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | float, bool]:
-    """y = x @ w + b, its error bound, whether it is proven exact.   x (B, L, F), w (F, N)."""
+def _project(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, grid_x: int | None
+) -> tuple[np.ndarray, np.ndarray | float, bool, int | None]:
+    """y = x @ w + b, its error bound, whether it is proven exact, and its grid.   x (B, L, F), w (F, N)."""
     y = x @ w
     if b is not None:
         y += b
-    if exact_product(x, w, b):
-        return y, 0.0, True
+    exact, grid = exact_product(x, w, b, grid_a=grid_x)
+    if exact:
+        return y, 0.0, True, grid
     magnitude = np.abs(x) @ np.abs(w) + (0.0 if b is None else np.abs(b))
-    return y, gamma(w.shape[0] + 2) * SAFETY * magnitude, False
+    return y, gamma(w.shape[0] + 2) * SAFETY * magnitude, False, None
 
 
 def _heads(x: np.ndarray | float, heads: int) -> np.ndarray | float:
@@ -157,12 +166,17 @@ def forward_fast(
     scale = float(config.scale)  # type: ignore[arg-type]
 
     # 1. project and split
-    q, e_q, exact_q = _project(query, weights["w_q"], weights.get("b_q"))
-    k, e_k, exact_k = _project(key, weights["w_k"], weights.get("b_k"))
-    v, e_v, exact_v = _project(value, weights["w_v"], weights.get("b_v"))
+    grids: dict[int, int | None] = {}  # self-attention: one input, one grid computation
+    for x in (query, key, value):
+        if id(x) not in grids:
+            grids[id(x)] = grid_exponent(x)
+    q, e_q, exact_q, grid_q = _project(query, weights["w_q"], weights.get("b_q"), grids[id(query)])
+    k, e_k, exact_k, grid_k = _project(key, weights["w_k"], weights.get("b_k"), grids[id(key)])
+    v, e_v, exact_v, _ = _project(value, weights["w_v"], weights.get("b_v"), grids[id(value)])
     Q, K, V = _heads(q, H), _heads(k, G), _heads(v, G)
     EQ, EK, EV = _heads(e_q, H), _heads(e_k, G), _heads(e_v, G)
-    exact_s = exact_q and exact_k and exact_product(Q, np.swapaxes(K, -1, -2))
+    exact_s = (exact_q and exact_k
+               and exact_product(Q, np.swapaxes(K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
 
     visible = _visible(config, inputs.get("mask"), B, T, S)
     s_all = np.empty((B, H, T, S))
@@ -175,15 +189,17 @@ def forward_fast(
     out_round = gamma(S + 1)  # the length-S dot of P V and the exact reference's one rounding
 
     # 2. attend, one (batch entry, head) at a time: memory O(T·S)
+    everything_visible = not config.causal and inputs.get("mask") is None
     for b in range(B):
         for h in range(H):
             g = h // group
             Qh, Kg, Vg = Q[b, h], K[b, g], V[b, g]  # (T, D), (S, D), (S, E)
             vis = visible[b, h]  # (T, S)
-            s = Qh @ Kg.T  # (T, S)
+            all_vis = everything_visible or bool(vis.all())
+            s = s_all[b, h]  # written in place: memory O(T·S) beyond the stages themselves
+            np.matmul(Qh, Kg.T, out=s)
             s *= scale
-            s_all[b, h] = s
-            # Bound on |s - exact s| (0 when bit-identical), and the argument error t of exp.
+            # Bound on |s - exact s| (none when bit-identical).
             if not exact_s:
                 nq, nk = np.sqrt(np.einsum("td,td->t", Qh, Qh)), np.sqrt(np.einsum("sd,sd->s", Kg, Kg))
                 eq = _row_norms(EQ if isinstance(EQ, float) else EQ[b, h], Qh)
@@ -193,15 +209,23 @@ def forward_fast(
                 assert e_s_all is not None
                 e_s_all[b, h] = e_s
             # softmax over the visible keys; a row with none is all zeros
-            row_max = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)  # (T, 1)
-            row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-            z = np.where(vis, s - row_max, -np.inf)
-            e = np.exp(z)
-            total = e.sum(axis=-1, keepdims=True)
-            p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-            p_all[b, h] = p
+            p = p_all[b, h]
+            if all_vis:
+                row_max = s.max(axis=-1, keepdims=True)  # (T, 1)
+                np.subtract(s, row_max, out=p)
+            else:
+                row_max = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)
+                row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+                np.subtract(s, row_max, out=p)
+                np.copyto(p, -np.inf, where=~vis)
+            np.exp(p, out=p)
+            total = p.sum(axis=-1, keepdims=True)
+            p /= np.where(total > 0, total, 1.0)  # a row that sees no key is already all zeros
+            e_p = e_p_all[b, h]
             if exact_s:  # the arguments of exp are bit-identical to the exact reference's
-                rel: np.ndarray | float = rel_round
+                c_rel = rel_round * SAFETY
+                np.multiply(p, c_rel, out=e_p)
+                np.add(e_p, SUBNORMAL, out=e_p, where=vis)
             else:
                 t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(row_max)), 0.0)
                 with np.errstate(over="ignore", invalid="ignore"):
@@ -210,13 +234,15 @@ def forward_fast(
                     down = np.sum(p / et, axis=-1, keepdims=True)
                     pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
                 rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
-            e_p = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
-            e_p_all[b, h] = e_p
+                e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
             # head outputs: the propagated weight error plus the dot's own rounding
-            o = p @ Vg
-            o_all[b, h] = o
+            np.matmul(p, Vg, out=o_all[b, h])
             v_abs = np.abs(Vg) if isinstance(EV, float) else np.abs(Vg) + EV[b, g]
-            e_o = (e_p + out_round * (p + e_p)) @ v_abs
+            if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V|
+                e_o = (c_rel + out_round * (1.0 + c_rel)) * (p @ v_abs)
+                e_o += (1.0 + out_round) * SUBNORMAL * v_abs.sum(axis=0)
+            else:
+                e_o = (e_p + out_round * (p + e_p)) @ v_abs
             if not isinstance(EV, float):
                 e_o += p @ EV[b, g]
             e_o_all[b, h] = e_o * SAFETY
