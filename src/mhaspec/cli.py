@@ -67,6 +67,29 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--catalog", metavar="FILE.json",
                      help="generate your own cases from a JSON list of case specs (see `mhaspec schema`)")
 
+    fz = sub.add_parser(
+        "fuzz",
+        help="judge an adapter on random configurations (hypothesis); shrink a failure to a minimal case",
+        description="Draw random MHA configurations (sizes including 1, T != S and T = S, head sizes 1-256, "
+        "GQA/MQA, kdim/vdim, bias, causal in both alignments, masks with fully masked rows, self-/cross-attention "
+        "with key = value or distinct), compute each with the fast float64 reference and judge it like a catalog "
+        "case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
+        "and print it as catalog JSON that `mhaspec run ADAPTER --catalog FILE.json` reproduces. Needs the "
+        "extra `fuzz` (hypothesis).",
+        epilog="exit codes: 0 nothing found, 1 a non-conformance found (printed), 2 bad usage or bad input",
+    )
+    fz.add_argument("adapter", nargs="?", default="numpy",
+                    help="built-in name, package.module:attr, or path/to/file.py:attr (default: numpy)")
+    fz.add_argument("--examples", type=int, default=100, metavar="N", help="random cases to judge (default 100)")
+    fz.add_argument("--seed", type=int, default=0, metavar="S", help="the same seed draws the same cases (default 0)")
+    fz.add_argument("--max-size", type=int, default=24, metavar="L",
+                    help="largest query/key length T, S (default 24); head sizes go up to 256")
+    fz.add_argument("--dtype", action="append", metavar="DTYPE",
+                    help="dtypes to judge each case in; repeat or comma-separate (default: all four)")
+    fz.add_argument("--device", help="device for adapters that take one")
+    fz.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="per-case timeout for the adapter (default 300; 0 = none)")
+
     sub.add_parser("schema", help="print the JSON Schema of the spec models",
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
     cases = sub.add_parser("cases", help="list the catalog's cases", description="List the catalog's cases.")
@@ -86,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {
             "run": _run,
             "generate": _generate,
+            "fuzz": _fuzz,
             "schema": _schema,
             "cases": _cases,
             "adapters": _adapters,
@@ -134,6 +158,39 @@ def _run(args: argparse.Namespace) -> int:
         report.write_json(args.report)
         print(f"report written to {args.report}")
     return report.exit_code
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from .conformance import Report
+    from .fuzz import fuzz
+
+    if args.examples < 1:
+        raise MhaspecError(f"--examples: must be at least 1, got {args.examples}")
+    if args.max_size < 1:
+        raise MhaspecError(f"--max-size: must be at least 1, got {args.max_size}")
+    dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()] if args.dtype else None
+    start = time.perf_counter()
+    outcome = fuzz(args.adapter, examples=args.examples, seed=args.seed, dtypes=dtypes, max_len=args.max_size,
+                   timeout=args.timeout or None, device=args.device)
+    took = time.perf_counter() - start
+    judged = f"{outcome.examples} case(s) judged, {outcome.rejected} refused by supports(), seed {args.seed}, {took:.1f} s"
+    if not outcome.found:
+        print(f"fuzz {args.adapter}: no non-conformance found ({judged})")
+        return 0
+    width = max(Report.case_width([outcome.spec.id]), 4)  # type: ignore[union-attr]
+    print(f"fuzz {args.adapter}: NON-CONFORMANCE found and shrunk ({judged})\n")
+    print(Report.column_titles(width))
+    for result in outcome.results:
+        print(Report.row(result, width))
+    for result in outcome.results:
+        if result.verdict in ("fail", "error"):
+            first = result.first_failing_stage
+            detail = result.stage(first).message if first else result.message
+            print(f"\n{result.dtype}: {first or 'error'}: {detail}")
+            break
+    print(f"\nminimal failing case (save as case.json; `mhaspec run {args.adapter} --catalog case.json` reproduces it):")
+    print(outcome.catalog_json())
+    return 1
 
 
 def _generate(args: argparse.Namespace) -> int:
