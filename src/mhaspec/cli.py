@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run the conformance suite against an adapter (default: numpy)",
         description="Judge every golden case × dtype × stage and print a table; the first failing "
-        "stage of a case is where its bug is.",
+        "stage of a case is where its bug is. Your own cases of any size: --catalog FILE.json (computed on the "
+        "fly). On several cores, the same verdicts through pytest-xdist: "
+        "pytest -n auto --pyargs mhaspec.conformance --mha-adapter=ADAPTER.",
         epilog=EPILOG + " (2 also when the adapter raises, hangs or returns no output)",
     )
     run.add_argument(
