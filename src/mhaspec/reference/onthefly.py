@@ -53,5 +53,13 @@ class OnTheFlyGolden(GoldenSet):
             if case_id not in self.catalog:
                 raise FixtureError(f"{self.folder}: no case {case_id!r}; known: {', '.join(self.catalog.ids())}")
             self._current = None  # free the previous case before computing the next
-            self._current = golden_case(self.catalog[case_id], self.folder)
+            spec = self.catalog[case_id]
+            try:
+                self._current = golden_case(spec, self.folder)
+            except MemoryError:
+                cells = spec.batch * spec.config.H * spec.tgt_len * spec.src_len
+                raise FixtureError(
+                    f"{self.folder}: case {case_id}: not enough memory for the fast reference (it holds three "
+                    f"(B, H, T, S) float64 arrays: {3 * 8 * cells / 2**30:.1f} GiB)"
+                ) from None
         return self._current
