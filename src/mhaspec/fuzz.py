@@ -155,6 +155,17 @@ def fuzz(
     outcome = FuzzOutcome()
     last: dict[str, Any] = {}
 
+    supports = getattr(adapter, "supports", None)
+
+    def refused(spec: CaseSpec) -> bool:
+        """Whether supports() refuses ``spec`` in every dtype (checked before computing a golden)."""
+        if supports is None:
+            return False
+        try:
+            return all(supports(spec.case(dtype)) is not True for dtype in wanted)
+        except Exception:
+            return False  # the Session reports what supports() raised
+
     def judge(spec: CaseSpec) -> list[Any]:
         session = Session(adapter, golden=OnTheFlyGolden(Catalog([spec]), source="<fuzz>"), timeout=timeout)
         with np.errstate(all="ignore"):  # infinite bounds (bfloat16, long sums) are judged, not warned about
@@ -169,6 +180,9 @@ def fuzz(
     @hypothesis.seed(seed)
     @hypothesis.given(case_specs(max_len=max_len))
     def check(spec: CaseSpec) -> None:
+        if refused(spec):
+            outcome.rejected += 1
+            hypothesis.reject()
         results = judge(spec)
         judged = [r for r in results if r.verdict != "unsupported"]
         if not judged:
