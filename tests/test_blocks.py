@@ -11,6 +11,11 @@ from mhaspec.adapters import Deviation
 
 from .variants import BUGS, CORRECT, Variant
 
+class UniformDeclared(Variant):
+    known_deviations = [Deviation("uniform rows", stage=s, rows="fully_masked")
+                        for s in ("attn_weights", "head_outputs", "concat", "output")]
+
+
 CASES = ["custom_mask", "causal_bottom_right_t_gt_s", "key_padding", "gqa", "large_logits", "cross_shared_kv"]
 
 
@@ -19,9 +24,7 @@ CASES = ["custom_mask", "causal_bottom_right_t_gt_s", "key_padding", "gqa", "lar
                                   "uniform_declared"])
 def test_blocks_give_the_same_verdicts(name, monkeypatch):
     if name == "uniform_declared":  # a row-scoped known deviation, decided block by block
-        adapter = Variant(name="uniform", uniform_masked_rows=True)
-        adapter.known_deviations = [Deviation("uniform rows", stage=s, rows="fully_masked")
-                                    for s in ("attn_weights", "head_outputs", "concat", "output")]
+        adapter = UniformDeclared(name="uniform", uniform_masked_rows=True)
     else:
         adapter = CORRECT[name] if name in CORRECT else BUGS[name][0]
     whole = mhaspec.check(adapter, dtypes=["float32", "bfloat16"], cases=CASES, timeout=None)

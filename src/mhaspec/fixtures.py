@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pydantic
@@ -100,11 +101,19 @@ class GoldenCase:
     def id(self) -> str:
         return self.spec.id
 
-    def with_reference_error(self, tolerances: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``tolerances`` widened by the golden's own error bound (unchanged for an exact fixture)."""
+    def with_reference_error(self, bounds: Mapping[str, Any]) -> dict[str, Any]:
+        """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).
+
+        The reference error is a worst-case bound, not rounding noise: a bound with a
+        worst-case part (``worst``, see :class:`mhaspec.conformance.tolerance.Bound`) gets it
+        there; a plain tolerance array gets it added."""
         if self.reference_error is None:
-            return dict(tolerances)
-        return {stage: tol + self.reference_error[stage] for stage, tol in tolerances.items()}
+            return dict(bounds)
+        out = {}
+        for stage, bound in bounds.items():
+            extra = self.reference_error[stage]
+            out[stage] = bound._replace(worst=bound.worst + extra) if hasattr(bound, "_replace") else bound + extra
+        return out
 
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""

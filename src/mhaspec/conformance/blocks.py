@@ -6,8 +6,11 @@ the element-wise tolerances of a block of rows are the tolerances of those
 rows in the whole case: judging by blocks gives the same verdicts as judging
 at once, in O(rows · H · S) memory instead of O(B · H · T · S).  The blocks'
 stage results are merged into one per stage: the worst verdict (fail, then
-known deviation, then any other non-pass verdict, then pass), the largest
-errors, and the worst element's index in the whole case.
+known deviation, then any other non-pass verdict such as uninformative, then
+pass), the largest errors, the worst element's index in the whole case, and
+the systematic-error test's root mean square over all blocks (each block must
+also pass it on its own, which a correct implementation does: its rounding
+noise has that mean square in every block).
 
 Only cases above :data:`MAX_BLOCK_ELEMENTS` per (B, H, T, S) stage are split;
 every committed fixture is judged in one block.
@@ -89,6 +92,16 @@ def merge(parts: list[tuple[tuple[int, int, int], StageResult]]) -> StageResult:
     for attr in ("max_abs_err", "max_rel_err"):
         values = [getattr(r, attr) for _, r in parts if getattr(r, attr) is not None]
         setattr(merged, attr, max(values) if values else None)
+    locals_ = [r.local_worst_ratio for _, r in parts if r.local_worst_ratio is not None]
+    merged.local_worst_ratio = max(locals_) if locals_ else None
+    rms = [(r.compared, r.rms_ratio) for _, r in parts if r.rms_ratio is not None and r.compared]
+    if rms:  # the mean square over the blocks, weighted by their compared elements
+        merged.rms_ratio = float(np.sqrt(sum(n * x * x for n, x in rms) / sum(n for n, _ in rms)))
+    failing = [r for _, r in parts if r.verdict == FAIL]
+    if failing:
+        checks = {c for r in failing for c in r.failed_check.split("+") if c}
+        merged.failed_check = "+".join(c for c in ("golden", "local") if c in checks)
+        merged.imprecise = all(r.imprecise for r in failing)  # one plainly failing block: a plain failure
     rated = [(where, r) for where, r in parts if r.worst_ratio is not None]
     if rated:
         (b, t0, t1), worst = max(rated, key=lambda item: item[1].worst_ratio)
