@@ -336,7 +336,46 @@ class Report:
             "results": [r.to_json() for r in self.results],
         }
 
-        if self.partial:
-            status = "INCOMPLETE"
-        shown = ", ".join(f"{n} {v}" for v, n in c.items() if n or v in (PASS, FAIL))
-        return f"{self.adapter}: {status} — {shown} ({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON report atomically (a reader never sees half a file); OSError is a MhaspecError."""
+        from ..errors import MhaspecError
+
+        target = Path(path)
+        text = json.dumps(self.to_json(), indent=2) + "\n"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(text)
+                os.replace(tmp, target)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            raise MhaspecError(f"--report {path}: cannot write the report ({exc.strerror or exc})") from None
+
+
+def ratio_text(ratio: float | None) -> str:
+    """A worst error/tolerance ratio for the table: "—" when there is none."""
+    if ratio is None:
+        return "—"
+    return f"{ratio:.3g}" if np.isfinite(ratio) else ("nan" if np.isnan(ratio) else "inf")
+
+
+def _stage_message(r: CaseResult, stage: str) -> str:
+    try:
+        return r.stage(stage).message or r.verdict
+    except KeyError:
+        return r.message or r.verdict
+
+
+def _where(group: list[CaseResult], limit: int = 6) -> str:
+    """``case[dtype, dtype], case[…]`` for up to ``limit`` cases, then how many in all."""
+    by_case: dict[str, list[str]] = {}
+    for r in group:
+        by_case.setdefault(r.case, []).append(r.dtype)
+    parts = [f"{case}[{', '.join(dtypes)}]" for case, dtypes in by_case.items()]
+    shown = ", ".join(parts[:limit])
+    if len(parts) > limit:
+        shown += f", … ({len(parts)} cases, {len(group)} case×dtype in all)"
+    return shown
