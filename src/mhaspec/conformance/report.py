@@ -266,7 +266,10 @@ class Report:
                 out.append(f"      signature ({len(examples)} of {len(group)}, e.g.): {examples[0]}")
             out.append(f"      {_where(group)}")
         for message, group in errors.items():
-            out.append(f"error: {message}\n    {_where(group)}")
+            if len(group) == 1:
+                out.append(f"{group[0].case} [{group[0].dtype}] error: {message}")
+            else:
+                out.append(f"error ({len(group)} case×dtype): {message}\n    {_where(group)}")
         out += self._reasons(verbose=False)
         if failing or errors:
             out.append("(`-v` lists every failing stage of every case)")
