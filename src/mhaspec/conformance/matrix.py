@@ -145,8 +145,9 @@ def _cell(r: dict[str, Any]) -> Cell:
             reasons.append(f"{name}: {verdict}: {st.get('reason') or st.get('message')}")
     ratio = _number(r.get("worst_ratio"))
     if r["verdict"] == "fail":  # the ratio of the failing stages; none when they failed on shape or dtype
-        failing = [_number(st.get("worst_ratio")) for st in r.get("stages") or []
-                   if isinstance(st, dict) and st.get("verdict") == "fail"]
+        failing = [_number(st.get(key)) for st in r.get("stages") or []
+                   if isinstance(st, dict) and st.get("verdict") == "fail"
+                   for key in ("worst_ratio", "local_worst_ratio", "rms_ratio")]
         failing = [x for x in failing if x is not None]
         ratio = max(failing) if failing else None
     elif r["verdict"] not in ("pass", "known deviation"):

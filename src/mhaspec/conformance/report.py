@@ -56,10 +56,13 @@ class CaseResult:
 
     @property
     def shown_ratio(self) -> float | None:
-        """The ratio the table shows: over the failing stages for a failing case (None when
-        none of them failed on values, e.g. a wrong shape or dtype), else :attr:`worst_ratio`."""
-        if self.verdict == FAIL:
-            ratios = [st.worst_ratio for st in self.stages if st.verdict == FAIL and st.worst_ratio is not None]
+        """The ratio the table shows: for a failing case the largest ratio of any check of its failing
+        stages (golden, local, rms: the one that made it fail; None when they failed on shape, dtype
+        or NaN), else :attr:`worst_ratio`."""
+        if self.verdict == FAIL:  # each failing stage's worst check: golden, local or systematic (rms)
+            ratios = [x for st in self.stages if st.verdict == FAIL
+                      for x in (st.worst_ratio, getattr(st, "local_worst_ratio", None), getattr(st, "rms_ratio", None))
+                      if x is not None]
             return max(ratios) if ratios else None
         if self.verdict in (PASS, KNOWN_DEVIATION):
             return self.worst_ratio
