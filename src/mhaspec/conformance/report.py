@@ -22,6 +22,8 @@ from ..spec import SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
 
 REPORT_VERSION = 1
+#: error lines shown per distinct message in the grouped summary (`-v` shows them all)
+ERRORS_SHOWN = 4
 
 # case-level verdicts
 ERROR, UNSUPPORTED = "error", "unsupported"
@@ -268,11 +270,11 @@ class Report:
             for examples in sorted(kinds.values(), key=len, reverse=True)[:3]:
                 out.append(f"      signature ({len(examples)} of {len(group)}, e.g.): {examples[0]}")
             out.append(f"      {_where(group)}")
-        for message, group in errors.items():
-            if len(group) == 1:
-                out.append(f"{group[0].case} [{group[0].dtype}] error: {message}")
-            else:
-                out.append(f"error ({len(group)} case×dtype): {message}\n    {_where(group)}")
+        for message, group in errors.items():  # each error named, up to a few per message
+            out += [f"{r.case} [{r.dtype}] error: {message}" for r in group[:ERRORS_SHOWN]]
+            if len(group) > ERRORS_SHOWN:
+                out.append(f"    … and {len(group) - ERRORS_SHOWN} more case×dtype with this error: "
+                           f"{_where(group[ERRORS_SHOWN:])}")
         out += self._reasons(verbose=False)
         if failing or errors:
             out.append("(`-v` lists every failing stage of every case)")
