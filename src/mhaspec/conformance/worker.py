@@ -31,6 +31,7 @@ bfloat16 (ml_dtypes) and float8 arrays travel as safetensors' BF16/F8 types.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -530,11 +531,13 @@ class Worker:
         self._process: _Process | None = None
         self._pipe: _Pipe | None = None
         self._sent: tuple[str, str, int] | None = None  # the case the current worker already holds
-        self._pending: tuple[str, tuple[str, str, int]] | None = None  # a reply on its way (run after supports)
+        self._expect: collections.deque[tuple[str, tuple[str, str, int]]] = collections.deque()  # replies on their way
         self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
         self._finalizer: weakref.finalize | None = None
         self._ready = False
         self.restarts = 0
+        #: Called after each run() reply is read (the runner sends the next case ahead).
+        self.on_idle: Callable[[], None] | None = None
 
     # -- lifecycle --
     def start(self) -> None:
@@ -584,6 +587,7 @@ class Worker:
         os.close(to_parent_w)
         self._process, self._pipe = process, _Pipe(to_parent_r, to_child_w)
         self._sent = None
+        self._expect.clear()
         self._ready = False
         self._finalizer = weakref.finalize(self, _reap, process, self._pipe)
         if spawn:
@@ -621,7 +625,7 @@ class Worker:
             self._finalizer()
         self._process = self._pipe = None
         self._sent = None
-        self._pending = None
+        self._expect.clear()
         self._ready = False
 
     def close(self) -> None:
@@ -637,21 +641,27 @@ class Worker:
 
     # -- requests --
     def _request(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
-        """Send ``op`` for ``case`` (unless its reply is already on the way) and read one reply."""
+        """Read the reply of ``op`` for ``case``, sending the request first unless it is already on its way
+        (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
         key = (case.id, case.dtype, id(case))
-        pending, self._pending = self._pending, None
-        if pending == (op, key):  # run() after supports+run: the reply follows the supports answer
-            return self._reply(op, timeout)
-        if pending is not None or (self._process is not None and self._process.poll() is not None):
-            self._discard()  # a reply nobody will read, or a worker that died between cases
+        if self._expect and self._expect[0] == (op, key):
+            self._expect.popleft()
+            return self._reply(op, key, timeout)
+        if self._expect or (self._process is not None and self._process.poll() is not None):
+            self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
             self.restarts += self.info is not None
             try:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
+        self._send(case, key, with_supports=op == "supports")
+        self._expect.popleft()
+        return self._reply(op, key, timeout)
+
+    def _send(self, case: Case, key: tuple[str, str, int], with_supports: bool) -> None:
         assert self._pipe is not None
-        wire = "supports+run" if op == "supports" else op
+        wire = "supports+run" if with_supports else "run"
         try:
             if self._sent == key:
                 self._pipe.send({"op": wire, "reuse": True})
@@ -661,12 +671,20 @@ class Worker:
                 self._sent = key
         except _WorkerDied:
             pass  # the reply tells how it died
-        reply = self._reply(op, timeout)
-        if op == "supports" and reply[0]["answer"] is True:
-            self._pending = ("run", key)
-        return reply
+        self._expect.extend([("supports", key), ("run", key)] if with_supports else [("run", key)])
 
-    def _reply(self, op: str, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+    def prefetch(self, case: Case, with_supports: bool) -> None:
+        """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
+
+        Only when every reply has been read: at most one request is in flight, so
+        neither side can block the other on a full pipe.  Its timeout starts when
+        the runner asks for the reply (so it is never shorter than asked).
+        """
+        if self._expect or not self._ready or self._process is None or self._process.poll() is not None:
+            return
+        self._send(case, (case.id, case.dtype, id(case)), with_supports)
+
+    def _reply(self, op: str, key: tuple[str, str, int], timeout: float | None) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
         try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
@@ -684,6 +702,9 @@ class Worker:
             self._discard()
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
+        if op == "supports" and not (reply.get("ok") is True and reply.get("answer") is True):
+            if self._expect and self._expect[0] == ("run", key):
+                self._expect.popleft()  # the worker does not run a case it does not support
         if reply.get("ok") is not True:
             raise AdapterCrash(str(reply.get("error", f"the worker sent a malformed reply during {op}()")))
         return reply, data
@@ -696,6 +717,8 @@ class Worker:
     def run(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         """(what ``run(case)`` returned, seconds it took in the worker)."""
         reply, data = self._request("run", case, timeout)
+        if self.on_idle is not None:
+            self.on_idle()  # e.g. send the next case ahead: the worker computes it while this one is judged
         try:
             return _unpack_returned(reply, data), float(reply["seconds"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
