@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run the conformance suite against an adapter (default: numpy)",
         description="Judge every golden case × dtype × stage and print a table; the first failing "
-        "stage of a case is where its bug is.",
+        "stage of a case is where its bug is. Your own cases of any size: --catalog FILE.json (computed on the "
+        "fly). On several cores, the same verdicts through pytest-xdist: "
+        "pytest -n auto --pyargs mhaspec.conformance --mha-adapter=ADAPTER.",
         epilog=RUN_EPILOG,
     )
     run.add_argument(
@@ -57,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-k", dest="pattern", metavar="PATTERN",
                      help="only cases whose name contains PATTERN (or matches it as a glob); comma = or")
     run.add_argument("--golden", metavar="DIR", help="golden folder (default: the fixtures shipped with mhaspec)")
+    run.add_argument("--catalog", metavar="FILE.json",
+                     help="judge your own cases (JSON list of case specs, see `mhaspec schema`), computed on the fly "
+                     "by the fast float64 reference; no fixture is written")
     run.add_argument("--report", metavar="FILE.json", help="also write the JSON report (keys in docs/report.md)")
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", default=None, metavar="SECONDS",
@@ -87,6 +92,29 @@ def _parser() -> argparse.ArgumentParser:
                      help="generate your own cases from a JSON list of case specs (see `mhaspec schema`); "
                      "needs --out (the package's fixtures come only from the built-in catalog)")
 
+    fz = sub.add_parser(
+        "fuzz",
+        help="judge an adapter on random configurations (hypothesis); shrink a failure to a minimal case",
+        description="Draw random MHA configurations (sizes including 1, T != S and T = S, head sizes 1-256, "
+        "GQA/MQA, kdim/vdim, bias, causal in both alignments, masks with fully masked rows, self-/cross-attention "
+        "with key = value or distinct), compute each with the fast float64 reference and judge it like a catalog "
+        "case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
+        "and print it as catalog JSON that `mhaspec run ADAPTER --catalog FILE.json` reproduces. Needs the "
+        "extra `fuzz` (hypothesis).",
+        epilog="exit codes: 0 nothing found, 1 a non-conformance found (printed), 2 bad usage or bad input",
+    )
+    fz.add_argument("adapter", nargs="?", default="numpy",
+                    help="built-in name, package.module:attr, or path/to/file.py:attr (default: numpy)")
+    fz.add_argument("--examples", type=int, default=100, metavar="N", help="random cases to judge (default 100)")
+    fz.add_argument("--seed", type=int, default=0, metavar="S", help="the same seed draws the same cases (default 0)")
+    fz.add_argument("--max-size", type=int, default=24, metavar="L",
+                    help="largest query/key length T, S (default 24); head sizes go up to 256")
+    fz.add_argument("--dtype", action="append", metavar="DTYPE",
+                    help="dtypes to judge each case in; repeat or comma-separate (default: all four)")
+    fz.add_argument("--device", help="device for adapters that take one")
+    fz.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="per-case timeout for the adapter (default 300; 0 = none)")
+
     sub.add_parser("schema", help="print the JSON Schema of the spec models",
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
     cases = sub.add_parser("cases", help="list the catalog's cases", description="List the catalog's cases.")
@@ -106,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {
             "run": _run,
             "generate": _generate,
+            "fuzz": _fuzz,
             "schema": _schema,
             "cases": _cases,
             "adapters": _adapters,
@@ -175,8 +204,16 @@ def _run(args: argparse.Namespace) -> int:
         report.write_json(report_path)
         print(f"partial report written to {report_path}", file=sys.stderr)
 
+    golden = args.golden
+    if args.catalog:
+        if args.golden:
+            raise MhaspecError("--catalog and --golden: give one of them (a catalog is computed on the fly)")
+        from .reference.onthefly import OnTheFlyGolden
+
+        golden = OnTheFlyGolden(args.catalog)
+
     try:
-        session = Session(adapter, golden=args.golden, timeout=timeout, precision=args.precision,
+        session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision,
                           isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
@@ -207,6 +244,39 @@ def _run(args: argparse.Namespace) -> int:
         report.write_json(report_path)
         print(f"report written to {report_path}")
     return report.exit_code
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from .conformance import Report
+    from .fuzz import fuzz
+
+    if args.examples < 1:
+        raise MhaspecError(f"--examples: must be at least 1, got {args.examples}")
+    if args.max_size < 1:
+        raise MhaspecError(f"--max-size: must be at least 1, got {args.max_size}")
+    dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()] if args.dtype else None
+    start = time.perf_counter()
+    outcome = fuzz(args.adapter, examples=args.examples, seed=args.seed, dtypes=dtypes, max_len=args.max_size,
+                   timeout=args.timeout or None, device=args.device)
+    took = time.perf_counter() - start
+    judged = f"{outcome.examples} case(s) judged, {outcome.rejected} refused by supports(), seed {args.seed}, {took:.1f} s"
+    if not outcome.found:
+        print(f"fuzz {args.adapter}: no non-conformance found ({judged})")
+        return 0
+    width = max(Report.case_width([outcome.spec.id]), 4)  # type: ignore[union-attr]
+    print(f"fuzz {args.adapter}: NON-CONFORMANCE found and shrunk ({judged})\n")
+    print(Report.column_titles(width))
+    for result in outcome.results:
+        print(Report.row(result, width))
+    for result in outcome.results:
+        if result.verdict in ("fail", "error"):
+            first = result.first_failing_stage
+            detail = result.stage(first).message if first else result.message
+            print(f"\n{result.dtype}: {first or 'error'}: {detail}")
+            break
+    print(f"\nminimal failing case (save as case.json; `mhaspec run {args.adapter} --catalog case.json` reproduces it):")
+    print(outcome.catalog_json())
+    return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -98,18 +98,32 @@ class GoldenCase:
     stages: dict[str, np.ndarray]
     visible: np.ndarray  # (B, H, T, S) bool: explicit mask AND causal
     path: Path
+    #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
+    reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.spec.id
 
+    def with_reference_error(self, bounds: Mapping[str, Any]) -> dict[str, Any]:
+        """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).
+
+        The reference error is a worst-case bound, not rounding noise: a bound with a
+        worst-case part (``worst``, see :class:`mhaspec.conformance.tolerance.Bound`) gets it
+        there; a plain tolerance array gets it added."""
+        if self.reference_error is None:
+            return dict(bounds)
+        out = {}
+        for stage, bound in bounds.items():
+            extra = self.reference_error[stage]
+            out[stage] = bound._replace(worst=bound.worst + extra) if hasattr(bound, "_replace") else bound + extra
+        return out
+
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""
         if dtype not in self._cases:
-            self._cases[dtype] = Case.from_arrays(
-                self.spec.id, self.spec.config, dtype, self.inputs, self.weights, self.spec.inputs == "self"
-            )
+            self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights)
         return self._cases[dtype]
 
 
