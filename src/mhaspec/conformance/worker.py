@@ -54,6 +54,7 @@ import numpy as np
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
 from ..errors import AdapterError, MhaspecError
 from ..spec import STAGES, Case, MHAConfig
+from ..spec.case import Inputs, Weights
 
 #: Seconds a spawned worker may take to import and construct the adapter.
 LOAD_TIMEOUT = 120.0
@@ -141,20 +142,38 @@ def decode_arrays(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]
 
 
 def _case_message(case: Case) -> tuple[dict[str, Any], bytes]:
-    names = ("query", "mask") if case.self_attention else ("query", "key", "value", "mask")  # self: key = value = query
-    arrays = {f"input.{k}": getattr(case.inputs, k) for k in names if getattr(case.inputs, k) is not None}
+    """A Case as a JSON header (its scalar fields, its config, which inputs are one array) and bytes.
+
+    Generic over the Case's fields, so a field added to the spec travels too;
+    an input that is the same array as another (self-attention, key = value)
+    travels once and is the same array again on the other side.
+    """
+    scalars = {name: getattr(case, name) for name in type(case).model_fields if name not in ("config", "inputs", "weights")}
+    arrays: dict[str, np.ndarray] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name in type(case.inputs).model_fields:
+        array = getattr(case.inputs, name)
+        if array is None:
+            continue
+        if id(array) in first:
+            aliases[name] = first[id(array)]
+            continue
+        first[id(array)] = name
+        arrays[f"input.{name}"] = array
     arrays.update({f"weight.{k}": v for k, v in case.weights.as_dict().items()})
-    header = {"id": case.id, "config": case.config.model_dump(mode="json"), "dtype": case.dtype,
-              "self_attention": case.self_attention}
+    header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
     return header, encode_arrays(arrays)
 
 
 def _case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
-    arrays = decode_arrays(payload)
+    arrays = decode_arrays(payload)  # read-only views of the payload
     inputs = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("input.")}
+    for name, same_as in header["aliases"].items():
+        inputs[name] = inputs[same_as]
     weights = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("weight.")}
-    return Case.from_arrays(header["id"], MHAConfig.model_validate(header["config"]), header["dtype"],
-                            inputs, weights, header["self_attention"])
+    return Case(config=MHAConfig.model_validate(header["config"]), inputs=Inputs(**inputs), weights=Weights(**weights),
+                **header["scalars"])
 
 
 def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
