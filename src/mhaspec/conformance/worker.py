@@ -397,15 +397,12 @@ def _forget_golden() -> None:
     import gc
 
     for obj in gc.get_objects():
-        if isinstance(obj, fixtures.GoldenSet):
-            obj._loaded.clear()
-        elif isinstance(obj, fixtures.GoldenCase):
-            obj.stages.clear()
-            obj.inputs.clear()
-            obj.weights.clear()
-            obj._cases.clear()
-            object.__setattr__(obj, "visible", None)
-    gc.collect()
+        if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, dict):
+                    value.clear()  # GoldenSet._loaded, GoldenCase.stages/inputs/weights, caches
+                elif isinstance(value, np.ndarray):
+                    object.__setattr__(obj, name, None)  # GoldenCase.visible
 
 
 def _finish(code: int) -> None:
