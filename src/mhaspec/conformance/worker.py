@@ -546,8 +546,10 @@ class Worker:
             raise AdapterError("isolation of an adapter object needs fork(); pass the adapter by name or use isolate=False")
         self._process: _Process | None = None
         self._pipe: _Pipe | None = None
-        self._sent: tuple[str, str, int] | None = None  # the case the current worker already holds
-        self._expect: collections.deque[tuple[str, tuple[str, str, int]]] = collections.deque()  # replies on their way
+        # The Case the current worker already holds, and the replies on their way, by the Case *object*
+        # (held here, so that its id() cannot be reused by another Case: case ids repeat, e.g. in fuzz).
+        self._sent: Case | None = None
+        self._expect: collections.deque[tuple[str, Case]] = collections.deque()
         self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
         self._finalizer: weakref.finalize | None = None
         self._ready = False
@@ -659,10 +661,9 @@ class Worker:
     def _request(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
         """Read the reply of ``op`` for ``case``, sending the request first unless it is already on its way
         (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
-        key = (case.id, case.dtype, id(case))
-        if self._expect and self._expect[0] == (op, key):
+        if self._expect and self._expect[0][0] == op and self._expect[0][1] is case:
             self._expect.popleft()
-            return self._reply(op, key, timeout)
+            return self._reply(op, case, timeout)
         if self._expect or (self._process is not None and self._process.poll() is not None):
             self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
@@ -671,23 +672,23 @@ class Worker:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        self._send(case, key, with_supports=op == "supports")
+        self._send(case, with_supports=op == "supports")
         self._expect.popleft()
-        return self._reply(op, key, timeout)
+        return self._reply(op, case, timeout)
 
-    def _send(self, case: Case, key: tuple[str, str, int], with_supports: bool) -> None:
+    def _send(self, case: Case, with_supports: bool) -> None:
         assert self._pipe is not None
         wire = "supports+run" if with_supports else "run"
         try:
-            if self._sent == key:
+            if self._sent is case:
                 self._pipe.send({"op": wire, "reuse": True})
             else:
                 header, payload = _case_message(case)
                 self._pipe.send({"op": wire, "case": header}, payload)
-                self._sent = key
+                self._sent = case
         except _WorkerDied:
             pass  # the reply tells how it died
-        self._expect.extend([("supports", key), ("run", key)] if with_supports else [("run", key)])
+        self._expect.extend([("supports", case), ("run", case)] if with_supports else [("run", case)])
 
     def prefetch(self, case: Case, with_supports: bool) -> None:
         """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
@@ -698,9 +699,9 @@ class Worker:
         """
         if self._expect or not self._ready or self._process is None or self._process.poll() is not None:
             return
-        self._send(case, (case.id, case.dtype, id(case)), with_supports)
+        self._send(case, with_supports)
 
-    def _reply(self, op: str, key: tuple[str, str, int], timeout: float | None) -> tuple[dict[str, Any], bytes]:
+    def _reply(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
         try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
@@ -719,7 +720,7 @@ class Worker:
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
         if op == "supports" and not (reply.get("ok") is True and reply.get("answer") is True):
-            if self._expect and self._expect[0] == ("run", key):
+            if self._expect and self._expect[0][0] == "run" and self._expect[0][1] is case:
                 self._expect.popleft()  # the worker does not run a case it does not support
         if reply.get("ok") is not True:
             raise AdapterCrash(str(reply.get("error", f"the worker sent a malformed reply during {op}()")))
