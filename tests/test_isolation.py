@@ -23,6 +23,7 @@ from mhaspec.cli import main
 from mhaspec.conformance import ERROR, PASS, UNSUPPORTED, Session
 from mhaspec.conformance import runner as runner_module
 from mhaspec.errors import MhaspecError
+from mhaspec.spec import CATALOG
 
 FAULTY = textwrap.dedent(
     '''
@@ -102,6 +103,23 @@ FAULTY = textwrap.dedent(
                             os.write(fd, bytes([255]) * 64)
                     except OSError:
                         pass
+            return NumpyMHA().run(case)
+
+
+    class Identity:
+        """Fails unless the inputs that are one array in the runner are one array here too."""
+        name = "identity"
+
+        def run(self, case):
+            x = case.inputs
+            from mhaspec.spec import CATALOG
+
+            kind = CATALOG[case.id].inputs  # as the catalog says
+            self_attention, key_is_value = kind == "self", kind in ("self", "shared_kv")
+            assert (case.self_attention, case.key_is_value) == (self_attention, key_is_value), case.id
+            assert (x.query is x.key is x.value) == self_attention, case.id
+            assert (x.key is x.value) == key_is_value, case.id
+            assert not x.query.flags.writeable and not case.weights.w_q.flags.writeable
             return NumpyMHA().run(case)
 
 
@@ -196,6 +214,13 @@ def test_sys_exit_is_an_error_also_in_process(faulty):
                            isolate=False)
     assert report.result("self_basic", "float64").message == "adapter called sys.exit(0) in run()"
     assert report.result("batch_one", "float64").verdict == PASS
+
+
+def test_the_worker_gets_the_same_case(faulty):
+    cases = ["self_basic", "cross_shared_kv", "cross_attention", "key_padding"]
+    assert {CATALOG[c].inputs for c in cases} == {"self", "shared_kv", "distinct"}
+    report = mhaspec.check(f"{faulty}:Identity", cases=cases, dtypes=["float64", "bfloat16"])
+    assert [r.verdict for r in report.results] == [PASS] * 8, [r.message for r in report.results]
 
 
 def test_garbage_on_the_workers_pipe_costs_one_case(faulty, monkeypatch):

@@ -150,7 +150,12 @@ def fuzz(
     from .conformance.runner import resolve_dtypes
     from .reference.onthefly import OnTheFlyGolden
 
-    adapter = load_adapter(adapter, **options)
+    from .conformance.worker import Worker
+
+    # One worker process for the whole run (isolation, issue #10): by name when given one (spawned or
+    # forked as `mhaspec run` does), else the object itself; closed at the end.
+    worker = Worker(adapter, options) if isinstance(adapter, str) else Worker(load_adapter(adapter, **options))
+    adapter = load_adapter(adapter, **options)  # here only for supports() before a golden is computed
     wanted = resolve_dtypes(dtypes)
     outcome = FuzzOutcome()
     last: dict[str, Any] = {}
@@ -167,7 +172,7 @@ def fuzz(
             return False  # the Session reports what supports() raised
 
     def judge(spec: CaseSpec) -> list[Any]:
-        session = Session(adapter, golden=OnTheFlyGolden(Catalog([spec]), source="<fuzz>"), timeout=timeout)
+        session = Session(worker, golden=OnTheFlyGolden(Catalog([spec]), source="<fuzz>"), timeout=timeout)
         with np.errstate(all="ignore"):  # infinite bounds (bfloat16, long sums) are judged, not warned about
             return [session.result(spec.id, dtype) for dtype in wanted]
 
@@ -203,4 +208,6 @@ def fuzz(
         outcome.spec, outcome.results = last["spec"], last["results"]
     except hypothesis.errors.Unsatisfiable:
         raise MhaspecError(f"adapter {adapter.name}: supports() refused every drawn case") from None
+    finally:
+        worker.close()
     return outcome

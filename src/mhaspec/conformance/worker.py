@@ -31,6 +31,7 @@ bfloat16 (ml_dtypes) and float8 arrays travel as safetensors' BF16/F8 types.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -53,6 +54,7 @@ import numpy as np
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
 from ..errors import AdapterError, MhaspecError
 from ..spec import STAGES, Case, MHAConfig
+from ..spec.case import Inputs, Weights
 
 #: Seconds a spawned worker may take to import and construct the adapter.
 LOAD_TIMEOUT = 120.0
@@ -140,20 +142,38 @@ def decode_arrays(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]
 
 
 def _case_message(case: Case) -> tuple[dict[str, Any], bytes]:
-    names = ("query", "mask") if case.self_attention else ("query", "key", "value", "mask")  # self: key = value = query
-    arrays = {f"input.{k}": getattr(case.inputs, k) for k in names if getattr(case.inputs, k) is not None}
+    """A Case as a JSON header (its scalar fields, its config, which inputs are one array) and bytes.
+
+    Generic over the Case's fields, so a field added to the spec travels too;
+    an input that is the same array as another (self-attention, key = value)
+    travels once and is the same array again on the other side.
+    """
+    scalars = {name: getattr(case, name) for name in type(case).model_fields if name not in ("config", "inputs", "weights")}
+    arrays: dict[str, np.ndarray] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name in type(case.inputs).model_fields:
+        array = getattr(case.inputs, name)
+        if array is None:
+            continue
+        if id(array) in first:
+            aliases[name] = first[id(array)]
+            continue
+        first[id(array)] = name
+        arrays[f"input.{name}"] = array
     arrays.update({f"weight.{k}": v for k, v in case.weights.as_dict().items()})
-    header = {"id": case.id, "config": case.config.model_dump(mode="json"), "dtype": case.dtype,
-              "self_attention": case.self_attention}
+    header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
     return header, encode_arrays(arrays)
 
 
 def _case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
-    arrays = decode_arrays(payload)
+    arrays = decode_arrays(payload)  # read-only views of the payload
     inputs = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("input.")}
+    for name, same_as in header["aliases"].items():
+        inputs[name] = inputs[same_as]
     weights = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("weight.")}
-    return Case.from_arrays(header["id"], MHAConfig.model_validate(header["config"]), header["dtype"],
-                            inputs, weights, header["self_attention"])
+    return Case(config=MHAConfig.model_validate(header["config"]), inputs=Inputs(**inputs), weights=Weights(**weights),
+                **header["scalars"])
 
 
 def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
@@ -377,19 +397,12 @@ def _forget_golden() -> None:
     import gc
 
     for obj in gc.get_objects():
-        if isinstance(obj, fixtures.GoldenSet):
-            loaded = getattr(obj, "_loaded", None)  # a golden folder's cache
-            if loaded is not None:
-                loaded.clear()
-            if hasattr(obj, "_current"):  # a catalog computed on the fly keeps its last case
-                obj._current = None
-        elif isinstance(obj, fixtures.GoldenCase):
-            obj.stages.clear()
-            obj.inputs.clear()
-            obj.weights.clear()
-            obj._cases.clear()
-            object.__setattr__(obj, "visible", None)
-    gc.collect()
+        if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, dict):
+                    value.clear()  # GoldenSet._loaded, GoldenCase.stages/inputs/weights, caches
+                elif isinstance(value, np.ndarray):
+                    object.__setattr__(obj, name, None)  # GoldenCase.visible
 
 
 def _finish(code: int) -> None:
@@ -534,11 +547,13 @@ class Worker:
         self._process: _Process | None = None
         self._pipe: _Pipe | None = None
         self._sent: tuple[str, str, int] | None = None  # the case the current worker already holds
-        self._pending: tuple[str, tuple[str, str, int]] | None = None  # a reply on its way (run after supports)
+        self._expect: collections.deque[tuple[str, tuple[str, str, int]]] = collections.deque()  # replies on their way
         self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
         self._finalizer: weakref.finalize | None = None
         self._ready = False
         self.restarts = 0
+        #: Called after each run() reply is read (the runner sends the next case ahead).
+        self.on_idle: Callable[[], None] | None = None
 
     # -- lifecycle --
     def start(self) -> None:
@@ -588,6 +603,7 @@ class Worker:
         os.close(to_parent_w)
         self._process, self._pipe = process, _Pipe(to_parent_r, to_child_w)
         self._sent = None
+        self._expect.clear()
         self._ready = False
         self._finalizer = weakref.finalize(self, _reap, process, self._pipe)
         if spawn:
@@ -625,7 +641,7 @@ class Worker:
             self._finalizer()
         self._process = self._pipe = None
         self._sent = None
-        self._pending = None
+        self._expect.clear()
         self._ready = False
 
     def close(self) -> None:
@@ -641,21 +657,27 @@ class Worker:
 
     # -- requests --
     def _request(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
-        """Send ``op`` for ``case`` (unless its reply is already on the way) and read one reply."""
+        """Read the reply of ``op`` for ``case``, sending the request first unless it is already on its way
+        (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
         key = (case.id, case.dtype, id(case))
-        pending, self._pending = self._pending, None
-        if pending == (op, key):  # run() after supports+run: the reply follows the supports answer
-            return self._reply(op, timeout)
-        if pending is not None or (self._process is not None and self._process.poll() is not None):
-            self._discard()  # a reply nobody will read, or a worker that died between cases
+        if self._expect and self._expect[0] == (op, key):
+            self._expect.popleft()
+            return self._reply(op, key, timeout)
+        if self._expect or (self._process is not None and self._process.poll() is not None):
+            self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
             self.restarts += self.info is not None
             try:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
+        self._send(case, key, with_supports=op == "supports")
+        self._expect.popleft()
+        return self._reply(op, key, timeout)
+
+    def _send(self, case: Case, key: tuple[str, str, int], with_supports: bool) -> None:
         assert self._pipe is not None
-        wire = "supports+run" if op == "supports" else op
+        wire = "supports+run" if with_supports else "run"
         try:
             if self._sent == key:
                 self._pipe.send({"op": wire, "reuse": True})
@@ -665,12 +687,20 @@ class Worker:
                 self._sent = key
         except _WorkerDied:
             pass  # the reply tells how it died
-        reply = self._reply(op, timeout)
-        if op == "supports" and reply[0]["answer"] is True:
-            self._pending = ("run", key)
-        return reply
+        self._expect.extend([("supports", key), ("run", key)] if with_supports else [("run", key)])
 
-    def _reply(self, op: str, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+    def prefetch(self, case: Case, with_supports: bool) -> None:
+        """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
+
+        Only when every reply has been read: at most one request is in flight, so
+        neither side can block the other on a full pipe.  Its timeout starts when
+        the runner asks for the reply (so it is never shorter than asked).
+        """
+        if self._expect or not self._ready or self._process is None or self._process.poll() is not None:
+            return
+        self._send(case, (case.id, case.dtype, id(case)), with_supports)
+
+    def _reply(self, op: str, key: tuple[str, str, int], timeout: float | None) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
         try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
@@ -688,6 +718,9 @@ class Worker:
             self._discard()
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
+        if op == "supports" and not (reply.get("ok") is True and reply.get("answer") is True):
+            if self._expect and self._expect[0] == ("run", key):
+                self._expect.popleft()  # the worker does not run a case it does not support
         if reply.get("ok") is not True:
             raise AdapterCrash(str(reply.get("error", f"the worker sent a malformed reply during {op}()")))
         return reply, data
@@ -700,6 +733,8 @@ class Worker:
     def run(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         """(what ``run(case)`` returned, seconds it took in the worker)."""
         reply, data = self._request("run", case, timeout)
+        if self.on_idle is not None:
+            self.on_idle()  # e.g. send the next case ahead: the worker computes it while this one is judged
         try:
             return _unpack_returned(reply, data), float(reply["seconds"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
