@@ -274,6 +274,16 @@ def test_attention_graph_conforms_on_a_few_cases(name: str) -> None:
     assert bf16 == ("unsupported" if name == "onnxruntime" else "pass")
 
 
+@pytest.mark.parametrize("opset", [24, 25])
+def test_later_opsets_build_the_same_graph(opset: int) -> None:
+    cases = ["gqa", "custom_mask", "causal_top_left"]
+    for name in ("onnxruntime", "onnx-reference"):
+        report = mhaspec.check(name, dtypes=["float32"], cases=cases, opset=opset)
+        assert report.ok and report.counts()["pass"] == len(cases), str(report)
+    with pytest.raises(ValueError, match="opset >= 23"):
+        onnx_attention.OnnxRuntimeAdapter(opset=22)
+
+
 def test_onnxruntime_deviates_in_float64_only_where_declared() -> None:
     report = mhaspec.check("onnxruntime", dtypes=["float64"], cases=["gqa", "head_dim_1"])
     stages = {st.stage: st.verdict for st in report.result("gqa", "float64").stages}
