@@ -86,7 +86,7 @@ def linear_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torc
     w = canonical(weights)
     out: dict[str, torch.Tensor] = {}
     for (w_name, b_name), prefix in LINEAR_NAMES.items():
-        out[f"{prefix}.weight"] = torch.from_numpy(np.ascontiguousarray(w[w_name].T))
+        out[f"{prefix}.weight"] = torch.from_numpy(np.array(w[w_name].T, order="C"))  # a copy: the case is read-only
         if b_name in w:
             out[f"{prefix}.bias"] = torch.from_numpy(w[b_name].copy())
     return out

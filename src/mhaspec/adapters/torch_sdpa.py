@@ -126,7 +126,7 @@ class TorchSDPAAdapter:
 
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = query if case.self_attention else to_tensor(case.inputs.value, dtype, self.device)
+        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
         if top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
             attn_mask, is_causal = None, True
         else:
