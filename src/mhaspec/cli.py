@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                      help="per-case timeout for the adapter (default 300; 0 = none)")
+    run.add_argument("--backward", action="store_true",
+                     help="also judge the backward stages (d_concat … d_b_o) from the adapter's backward(case); "
+                          "see docs/backward.md")
     run.add_argument("-v", "--verbose", action="store_true", help="also list stages the adapter does not expose")
 
     gen = sub.add_parser(
@@ -109,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
     from .conformance import Report, Session, select_cases
     from .conformance.runner import resolve_dtypes
 
-    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, device=args.device)
+    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, backward=args.backward,
+                      device=args.device)
     width = Report.case_width(select_cases(session.golden, None, args.pattern))
     framework, version = adapter_framework(session.adapter)
     header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))

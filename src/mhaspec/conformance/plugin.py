@@ -1,6 +1,6 @@
 """pytest plugin (registered through the ``pytest11`` entry point).
 
-    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--junitxml=out.xml]
+    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--mha-backward] [--junitxml=out.xml]
 
 gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
 passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
@@ -24,6 +24,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="dtype(s) to run (repeat or comma-separate; default all four)")
     group.addoption("--mha-golden", default=None, metavar="DIR", help="golden folder (default: the shipped fixtures)")
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
+    group.addoption("--mha-backward", action="store_true", default=False,
+                    help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
     group.addoption("--mha-timeout", type=float, default=300.0, help="per-case timeout in seconds (0 = none)")
 
 
@@ -45,6 +47,7 @@ def _session(config: pytest.Config) -> Any:
                 config.getoption("--mha-adapter") or "numpy",
                 golden=config.getoption("--mha-golden"),
                 timeout=config.getoption("--mha-timeout") or None,
+                backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
             )
             state.dtypes = resolve_dtypes(",".join(dtypes) if dtypes else None)
@@ -82,12 +85,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from ..spec import STAGES
 
     session = _session(metafunc.config)
-    params = [
-        (case_id, dtype, stage)
-        for case_id in session.golden.ids()
-        for dtype in _state(metafunc.config).dtypes
-        for stage in STAGES
-    ]
+    params = []
+    for case_id in session.golden.ids():
+        stages = list(STAGES)
+        if session.backward:
+            from .backward import case_backward_stages
+
+            stages += case_backward_stages(session.golden.load(case_id))
+        params += [(case_id, dtype, stage) for dtype in _state(metafunc.config).dtypes for stage in stages]
     metafunc.parametrize("mha_stage", params, ids=[f"{c}-{d}-{s}" for c, d, s in params])
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..spec import SPEC_VERSION, STAGES
+from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
 
 REPORT_VERSION = 1
@@ -85,6 +85,7 @@ class Report:
     results: list[CaseResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    backward: bool = False  # the backward stages were judged too (--backward)
 
     @property
     def ok(self) -> bool:
@@ -228,7 +229,8 @@ class Report:
             },
             "golden": self.golden,
             "dtypes": list(self.dtypes),
-            "stages": list(STAGES),
+            "backward": self.backward,
+            "stages": list(STAGES) + (list(BACKWARD_STAGES) if self.backward else []),
             "ok": self.ok,
             "exit_code": self.exit_code,
             "counts": self.counts(),

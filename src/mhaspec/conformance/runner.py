@@ -16,9 +16,11 @@ from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_ada
 from ..errors import MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import DTYPES, STAGES
+from .backward import NO_BACKWARD, contract_error, judge_backward
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, compare_stage, StageResult
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import stage_tolerances
+from .tolerance_backward import backward_tolerances
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -86,9 +88,10 @@ def _outside_blind_rows(golden: GoldenCase, stage: str):
     or None for a stage without a query-row axis (the projections of key and value)."""
     blind = ~golden.visible.any(axis=-1)  # (B, H, T)
     shape = golden.stages[stage].shape
-    if stage in ("scores", "attn_weights", "head_outputs"):  # (B, H, T, ·)
-        return np.broadcast_to(~blind[..., None], shape)
-    if stage in ("concat", "output"):  # (B, T, ·)
+    if stage in ("scores", "attn_weights", "head_outputs", "d_head_outputs", "d_attn_weights", "d_scores"):
+        return np.broadcast_to(~blind[..., None], shape)  # (B, H, T, ·)
+    if stage in ("concat", "output", "d_concat", "d_q_proj") or (stage == "d_query" and golden.spec.inputs != "self"):
+        # (B, T, ·)
         return np.broadcast_to(~blind.any(axis=1)[..., None], shape)
     return None
 
@@ -105,9 +108,11 @@ class Session:
         adapter: Any,
         golden: str | Path | GoldenSet | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
+        backward: bool = False,
         **options: Any,
     ) -> None:
         self.adapter = load_adapter(adapter, **options)
+        self.backward = backward  # also judge the adapter's backward(case) stages
         self.name = adapter_name(self.adapter)
         self.golden = golden if isinstance(golden, GoldenSet) else GoldenSet(golden)
         self.timeout = timeout
@@ -177,9 +182,46 @@ class Session:
             self._apply_deviations(res, golden, dtype, visible, judge)
             stages.append(res)
 
+        if self.backward:
+            start = time.perf_counter()
+            more, error = self._judge_backward(golden, case, dtype, tolerances)
+            adapter_s += time.perf_counter() - start
+            if error:
+                return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)
+            stages += more
+
         verdicts = {st.verdict for st in stages}
         verdict = FAIL if FAIL in verdicts else KNOWN_DEVIATION if KNOWN_DEVIATION in verdicts else "pass"
         return CaseResult(case_id, dtype, verdict, stages, adapter_s=adapter_s, harness_s=time.perf_counter() - t0)
+
+    def _judge_backward(
+        self, golden: GoldenCase, case: Any, dtype: str, tolerances: dict[str, np.ndarray]
+    ) -> tuple[list[StageResult], str]:
+        """(backward stage verdicts, "") or ([], the contract error) for ``adapter.backward(case)``."""
+        method = getattr(self.adapter, "backward", None)
+        if not callable(method):
+            return judge_backward(None, golden, dtype), ""
+        try:
+            returned = _call(lambda: method(case), self.timeout)
+        except CaseTimeout as exc:
+            return [], f"backward: {exc}"
+        except Exception as exc:
+            return [], f"backward() raised {_describe(exc)}"
+        error = contract_error(returned, golden)
+        if error:
+            return [], error
+        bounds = backward_tolerances(golden, dtype, tolerances)
+        results = judge_backward(returned, golden, dtype, bounds)
+        for res in results:
+            if res.verdict == NOT_EXPOSED:
+                continue
+
+            def judge(selected: np.ndarray | None, stage: str = res.stage) -> StageResult:
+                return compare_stage(stage, returned[stage], golden.stages[stage], bounds[stage], dtype, selected)
+
+            visible = golden.visible if res.stage == "d_attn_weights" else None
+            self._apply_deviations(res, golden, dtype, visible, judge)
+        return results, ""
 
     def _apply_deviations(
         self,
@@ -229,6 +271,9 @@ class Session:
 
     def report(self, results: list[CaseResult], dtypes: list[str], duration: float) -> Report:
         framework, version = adapter_framework(self.adapter)
+        warnings = self.deviation_warnings()
+        if self.backward and not callable(getattr(self.adapter, "backward", None)):
+            warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         return Report(
             adapter=self.name,
             framework=framework,
@@ -236,8 +281,9 @@ class Session:
             golden=str(self.golden.folder),
             dtypes=dtypes,
             results=results,
-            warnings=self.deviation_warnings(),
+            warnings=warnings,
             duration_s=duration,
+            backward=self.backward,
         )
 
 
@@ -262,6 +308,7 @@ def check(
     golden: str | Path | GoldenSet | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     progress: Callable[[CaseResult], None] | None = None,
+    backward: bool = False,
     **options: Any,
 ) -> Report:
     """Run the conformance suite: every selected case × dtype × stage.
@@ -269,12 +316,14 @@ def check(
     ``adapter`` is an adapter object, a class, a built-in name, ``module:attr``,
     ``file.py:attr`` or a :class:`Session`; ``dtypes`` defaults to all four (those the adapter does
     not declare are reported unsupported); ``cases`` are exact case ids and
-    ``pattern`` a -k style filter.  Options such as ``device="cuda"`` go to the
+    ``pattern`` a -k style filter; ``backward=True`` also judges the adapter's
+    ``backward(case)`` stages (docs/backward.md).  Options such as ``device="cuda"`` go to the
     adapter's constructor.  Raises :class:`mhaspec.errors.MhaspecError` for bad
     usage (unknown adapter, case, dtype; unreadable fixtures).
     """
     start = time.perf_counter()
-    session = adapter if isinstance(adapter, Session) else Session(adapter, golden=golden, timeout=timeout, **options)
+    session = (adapter if isinstance(adapter, Session)
+               else Session(adapter, golden=golden, timeout=timeout, backward=backward, **options))
     wanted = resolve_dtypes(dtypes)
     results = []
     for case_id in select_cases(session.golden, cases, pattern):

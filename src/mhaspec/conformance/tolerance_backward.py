@@ -1,0 +1,161 @@
+"""Element-wise tolerances of the backward stages: the forward's running error
+bound, carried on through the backward pass (docs/backward.md derives it).
+
+Each backward stage's bound = **propagated** (its inputs — forward stages and
+earlier backward stages, computed in the same dtype — are already off by
+their own bounds) + **local** (its own rounding: ``γ(n + k) · Σ|aᵢ·bᵢ|`` for a
+length-n sum of products, which holds for every summation order, blocking,
+accumulator width at least the dtype, and for sums split over a GQA group or
+over self-attention's three input gradients).  The forward bounds come from
+:func:`mhaspec.conformance.tolerance.stage_tolerances`.
+
+Where a correct implementation may take one of two routes, the bound is the
+larger of the two: the softmax-Jacobian row term δ = Σ_S P ⊙ dP may be computed
+as written, or FlashAttention's way as Σ_E dO ⊙ O (equal in exact arithmetic).
+
+Masked ``d_scores`` entries get no tolerance: they must be exactly 0.
+Shapes as in :mod:`mhaspec.spec.backward`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..fixtures import GoldenCase
+from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .tolerance import gamma, stage_tolerances
+
+
+def _heads(x: np.ndarray, heads: int, group: int = 1) -> np.ndarray:
+    """(B, L, heads·F) -> (B, heads·group, L, F), each head repeated ``group`` times (GQA)."""
+    B, L, F = x.shape
+    return np.repeat(x.reshape(B, L, heads, F // heads).transpose(0, 2, 1, 3), group, axis=1)
+
+
+def _merge(x: np.ndarray) -> np.ndarray:
+    """(B, heads, L, F) -> (B, L, heads·F)."""
+    B, n, L, F = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, n * F)
+
+
+def _grouped_t(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, F, group·T): a group's query heads stacked along the summed axis."""
+    B, H, T, F = x.shape
+    return np.swapaxes(x.reshape(B, kv_heads, (H // kv_heads) * T, F), -1, -2)
+
+
+def _grouped(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, group·T, F)."""
+    B, H, T, F = x.shape
+    return x.reshape(B, kv_heads, (H // kv_heads) * T, F)
+
+
+def _product_bound(a: np.ndarray, e_a: np.ndarray, b: np.ndarray, e_b: np.ndarray,
+                   n: int, u: float, k: int) -> np.ndarray:
+    """Bound of ``a @ b`` when |a|, |b| are off by e_a, e_b: propagated + γ(n + k)·(|a|+e_a)(|b|+e_b)."""
+    hi = (a + e_a) @ (b + e_b)
+    return (hi - a @ b) + gamma(n + k, u) * hi
+
+
+def _sum_bound(d: np.ndarray, e_d: np.ndarray, u: float, k: int) -> np.ndarray:
+    """Bound of Σ over B and L of ``d`` (B, L, N) off by e_d: Σ e_d + γ(B·L + k)·Σ(|d| + e_d)."""
+    rows = d.shape[0] * d.shape[1]
+    return e_d.sum(axis=(0, 1)) + gamma(rows + k, u) * (d + e_d).sum(axis=(0, 1))
+
+
+def backward_tolerances(
+    golden: GoldenCase,
+    dtype: str,
+    forward: dict[str, np.ndarray] | None = None,
+    table: ToleranceTable = DEFAULT_TOLERANCES,
+) -> dict[str, np.ndarray]:
+    """The allowed absolute error of every element of every backward stage of ``golden`` in ``dtype``.
+
+    ``forward`` are the forward stages' bounds (default: computed here).
+    """
+    rule = table.dtypes[dtype]
+    u, k = rule.unit_roundoff, table.extra_ops
+    fw = forward if forward is not None else stage_tolerances(golden, dtype, table)
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    visible = golden.visible
+    S, D, E = golden.spec.src_len, cfg.D_k, cfg.D_v
+    self_attention = golden.spec.inputs == "self"
+    A = np.abs
+    assert golden.d_output is not None
+    dY = A(golden.d_output)  # exact in every dtype
+
+    # 1. d_concat = d_output @ w_oᵀ: exact operands, only local rounding; d_head_outputs is a relabelling.
+    e_dc = gamma(cfg.d_out + k, u) * (dY @ A(w["w_o"]).T)
+    e_dO = _heads(e_dc, H)
+    dO = A(g["d_head_outputs"])
+
+    # 2. d_attn_weights = dO Vᵀ (V off by the forward's E_v).
+    V, e_V = A(_heads(g["v_proj"], G, group)), _heads(fw["v_proj"], G, group)
+    e_dP = _product_bound(dO, e_dO, np.swapaxes(V, -1, -2), np.swapaxes(e_V, -1, -2), E, u, k)
+
+    # 3. d_scores = P ⊙ (dP − δ).  δ either as Σ_S P·dP or as Σ_E dO·O: the larger bound.
+    P, e_P = g["attn_weights"], np.where(visible, fw["attn_weights"], 0.0)
+    dP = A(g["d_attn_weights"])
+    O, e_O = A(g["head_outputs"]), fw["head_outputs"]
+    e_delta_p = (e_P * dP + (P + e_P) * e_dP).sum(-1, keepdims=True) \
+        + gamma(S + k, u) * ((P + e_P) * (dP + e_dP)).sum(-1, keepdims=True)
+    e_delta_o = (e_dO * O + (dO + e_dO) * e_O).sum(-1, keepdims=True) \
+        + gamma(E + k, u) * ((dO + e_dO) * (O + e_O)).sum(-1, keepdims=True)
+    e_delta = np.maximum(e_delta_p, e_delta_o)  # (B, H, T, 1)
+    delta = A((P * g["d_attn_weights"]).sum(-1, keepdims=True))
+    diff = A(g["d_attn_weights"] - (P * g["d_attn_weights"]).sum(-1, keepdims=True))
+    e_diff = e_dP + e_delta
+    # product P·(dP − δ), or P·dP − P·δ expanded: local rounding on the larger magnitudes
+    e_dS = e_P * (diff + e_diff) + P * e_diff + gamma(k, u) * (P + e_P) * (dP + e_dP + delta + e_delta)
+    e_dS = np.where(visible, e_dS, 0.0)
+
+    # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
+    dS = A(g["d_scores"])
+    K, e_K = A(_heads(g["k_proj"], G, group)), _heads(fw["k_proj"], G, group)
+    Q, e_Q = A(_heads(g["q_proj"], H)), _heads(fw["q_proj"], H)
+    n_group = group * golden.spec.tgt_len
+    e_dq = _merge(scale * _product_bound(dS, e_dS, K, e_K, S, u, k))
+    e_dk = _merge(scale * _product_bound(_grouped_t(dS, G), _grouped_t(e_dS, G), _grouped(Q, G), _grouped(e_Q, G),
+                                         n_group, u, k))
+    e_dv = _merge(_product_bound(_grouped_t(P, G), _grouped_t(e_P, G), _grouped(dO, G), _grouped(e_dO, G),
+                                 n_group, u, k))
+    bounds = {
+        "d_concat": e_dc, "d_head_outputs": e_dO, "d_attn_weights": e_dP, "d_scores": e_dS,
+        "d_q_proj": e_dq, "d_k_proj": e_dk, "d_v_proj": e_dv,
+    }
+
+    # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
+    d_y = {"q": A(g["d_q_proj"]), "k": A(g["d_k_proj"]), "v": A(g["d_v_proj"]), "o": dY}
+    e_y = {"q": e_dq, "k": e_dk, "v": e_dv, "o": np.zeros_like(dY)}
+
+    def input_bound(names: str) -> np.ndarray:
+        n = sum(w[f"w_{x}"].shape[1] for x in names)
+        prop = sum(e_y[x] @ A(w[f"w_{x}"]).T for x in names)
+        hi = sum((d_y[x] + e_y[x]) @ A(w[f"w_{x}"]).T for x in names)
+        return prop + gamma(n + k, u) * hi
+
+    if self_attention:
+        bounds["d_query"] = input_bound("qkv")
+    else:
+        bounds.update(d_query=input_bound("q"), d_key=input_bound("k"), d_value=input_bound("v"))
+
+    # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, is off by the forward's E_c),
+    #    bias gradients Σ d_y.
+    x = {"q": A(golden.inputs["query"]), "k": A(golden.inputs["key"]), "v": A(golden.inputs["value"]),
+         "o": A(g["concat"])}
+    e_x = {"q": 0.0, "k": 0.0, "v": 0.0, "o": fw["concat"]}
+    for n in "qkvo":
+        rows = x[n].shape[0] * x[n].shape[1]
+        ex = np.broadcast_to(e_x[n], x[n].shape).reshape(rows, -1)
+        xf = x[n].reshape(rows, -1)
+        dyf, eyf = d_y[n].reshape(rows, -1), e_y[n].reshape(rows, -1)
+        bounds[f"d_w_{n}"] = _product_bound(xf.T, ex.T, dyf, eyf, rows, u, k)
+        if cfg.bias:
+            bounds[f"d_b_{n}"] = _sum_bound(d_y[n], e_y[n], u, k)
+
+    floor = rule.floor
+    out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in bounds.items() if name in g}
+    out["d_scores"] = np.where(visible, out["d_scores"], 0.0)  # masked: exactly 0
+    return out
