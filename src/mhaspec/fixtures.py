@@ -35,6 +35,7 @@ from .errors import FixtureError
 from .spec import (
     MANIFEST_NAME,
     SPEC_VERSION,
+    BACKWARD_STAGES,
     STAGES,
     Case,
     CaseSpec,
@@ -232,7 +233,7 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
     inputs = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("input.")}
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
     stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
-    stages = {s: stages[s] for s in STAGES} | {s: v for s, v in stages.items() if s not in STAGES}
+    stages = {s: stages[s] for s in STAGES + BACKWARD_STAGES if s in stages}  # pipeline order
     return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"])
 
 

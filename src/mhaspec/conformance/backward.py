@@ -16,8 +16,8 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import BACKWARD_STAGES, FOLDED_IN_SELF_ATTENTION, STAGES
-from .compare import FAIL, NOT_EXPOSED, StageResult, compare_stage
-from .tolerance_backward import backward_tolerances
+from .compare import FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage
+from .tolerance_backward import backward_tolerances, local_checks
 
 NO_BACKWARD = "the adapter has no backward(case) method"
 
@@ -62,16 +62,22 @@ def judge_backward(
     dtype: str,
     tolerances: dict[str, np.ndarray] | None = None,
     why_not: str = NO_BACKWARD,
+    forward: Mapping[str, Any] | None = None,
 ) -> list[StageResult]:
     """One verdict per backward stage of the case; ``returned`` None: every stage not exposed (``why_not``).
 
     ``tolerances``: the backward bounds (default: :func:`backward_tolerances`).
+    Each stage is judged against the golden and, where the adapter returned
+    what it is computed from (``forward``: the stages ``run`` returned), locally
+    against the float64 recomputation from the adapter's own stages; either
+    failing fails the stage.
     """
     names = case_backward_stages(golden)
     if returned is None:
         return [StageResult(s, NOT_EXPOSED, message=why_not) for s in names]
     if tolerances is None:
         tolerances = backward_tolerances(golden, dtype)
+    checks = local_checks(golden, dtype, own_stages(golden, forward or {}, returned))
     out = []
     for stage in names:
         if stage not in returned:
@@ -79,7 +85,33 @@ def judge_backward(
             continue
         visible = golden.visible if stage == "d_attn_weights" else None  # masked dP is not compared
         res = compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, visible)
+        local = checks.get(stage)
+        if local is not None:
+            _merge_local(res, compare_stage(stage, returned[stage], local[0], local[1], dtype, visible), local[2])
         if res.verdict == FAIL and stage == "d_query" and golden.spec.inputs == "self":
             res.message += f" ({SELF_ATTENTION_NOTE})"
         out.append(res)
     return out
+
+
+def own_stages(golden: GoldenCase, *returned: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The adapter's returned stages as float64 arrays, those with the canonical shape and finite values only."""
+    out = {}
+    for mapping in returned:
+        for name, value in mapping.items():
+            ref = golden.stages.get(name)
+            arr, _ = as_float_array(value)
+            if ref is not None and arr is not None and arr.shape == ref.shape and np.isfinite(arr).all():
+                out[name] = arr
+    return out
+
+
+def _merge_local(res: StageResult, local: StageResult, sources: tuple[str, ...]) -> None:
+    """Fold the local check into the golden verdict: the stage fails if either fails."""
+    if local.verdict == FAIL and res.verdict == PASS:
+        res.verdict = FAIL
+        res.message = (f"local check against the float64 recomputation from the adapter's own "
+                       f"{', '.join(sources)}: {local.message}")
+        res.worst_ratio, res.worst_index = local.worst_ratio, local.worst_index
+    elif res.verdict == PASS and local.worst_ratio is not None and (res.worst_ratio or 0) < local.worst_ratio:
+        res.worst_ratio, res.worst_index = local.worst_ratio, local.worst_index

@@ -184,7 +184,7 @@ class Session:
 
         if self.backward:
             start = time.perf_counter()
-            more, error = self._judge_backward(golden, case, dtype, tolerances)
+            more, error = self._judge_backward(golden, case, dtype, tolerances, returned)
             adapter_s += time.perf_counter() - start
             if error:
                 return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)
@@ -195,7 +195,8 @@ class Session:
         return CaseResult(case_id, dtype, verdict, stages, adapter_s=adapter_s, harness_s=time.perf_counter() - t0)
 
     def _judge_backward(
-        self, golden: GoldenCase, case: Any, dtype: str, tolerances: dict[str, np.ndarray]
+        self, golden: GoldenCase, case: Any, dtype: str, tolerances: dict[str, np.ndarray],
+        forward: Mapping[str, Any],
     ) -> tuple[list[StageResult], str]:
         """(backward stage verdicts, "") or ([], the contract error) for ``adapter.backward(case)``."""
         method = getattr(self.adapter, "backward", None)
@@ -211,7 +212,7 @@ class Session:
         if error:
             return [], error
         bounds = backward_tolerances(golden, dtype, tolerances)
-        results = judge_backward(returned, golden, dtype, bounds)
+        results = judge_backward(returned, golden, dtype, bounds, forward=forward)
         for res in results:
             if res.verdict == NOT_EXPOSED:
                 continue

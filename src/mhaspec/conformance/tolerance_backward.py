@@ -159,3 +159,124 @@ def backward_tolerances(
     out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in bounds.items() if name in g}
     out["d_scores"] = np.where(visible, out["d_scores"], 0.0)  # masked: exactly 0
     return out
+
+
+# -- local checks -----------------------------------------------------------------------------------
+#
+# Each backward stage is also judged against the float64 recomputation from the adapter's *own*
+# previous stages (forward and backward), with only that stage's own rounding as tolerance: in
+# float16 and bfloat16 the propagated golden bound grows wide, the local one does not, so a wrong
+# formula is caught at its own stage in every dtype.
+
+
+def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, u: float, k: int) -> np.ndarray:
+    """How far a correct backward's P may be from the forward's returned P, element-wise.
+
+    A backward may reuse the returned weights or recompute them (FlashAttention:
+    exp(s − logsumexp)); each is within the softmax's own rounding of the exact
+    softmax of the scores — γ(S + k) + u·(|s_j| + max|s|) relative (docs/tolerances.md) —
+    so the two are within twice that.
+    """
+    S = P.shape[-1]
+    row_max = np.max(np.where(visible, s_abs, 0.0), axis=-1, keepdims=True)
+    return np.where(visible, 2 * P * (gamma(S + k, u) + u * (s_abs + row_max)), 0.0)
+
+
+def local_checks(
+    golden: GoldenCase,
+    dtype: str,
+    own: dict[str, np.ndarray],
+    table: ToleranceTable = DEFAULT_TOLERANCES,
+) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
+    """``{stage: (float64 recomputation, tolerance, the adapter's stages it came from)}``.
+
+    ``own`` holds the adapter's returned stages (forward and backward) as float64
+    arrays of the canonical shapes; a check whose sources are not all there is left out.
+    """
+    rule = table.dtypes[dtype]
+    u, k, floor = rule.unit_roundoff, table.extra_ops, rule.floor
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    S, E, T = golden.spec.src_len, cfg.D_v, golden.spec.tgt_len
+    visible = golden.visible
+    A = np.abs
+    assert golden.d_output is not None
+    dY = golden.d_output
+
+    def has(*names: str) -> bool:
+        return all(n in own for n in names)
+
+    out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
+    if has("d_concat"):
+        x = _heads(own["d_concat"], H)
+        out["d_head_outputs"] = (x, gamma(k, u) * A(x) + floor, ("d_concat",))
+    if has("d_head_outputs", "v_proj"):
+        dO, V = own["d_head_outputs"], _heads(own["v_proj"], G, group)
+        Vt = np.swapaxes(V, -1, -2)
+        out["d_attn_weights"] = (dO @ Vt, gamma(E + k, u) * (A(dO) @ A(Vt)) + floor, ("d_head_outputs", "v_proj"))
+    s_abs = A(own["scores"]) if "scores" in own else A(g["scores"])  # magnitudes only
+    if has("attn_weights", "d_attn_weights"):
+        P, dP = np.where(visible, own["attn_weights"], 0.0), np.where(visible, own["d_attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, u, k)
+        dO = A(own["d_head_outputs"]) if "d_head_outputs" in own else A(g["d_head_outputs"])
+        V = A(_heads(own["v_proj"] if "v_proj" in own else g["v_proj"], G, group))
+        O = A(own["head_outputs"]) if "head_outputs" in own else A(P) @ V
+        delta = (P * dP).sum(-1, keepdims=True)
+        e_route_p = (e_P * A(dP)).sum(-1, keepdims=True) + gamma(S + k, u) * ((A(P) + e_P) * A(dP)).sum(-1, keepdims=True)
+        e_route_o = (dO * (gamma(S + k, u) * ((A(P) + e_P) @ V))).sum(-1, keepdims=True) \
+            + (A(P) * (gamma(E + k, u) * (dO @ np.swapaxes(V, -1, -2)))).sum(-1, keepdims=True) \
+            + gamma(E + k, u) * (dO * O).sum(-1, keepdims=True) + e_route_p
+        e_delta = np.maximum(e_route_p, e_route_o)
+        dS = P * (dP - delta)
+        tol = e_P * (A(dP - delta) + e_delta) + A(P) * e_delta \
+            + gamma(k, u) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
+        out["d_scores"] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
+                           ("attn_weights", "d_attn_weights"))
+    if has("d_scores", "k_proj"):
+        dS, K = own["d_scores"], _heads(own["k_proj"], G, group)
+        out["d_q_proj"] = (_merge(scale * (dS @ K)), _merge(scale * gamma(S + k, u) * (A(dS) @ A(K))) + floor,
+                           ("d_scores", "k_proj"))
+    n_group = group * T
+    if has("d_scores", "q_proj"):
+        dSg, Qg = _grouped_t(own["d_scores"], G), _grouped(_heads(own["q_proj"], H), G)
+        out["d_k_proj"] = (_merge(scale * (dSg @ Qg)), _merge(scale * gamma(n_group + k, u) * (A(dSg) @ A(Qg))) + floor,
+                           ("d_scores", "q_proj"))
+    if has("attn_weights", "d_head_outputs"):
+        P = np.where(visible, own["attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, u, k)
+        Pg, ePg, dOg = _grouped_t(P, G), _grouped_t(e_P, G), _grouped(own["d_head_outputs"], G)
+        tol = ePg @ A(dOg) + gamma(n_group + k, u) * ((A(Pg) + ePg) @ A(dOg))
+        out["d_v_proj"] = (_merge(Pg @ dOg), _merge(tol) + floor, ("attn_weights", "d_head_outputs"))
+
+    def input_check(names: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
+        srcs = tuple(f"d_{x}_proj" for x in names)
+        if not has(*srcs):
+            return None
+        n = sum(w[f"w_{x}"].shape[1] for x in names)
+        val = sum(own[f"d_{x}_proj"] @ w[f"w_{x}"].T for x in names)
+        mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
+        return val, gamma(n + k, u) * mag + floor, srcs
+
+    targets = {"d_query": "qkv"} if golden.spec.inputs == "self" else {"d_query": "q", "d_key": "k", "d_value": "v"}
+    for stage, names in targets.items():
+        check = input_check(names)
+        if check is not None:
+            out[stage] = check
+    x = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"]}
+    for n in "qkvo":
+        src = "concat" if n == "o" else f"d_{n}_proj"
+        if n == "o":
+            if not has("concat"):
+                continue
+            xs, dy = own["concat"], dY
+        else:
+            if not has(src):
+                continue
+            xs, dy = x[n], own[src]
+        rows = xs.shape[0] * xs.shape[1]
+        xf, df = xs.reshape(rows, -1), dy.reshape(rows, -1)
+        out[f"d_w_{n}"] = (xf.T @ df, gamma(rows + k, u) * (A(xf).T @ A(df)) + floor, (src,))
+        if cfg.bias and n != "o":
+            out[f"d_b_{n}"] = (df.sum(0), gamma(rows + k, u) * A(df).sum(0) + floor, (src,))
+    return {s: v for s, v in out.items() if s in g}
