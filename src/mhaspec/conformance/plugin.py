@@ -115,6 +115,8 @@ def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
     st = result.stage(stage)
     if st.verdict == NOT_EXPOSED:
         pytest.skip(f"{stage} is not exposed by adapter {session.name}")
+    if st.verdict == "uninformative":
+        pytest.skip(f"uninformative: {st.message}")
     if st.verdict == KNOWN_DEVIATION:
         pytest.xfail(f"known deviation: {st.reason}")
     if st.verdict == FAIL:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import __version__
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
+from .backward import UNINFORMATIVE
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
 
 REPORT_VERSION = 1
@@ -201,6 +202,9 @@ class Report:
                     reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(
                         f"{r.case}[{r.dtype}]"
                     )
+                elif st.verdict == UNINFORMATIVE:
+                    reasons.setdefault(f"uninformative ({st.stage}): passes only a bound too wide to resolve a bug "
+                                       f"in this dtype (docs/backward.md)", []).append(f"{r.case}[{r.dtype}]")
                 elif verbose and st.verdict == NOT_EXPOSED:
                     reasons.setdefault(f"not exposed: {st.stage}", []).append(f"{r.case}[{r.dtype}]")
         for reason, where in reasons.items():

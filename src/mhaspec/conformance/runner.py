@@ -186,9 +186,8 @@ class Session:
             stages.append(res)
 
         if self.backward:
-            start = time.perf_counter()
-            more, error = self._judge_backward(golden, case, dtype, tolerances, returned)
-            adapter_s += time.perf_counter() - start
+            more, error, backward_s = self._judge_backward(golden, case, dtype, tolerances, returned)
+            adapter_s += backward_s
             if error:
                 return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)
             stages += more
@@ -200,20 +199,22 @@ class Session:
     def _judge_backward(
         self, golden: GoldenCase, case: Any, dtype: str, tolerances: dict[str, np.ndarray],
         forward: Mapping[str, Any],
-    ) -> tuple[list[StageResult], str]:
-        """(backward stage verdicts, "") or ([], the contract error) for ``adapter.backward(case)``."""
+    ) -> tuple[list[StageResult], str, float]:
+        """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
         method = getattr(self.adapter, "backward", None)
         if not callable(method):
-            return judge_backward(None, golden, dtype), ""
+            return judge_backward(None, golden, dtype), "", 0.0
+        start = time.perf_counter()
         try:
             returned = _call(lambda: method(case), self.timeout)
         except CaseTimeout as exc:
-            return [], f"backward: {exc}"
+            return [], f"backward: {exc}", time.perf_counter() - start
         except Exception as exc:
-            return [], f"backward() raised {_describe(exc)}"
+            return [], f"backward() raised {_describe(exc)}", time.perf_counter() - start
+        seconds = time.perf_counter() - start
         error = contract_error(returned, golden)
         if error:
-            return [], error
+            return [], error, seconds
         bounds = backward_tolerances(golden, dtype, tolerances)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward)
         for res in results:
@@ -225,7 +226,7 @@ class Session:
 
             visible = golden.visible if res.stage == "d_attn_weights" else None
             self._apply_deviations(res, golden, dtype, visible, judge)
-        return results, ""
+        return results, "", seconds
 
     def _apply_deviations(
         self,
