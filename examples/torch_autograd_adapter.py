@@ -90,7 +90,7 @@ class MyAttentionFunctionMHA:
         layer, x, visible = self._layer_and_inputs(case, grad=False)
         with torch.no_grad():
             stages = layer(**x, visible=visible)
-        return {n: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for n, t in stages.items()}
+        return {n: t.double().numpy() for n, t in stages.items()}  # float64 holds every dtype's values exactly
 
     def backward(self, case):
         layer, x, visible = self._layer_and_inputs(case, grad=True)
@@ -100,7 +100,7 @@ class MyAttentionFunctionMHA:
         stages["output"].backward(torch.tensor(case.d_output, dtype=stages["output"].dtype))
         grads = {f"d_{n}": t.grad for n, t in stages.items() if n != "output"}
         grads.update({f"d_{n}": x[n].grad for n in (["query"] if case.self_attention else ["query", "key", "value"])})
-        grads = {n: (g.float() if g.dtype == torch.bfloat16 else g).numpy() for n, g in grads.items()}
+        grads = {n: g.double().numpy() for n, g in grads.items()}
         weight_grads = state_dict_to_canonical({n: p.grad for n, p in layer.named_parameters()})
         return grads | {f"d_{n}": g for n, g in weight_grads.items()}
 

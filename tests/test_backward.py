@@ -13,6 +13,7 @@ import pytest
 import mhaspec
 from mhaspec.cli import main
 from mhaspec.conformance import ERROR, FAIL, NOT_EXPOSED, PASS
+from mhaspec.conformance.backward import UNINFORMATIVE
 from mhaspec.fixtures import GoldenSet
 from mhaspec.reference import backward as reference_backward
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, STAGES, MHAConfig, backward_stage_shapes
@@ -187,7 +188,9 @@ def test_numpy_backward_conforms_and_reports_every_backward_stage(tmp_path):
         names = [st["stage"] for st in r["stages"]]
         golden = GOLDEN.load(r["case"])
         assert names == list(STAGES) + [s for s in BACKWARD_STAGES if s in golden.stages]
-        assert all(st["verdict"] == PASS for st in r["stages"]), r
+        assert all(st["verdict"] in (PASS, UNINFORMATIVE) for st in r["stages"]), r
+        if r["dtype"] in ("float64", "float32"):  # 16-bit dtypes cannot resolve some long sums (long_sequence)
+            assert all(st["verdict"] == PASS for st in r["stages"]), r
 
 
 def test_forward_only_run_is_unchanged_by_backward_fixtures():
@@ -240,10 +243,16 @@ def test_backward_contract_errors_name_the_problem(patch, words):
 
 def test_partial_backward_is_judged_on_what_it_returns():
     only = _Returns(lambda out, case: {"d_query": out["d_query"], "d_w_o": out["d_w_o"]})
-    r = mhaspec.check(only, dtypes=["bfloat16"], cases=["cross_attention"], backward=True).results[0]
-    verdicts = {st.stage: st.verdict for st in r.stages}
+    report = mhaspec.check(only, dtypes=["float32", "bfloat16"], cases=["cross_attention"], backward=True)
+    verdicts = {st.stage: st.verdict for st in report.result("cross_attention", "float32").stages}
     assert verdicts["d_query"] == verdicts["d_w_o"] == PASS
     assert verdicts["d_scores"] == NOT_EXPOSED
+    # In bfloat16 the golden bound of d_query alone is too wide to resolve a bug: said, not passed;
+    # with d_q_proj exposed too, the local check d_query = d_q_proj @ w_qᵀ resolves it.
+    assert report.result("cross_attention", "bfloat16").stage("d_query").verdict == UNINFORMATIVE
+    more = _Returns(lambda out, case: {"d_query": out["d_query"], "d_q_proj": out["d_q_proj"]})
+    r = mhaspec.check(more, dtypes=["bfloat16"], cases=["cross_attention"], backward=True).results[0]
+    assert r.stage("d_query").verdict == PASS
 
 
 def test_self_attention_d_query_must_be_the_total():
