@@ -184,11 +184,13 @@ class BackwardVariant:
         return out
 
 
+#: name -> (adapter, the precision contract it keeps: docs/tolerances.md)
 CORRECT = {
-    "plain": BackwardVariant(name="plain"),
-    "flash_recompute": BackwardVariant(name="flash_recompute", flash=True),
-    "native_accumulation": BackwardVariant(name="native_accumulation", native_accumulation=True),
-    "flash_native": BackwardVariant(name="flash_native", flash=True, native_accumulation=True),
+    "plain": (BackwardVariant(name="plain"), "standard"),
+    "flash_recompute": (BackwardVariant(name="flash_recompute", flash=True), "standard"),
+    # every partial sum rounded to float16/bfloat16: correct, but only under the worst-case contract
+    "native_accumulation": (BackwardVariant(name="native_accumulation", native_accumulation=True), "worst-case"),
+    "flash_native": (BackwardVariant(name="flash_native", flash=True, native_accumulation=True), "worst-case"),
 }
 
 #: bug -> (adapter, the backward stage where it must first be caught)

@@ -13,7 +13,7 @@ import pytest
 import mhaspec
 from mhaspec.cli import main
 from mhaspec.conformance import ERROR, FAIL, NOT_EXPOSED, PASS
-from mhaspec.conformance.backward import UNINFORMATIVE
+from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.fixtures import GoldenSet
 from mhaspec.reference import backward as reference_backward
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, STAGES, MHAConfig, backward_stage_shapes
@@ -203,7 +203,7 @@ class _ForwardOnly:
     name = "forward-only"
 
     def run(self, case):
-        return CORRECT["plain"].run(case)
+        return CORRECT["plain"][0].run(case)
 
 
 def test_an_adapter_without_backward_gets_not_exposed_and_a_warning():
@@ -282,7 +282,8 @@ def test_pytest_plugin_collects_backward_stages(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
 def test_correct_backward_implementations_pass_every_case_and_dtype(name):
-    report = mhaspec.check(CORRECT[name], timeout=None, backward=True)
+    adapter, precision = CORRECT[name]
+    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
     assert report.ok, report.table()
     assert len(report.results) == len(DTYPES) * len(CATALOG)
     judged = {st.stage for r in report.results for st in r.stages if st.verdict == PASS}
@@ -291,10 +292,11 @@ def test_correct_backward_implementations_pass_every_case_and_dtype(name):
     assert margin >= 2, f"{name}: smallest margin {margin:.3g}x"
 
 
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
 @pytest.mark.parametrize("name", sorted(BUGS))
-def test_backward_bugs_are_rejected_in_every_dtype_at_the_right_stage(name):
+def test_backward_bugs_are_rejected_in_every_dtype_at_the_right_stage(name, precision):
     adapter, stage = BUGS[name]
-    report = mhaspec.check(adapter, timeout=None, backward=True)
+    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
     failing = [r for r in report.results if r.verdict == FAIL]
     assert {r.dtype for r in failing} == set(DTYPES), f"bug {name} passes in some dtype"
     wrong = {(r.case, r.dtype): r.first_failing_stage for r in failing if r.first_failing_stage != stage}

@@ -19,7 +19,7 @@ from mhaspec.spec import Case
 DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Variant:
     """An adapter; every field off = a correct, straightforward implementation."""
 
@@ -30,6 +30,9 @@ class Variant:
     fused_qkv: bool = False  # one matmul with [w_q | w_k | w_v] for self-attention
     native_accumulation: bool = False  # every partial sum rounded to the dtype under test
     finfo_fill: bool = False  # masked scores filled with finfo.min, fully masked rows zeroed afterwards
+    tiled_online_softmax: bool = False  # FlashAttention-style: blocks of 16 keys, float32 running max/sum/acc
+    log_sum_exp: bool = False  # p = exp(s - logsumexp(s)) instead of e / Σe
+    fused_float32: bool = False  # nothing stored in the dtype until the end: every stage kept in the accumulator
     # bugs
     no_scale: bool = False
     scale_by_d_model: bool = False
@@ -46,6 +49,10 @@ class Variant:
     drop_output_bias: bool = False
     uniform_masked_rows: bool = False
     nan_masked_rows: bool = False
+    mask_after_softmax: bool = False  # softmax over every key, then masked weights zeroed (not renormalised)
+    unnormalised_pv: bool = False  # head outputs from exp(s - max) @ V, never divided by the sum
+    dropout_left_on: bool = False  # 10 % of the weights dropped, the rest scaled by 1/0.9
+    output_only: bool = False  # return only "output", as fused kernels do
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg = case.config
@@ -55,6 +62,8 @@ class Variant:
         out_dt = DT[case.dtype]
 
         def r(x):
+            if self.fused_float32:
+                return np.asarray(x).astype(acc)
             return np.asarray(x).astype(dt)
 
         def mm(a, b):
@@ -120,34 +129,11 @@ class Variant:
             m = np.broadcast_to(case.inputs.mask, allowed.shape)
             allowed &= ~m if self.mask_inverted else m
 
-        x = s.astype(acc)
-        if self.finfo_fill:
-            x = np.where(allowed, x, np.finfo(np.float32 if acc != np.float64 else np.float64).min)
+        if self.tiled_online_softmax:
+            p, o = self._tiled(Q, K, V, allowed, scale, r, acc)
+            s = None
         else:
-            x = np.where(allowed, x, -np.inf)
-        axis = -2 if self.softmax_axis_t else -1
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            if self.no_max_subtraction:
-                e = np.exp(x.astype(acc))
-            else:
-                peak = np.max(x, axis=axis, keepdims=True)
-                peak = np.where(np.isfinite(peak), peak, 0)
-                e = np.exp(x - peak)
-            total = np.sum(e, axis=axis, keepdims=True)
-            p = e / total
-        none_visible = ~allowed.any(axis=-1, keepdims=True)
-        if self.uniform_masked_rows:
-            p = np.where(none_visible, 1.0 / S, p)
-        elif self.nan_masked_rows:
-            p = np.where(none_visible, np.nan, p)
-        else:
-            p = np.where(none_visible | ~allowed, 0.0, p)
-        p = r(p)
-
-        if self.per_head_loop or self.native_accumulation:
-            o = np.stack([mm(p[:, h], V[:, h]) for h in range(H)], axis=1)
-        else:
-            o = r(np.einsum("bhts,bhse->bhte", p.astype(acc), V.astype(acc)))
+            p, o = self._softmax_pv(s, V, allowed, acc, r, mm, S)
         if self.merge_without_transpose:
             c = o.reshape(B, T, H * Dv)
         else:
@@ -158,7 +144,85 @@ class Variant:
             y = bias(y, w.b_o)
         stages = {"q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
                   "head_outputs": o, "concat": c, "output": y}
-        return {name: np.asarray(val).astype(out_dt) for name, val in stages.items()}
+        if self.output_only:
+            stages = {"output": y}
+        return {name: np.asarray(val).astype(out_dt) for name, val in stages.items() if val is not None}
+
+    def _tiled(self, Q, K, V, allowed, scale, r, acc):
+        """FlashAttention-2's forward: blocks of 16 keys, running max m, sum l and accumulator in
+        the accumulator type; each block's unnormalised weights rounded to the dtype before P·V
+        (as FlashAttention does); one division at the end.  Exposes no scores or weights."""
+        B, H, T, _ = Q.shape
+        S, E = K.shape[2], V.shape[-1]
+        m = np.full((B, H, T, 1), -np.inf, dtype=acc)
+        l = np.zeros((B, H, T, 1), dtype=acc)
+        o = np.zeros((B, H, T, E), dtype=acc)
+        for j0 in range(0, S, 16):
+            kb, vb = K[:, :, j0:j0 + 16].astype(acc), V[:, :, j0:j0 + 16].astype(acc)
+            sb = (Q.astype(acc) @ np.swapaxes(kb, -1, -2)) * acc(scale)
+            seen = allowed[..., j0:j0 + 16]
+            sb = np.where(seen, sb, -np.inf)
+            m_new = np.maximum(m, np.max(sb, axis=-1, keepdims=True))
+            m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(acc)
+            alpha = np.where(np.isfinite(m), np.exp(m - m_safe), 0).astype(acc)
+            pb = np.where(seen, np.exp(sb - m_safe), 0).astype(acc)
+            l = alpha * l + np.sum(pb, axis=-1, keepdims=True)
+            o = alpha * o + r(pb).astype(acc) @ vb
+            m = m_new
+        o = np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(acc)
+        return None, r(o)
+
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+        x = s.astype(acc)
+        if self.mask_after_softmax:
+            pass  # the bug: every key enters the softmax; masked weights are zeroed afterwards
+        elif self.finfo_fill:
+            x = np.where(allowed, x, np.finfo(np.float32 if acc != np.float64 else np.float64).min)
+        else:
+            x = np.where(allowed, x, -np.inf)
+        axis = -2 if self.softmax_axis_t else -1
+        keep = allowed if not self.mask_after_softmax else np.ones_like(allowed)
+        x = np.where(keep | self.finfo_fill, x, -np.inf) if self.mask_after_softmax else x
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            if self.no_max_subtraction:
+                e = np.exp(x.astype(acc))
+            else:
+                peak = np.max(x, axis=axis, keepdims=True)
+                peak = np.where(np.isfinite(peak), peak, 0)
+                e = np.exp(x - peak)
+            total = np.sum(e, axis=axis, keepdims=True)
+            if self.log_sum_exp:
+                lse = (peak + np.log(total)).astype(acc)
+                p = np.exp(x - lse)
+            else:
+                p = e / total
+        none_visible = ~allowed.any(axis=-1, keepdims=True)
+        if self.uniform_masked_rows:
+            p = np.where(none_visible, 1.0 / S, p)
+        elif self.nan_masked_rows:
+            p = np.where(none_visible, np.nan, p)
+        else:
+            p = np.where(none_visible | ~allowed, 0.0, p)
+        if self.dropout_left_on:
+            keep_bits = np.random.default_rng(0).random(p.shape) >= 0.1
+            p = np.where(keep_bits, p / 0.9, 0.0)
+        p = r(p)
+        weights = p
+        if self.unnormalised_pv:
+            weights = r(np.where(none_visible | ~allowed, 0.0, e))
+
+        if self.per_head_loop or self.native_accumulation:
+            o = np.stack([mm(weights[:, h], V[:, h]) for h in range(V.shape[1])], axis=1)
+        else:
+            o = r(np.einsum("bhts,bhse->bhte", weights.astype(acc), V.astype(acc)))
+        return p, o
+
+
+def output_only(v: Variant) -> Variant:
+    """The same implementation, returning only "output" (a fused kernel's view)."""
+    from dataclasses import replace
+
+    return replace(v, name=v.name + "+output_only", output_only=True)
 
 
 CORRECT = {
@@ -166,8 +230,16 @@ CORRECT = {
     "per_head_loop": Variant(name="per_head_loop", per_head_loop=True),
     "prescaled_query": Variant(name="prescaled_query", prescale_query=True),
     "fused_qkv": Variant(name="fused_qkv", fused_qkv=True),
-    "native_low_precision_accumulation": Variant(name="native_acc", native_accumulation=True),
     "finfo_min_fill": Variant(name="finfo_fill", finfo_fill=True),
+    "tiled_online_softmax": Variant(name="tiled_online_softmax", tiled_online_softmax=True),
+    "log_sum_exp": Variant(name="log_sum_exp", log_sum_exp=True),
+    "fused_float32": Variant(name="fused_float32", fused_float32=True),
+}
+
+#: Correct in the dtype, outside the standard precision contract: every partial sum rounded to
+#: the dtype (the worst correct order).  Fails as "imprecise" by default; passes --precision worst-case.
+NATIVE = {
+    "native_low_precision_accumulation": Variant(name="native_acc", native_accumulation=True),
 }
 
 #: bug name -> (adapter, the stage where it must first be caught)
@@ -181,11 +253,17 @@ BUGS = {
     "causal_off_by_one": (Variant(name="causal_obo", causal_off_by_one=True), "attn_weights"),
     "causal_wrong_alignment": (Variant(name="causal_align", causal_wrong_alignment=True), "attn_weights"),
     "mask_polarity_inverted": (Variant(name="mask_inv", mask_inverted=True), "attn_weights"),
+    "mask_applied_after_softmax": (Variant(name="mask_after", mask_after_softmax=True), "attn_weights"),
     "gqa_heads_by_modulo": (Variant(name="gqa_mod", gqa_modulo=True), "scores"),
     "softmax_without_max_subtraction": (Variant(name="no_max", no_max_subtraction=True), "attn_weights"),
+    "unnormalised_pv": (Variant(name="unnormalised_pv", unnormalised_pv=True), "head_outputs"),
+    "dropout_left_on": (Variant(name="dropout", dropout_left_on=True), "attn_weights"),
     "float16_when_float32_asked": (Variant(name="fp16_for_fp32", compute_dtype="float16"), "q_proj"),
     "bfloat16_when_float16_asked": (Variant(name="bf16_for_fp16", compute_dtype="bfloat16"), "q_proj"),
     "output_bias_dropped": (Variant(name="no_b_o", drop_output_bias=True), "output"),
     "uniform_weights_on_fully_masked_rows": (Variant(name="uniform_rows", uniform_masked_rows=True), "attn_weights"),
     "nan_on_fully_masked_rows": (Variant(name="nan_rows", nan_masked_rows=True), "attn_weights"),
 }
+
+#: The same bugs in a kernel that exposes only "output" (where fused kernels hide them).
+OUTPUT_ONLY_BUGS = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in BUGS.items()}

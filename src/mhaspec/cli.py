@@ -16,7 +16,8 @@ from pathlib import Path
 from . import __version__
 from .errors import MhaspecError
 
-EPILOG = "exit codes: 0 all conform, 1 a non-conformance, 2 bad usage or bad input"
+EPILOG = ("exit codes: 0 all conform, 1 a non-conformance, 2 bad usage or bad input "
+          "(or nothing could be judged informatively)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                      help="per-case timeout for the adapter (default 300; 0 = none)")
+    run.add_argument("--precision", choices=("standard", "worst-case"), default="standard",
+                     help="precision contract (docs/tolerances.md): standard = results stored in the dtype, sums "
+                     "and softmax in float32 or wider, as production kernels do (default); worst-case = anything a "
+                     "correct algorithm accumulating in the dtype could produce (wider; stages it cannot resolve "
+                     "are reported uninformative)")
     run.add_argument("--backward", action="store_true",
                      help="also judge the backward stages (d_concat … d_b_o) from the adapter's backward(case); "
                           "see docs/backward.md")
@@ -112,8 +118,8 @@ def _run(args: argparse.Namespace) -> int:
     from .conformance import Report, Session, select_cases
     from .conformance.runner import resolve_dtypes
 
-    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, backward=args.backward,
-                      device=args.device)
+    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, device=args.device,
+                      precision=args.precision, backward=args.backward)
     width = Report.case_width(select_cases(session.golden, None, args.pattern))
     framework, version = adapter_framework(session.adapter)
     header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 PASS, FAIL, NOT_EXPOSED, KNOWN_DEVIATION = "pass", "fail", "not exposed", "known deviation"
+#: a stage the dtype cannot resolve for this case (a zero result would pass): never a pass
+UNINFORMATIVE = "uninformative"
 
 
 @dataclass
@@ -28,6 +30,10 @@ class StageResult:
     message: str = ""
     reason: str = ""  # a known deviation's declared reason
     nonfinite: int = 0
+    rms_ratio: float | None = None  # root-mean-square of error/tolerance (the systematic-error test)
+    local_worst_ratio: float | None = None  # the local check's worst error/tolerance, if it ran
+    failed_check: str = ""  # "golden", "local" or "golden+local" when the stage fails
+    imprecise: bool = False  # fails the standard precision contract, passes the worst-case bound
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -39,6 +45,10 @@ class StageResult:
             "worst_index": list(self.worst_index) if self.worst_index is not None else None,
             "compared": self.compared,
             "nonfinite": self.nonfinite,
+            "rms_ratio": _num(self.rms_ratio),
+            "local_worst_ratio": _num(self.local_worst_ratio),
+            "failed_check": self.failed_check,
+            "imprecise": self.imprecise,
             "message": self.message,
             "reason": self.reason,
         }
@@ -131,12 +141,27 @@ def compare_stage(
     tolerance: np.ndarray,
     dtype: str,
     visible: np.ndarray | None = None,
+    *,
+    noise: tuple[np.ndarray, np.ndarray] | None = None,
+    rms_limit: float | None = None,
+    rms_min_elements: int = 16,
+    value_checks: bool = True,
 ) -> StageResult:
-    """Judge ``got`` against ``golden`` element-wise.
+    """Judge ``got`` against ``golden`` (or a local recomputation) element-wise.
 
     For ``scores``, ``visible`` selects the compared entries (masked scores are
     not compared).  For ``attn_weights`` the tolerance is 0 where masked: those
-    entries must be exactly 0.
+    entries must be exactly 0.  With ``noise = (sigma, worst)`` (the two parts of
+    the tolerance, :class:`~mhaspec.conformance.tolerance.Bound`) and
+    ``rms_limit``, the root mean square of ``max(|error| − worst, 0) / sigma``
+    over the compared elements with sigma > 0 must also stay within
+    ``rms_limit`` (when there are at least ``rms_min_elements``): rounding noise
+    averages far below its per-element bound, so this catches systematic
+    errors that are small per element.  A stage where a
+    zero result would pass is ``uninformative``, never a pass.
+    ``value_checks=False`` skips the shape-independent value checks
+    (finiteness is still required; representability and the narrow-precision
+    fingerprint are the golden check's).
     """
     values, why = as_float_array(got)
     if values is None:
@@ -144,9 +169,18 @@ def compare_stage(
     if values.shape != golden.shape:
         return StageResult(stage, FAIL, message=f"shape {values.shape}, expected {golden.shape}")
 
-    selected = np.ones(golden.shape, dtype=bool) if visible is None else np.broadcast_to(visible, golden.shape)
-    v, g, tol = values[selected], golden[selected], tolerance[selected]
-    index_of = np.argwhere(selected)
+    if visible is None:  # every element: flat views, no fancy indexing
+        flat = None
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)
+    else:
+        flat = np.flatnonzero(np.broadcast_to(visible, golden.shape))
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)[flat]
+
+    v, g, tol = pick(values), pick(golden), pick(tolerance)
     result = StageResult(stage, PASS, compared=int(v.size))
     if v.size == 0:
         result.message = "nothing to compare (every entry is masked)"
@@ -158,12 +192,12 @@ def compare_stage(
     if nonfinite:
         problems.append(f"{nonfinite} NaN/inf value(s) where the golden is finite")
     result.nonfinite = nonfinite
-    not_exact = int(np.count_nonzero(finite & ~representable(v, dtype)))
+    not_exact = int(np.count_nonzero(finite & ~representable(v, dtype))) if value_checks else 0
     if not_exact:
         problems.append(
             f"{not_exact} of {v.size} values are not representable in {dtype}: computed or returned in a wider dtype"
         )
-    narrower = narrower_precision(v, g, dtype)
+    narrower = narrower_precision(v, g, dtype) if value_checks else ""
     if narrower:
         problems.append(narrower)
 
@@ -176,7 +210,7 @@ def compare_stage(
     result.max_abs_err = float(err.max())
     result.max_rel_err = float(rel.max())
     result.worst_ratio = float(ratio[worst])
-    result.worst_index = tuple(int(i) for i in index_of[worst])
+    result.worst_index = tuple(int(i) for i in np.unravel_index(worst if flat is None else flat[worst], golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
         at = result.worst_index
@@ -184,7 +218,44 @@ def compare_stage(
             f"{over} of {v.size} elements exceed the tolerance; worst at {at}: got {v[worst]:.9g}, "
             f"expected {g[worst]:.9g}, |error| {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
         )
+    if noise is not None and rms_limit is not None:
+        sigma, worst_part = (pick(a) for a in noise)
+        positive = sigma > 0
+        n_rms = int(np.count_nonzero(positive))
+        if n_rms >= rms_min_elements:
+            with np.errstate(over="ignore", invalid="ignore"):
+                z = np.maximum(err[positive] - worst_part[positive], 0.0) / sigma[positive]
+                result.rms_ratio = float(np.sqrt(np.mean(np.square(z))))
+            if result.rms_ratio > rms_limit and result.worst_ratio <= 1:
+                problems.append(
+                    f"systematic error: root-mean-square of error/sigma {result.rms_ratio:.3g} over {n_rms} elements "
+                    f"exceeds {rms_limit:.3g} (rounding noise stays below 0.58: the error is not rounding)"
+                )
     if problems:
         result.verdict = FAIL
         result.message = "; ".join(problems)
+    elif would_pass_zero(g, tol, None if noise is None else
+                         tuple(pick(a) for a in noise),  # type: ignore[arg-type]
+                         rms_limit, rms_min_elements):
+        result.verdict = UNINFORMATIVE
+        result.message = "a zero result would pass: the tolerance is at least |expected| at every element"
     return result
+
+
+def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
+                    rms_limit: float | None, rms_min_elements: int) -> bool:
+    """True when an all-zero result would pass against ``expected`` (and ``expected`` is not all zero)."""
+    absolute = np.abs(expected)
+    if not np.any(absolute > 0):
+        return False
+    if np.any(absolute > tol):
+        return False
+    if noise is not None and rms_limit is not None:
+        sigma, worst = noise
+        positive = sigma > 0
+        if int(np.count_nonzero(positive)) >= rms_min_elements:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                z = np.maximum(absolute[positive] - worst[positive], 0.0) / sigma[positive]
+                if float(np.sqrt(np.mean(np.square(z)))) > rms_limit:
+                    return False
+    return True

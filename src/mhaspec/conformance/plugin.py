@@ -5,7 +5,8 @@
 gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
 passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
 skip with the reason, ``known deviation`` is an xfail with the declared
-reason.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
+reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
+reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
 CLI and :func:`mhaspec.check`.  Importing this plugin imports no framework.
 """
 
@@ -27,6 +28,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mha-backward", action="store_true", default=False,
                     help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
     group.addoption("--mha-timeout", type=float, default=300.0, help="per-case timeout in seconds (0 = none)")
+    group.addoption("--mha-precision", default="standard", choices=("standard", "worst-case"),
+                    help="precision contract: standard (stored in the dtype, float32 sums; default) or worst-case")
 
 
 class _State:
@@ -49,6 +52,7 @@ def _session(config: pytest.Config) -> Any:
                 timeout=config.getoption("--mha-timeout") or None,
                 backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
+                precision=config.getoption("--mha-precision"),
             )
             state.dtypes = resolve_dtypes(",".join(dtypes) if dtypes else None)
         except MhaspecError as exc:
@@ -104,7 +108,7 @@ def mha_session(request: pytest.FixtureRequest) -> Any:
 
 def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
     """Turn one stage verdict into a pytest outcome."""
-    from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED
+    from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, UNINFORMATIVE
     from .report import ERROR, UNSUPPORTED
 
     result = session.result(case_id, dtype)
@@ -115,7 +119,7 @@ def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
     st = result.stage(stage)
     if st.verdict == NOT_EXPOSED:
         pytest.skip(f"{stage} is not exposed by adapter {session.name}")
-    if st.verdict == "uninformative":
+    if st.verdict == UNINFORMATIVE:
         pytest.skip(f"uninformative: {st.message}")
     if st.verdict == KNOWN_DEVIATION:
         pytest.xfail(f"known deviation: {st.reason}")

@@ -15,14 +15,13 @@ import numpy as np
 
 from .. import __version__
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
-from .backward import UNINFORMATIVE
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, _num
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
 
 REPORT_VERSION = 1
 
 # case-level verdicts
 ERROR, UNSUPPORTED = "error", "unsupported"
-CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED)
+CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED, UNINFORMATIVE)
 
 
 @dataclass
@@ -52,7 +51,9 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        return self.verdict in (PASS, KNOWN_DEVIATION, UNSUPPORTED)
+        """Nothing wrong was found (uninformative and unsupported cases are not failures, but
+        they are not passes either: a run needs at least one informative verdict)."""
+        return self.verdict in (PASS, KNOWN_DEVIATION, UNSUPPORTED, UNINFORMATIVE)
 
     def stage(self, name: str) -> StageResult:
         for st in self.stages:
@@ -89,15 +90,24 @@ class Report:
     backward: bool = False  # the backward stages were judged too (--backward)
 
     @property
+    def judged(self) -> int:
+        """How many case×dtype got an informative verdict (pass, known deviation or fail)."""
+        return sum(r.verdict in (PASS, KNOWN_DEVIATION, FAIL) for r in self.results)
+
+    @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        """Every case conforms and at least one was judged informatively."""
+        return self.judged > 0 and all(r.ok for r in self.results)
 
     @property
     def exit_code(self) -> int:
-        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no output)."""
+        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no
+        output) or nothing informative was judged."""
         if any(r.verdict == ERROR for r in self.results):
             return 2
-        return 0 if self.ok else 1
+        if any(r.verdict == FAIL for r in self.results):
+            return 1
+        return 0 if self.ok else 2
 
     def counts(self) -> dict[str, int]:
         out = {v: 0 for v in CASE_VERDICTS}
@@ -145,10 +155,19 @@ class Report:
         c = self.counts()
         margin = self.smallest_margin()
         margin_txt = f" · smallest margin {margin:.3g}x" if margin is not None and np.isfinite(margin) else ""
-        status = "CONFORMS" if self.ok else ("ERROR" if self.exit_code == 2 else "DOES NOT CONFORM")
+        if self.ok:
+            status = "CONFORMS"
+        elif self.exit_code == 1:
+            status = "DOES NOT CONFORM"
+        elif any(r.verdict == ERROR for r in self.results):
+            status = "ERROR"
+        else:
+            status = "NOTHING JUDGED (no case×dtype got an informative verdict: not a conformance)"
         return (
             f"{self.adapter}: {status} — {c[PASS]} pass, {c[KNOWN_DEVIATION]} known deviation, "
-            f"{c[FAIL]} fail, {c[ERROR]} error, {c[UNSUPPORTED]} unsupported "
+            f"{c[FAIL]} fail, {c[ERROR]} error, {c[UNSUPPORTED]} unsupported"
+            + (f", {c[UNINFORMATIVE]} uninformative" if c[UNINFORMATIVE] else "")
+            + " "
             f"({len(self.results)} case×dtype){margin_txt} · {self.duration_s:.2f} s"
         )
 
@@ -203,8 +222,7 @@ class Report:
                         f"{r.case}[{r.dtype}]"
                     )
                 elif st.verdict == UNINFORMATIVE:
-                    reasons.setdefault(f"uninformative ({st.stage}): passes only a bound too wide to resolve a bug "
-                                       f"in this dtype (docs/backward.md)", []).append(f"{r.case}[{r.dtype}]")
+                    reasons.setdefault(f"uninformative ({st.stage}): {st.message}", []).append(f"{r.case}[{r.dtype}]")
                 elif verbose and st.verdict == NOT_EXPOSED:
                     reasons.setdefault(f"not exposed: {st.stage}", []).append(f"{r.case}[{r.dtype}]")
         for reason, where in reasons.items():
