@@ -77,6 +77,8 @@ class MyAttentionFunctionMHA:
         x = {n: torch.tensor(getattr(case.inputs, n), dtype=dtype, requires_grad=grad) for n in ("query", "key", "value")}
         if case.self_attention:
             x["key"] = x["value"] = x["query"]  # one tensor: its gradient is the sum of the three (d_query)
+        elif case.key_is_value:
+            x["value"] = x["key"]  # one memory tensor: its gradient is d_key
         T, S = case.tgt_len, case.src_len
         visible = torch.ones(T, S, dtype=torch.bool)
         if cfg.causal:
@@ -99,7 +101,8 @@ class MyAttentionFunctionMHA:
             t.retain_grad()
         stages["output"].backward(torch.tensor(case.d_output, dtype=stages["output"].dtype))
         grads = {f"d_{n}": t.grad for n, t in stages.items() if n != "output"}
-        grads.update({f"d_{n}": x[n].grad for n in (["query"] if case.self_attention else ["query", "key", "value"])})
+        inputs = ["query"] if case.self_attention else ["query", "key"] if case.key_is_value else ["query", "key", "value"]
+        grads.update({f"d_{n}": x[n].grad for n in inputs})
         grads = {n: g.double().numpy() for n, g in grads.items()}
         weight_grads = state_dict_to_canonical({n: p.grad for n, p in layer.named_parameters()})
         return grads | {f"d_{n}": g for n, g in weight_grads.items()}

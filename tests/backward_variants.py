@@ -165,8 +165,11 @@ class BackwardVariant:
                                      np.concatenate([w.w_q, w.w_k, w.w_v], 1).T.copy())
         else:
             out["d_query"] = self.mm(dq, w.w_q.T.copy())
-            out["d_key"] = self.mm(dk, w.w_k.T.copy())
-            out["d_value"] = self.mm(dv, w.w_v.T.copy())
+            if case.key_is_value:  # one memory tensor
+                out["d_key"] = self.mm(np.concatenate([dk, dv], -1), np.concatenate([w.w_k, w.w_v], 1).T.copy())
+            else:
+                out["d_key"] = self.mm(dk, w.w_k.T.copy())
+                out["d_value"] = self.mm(dv, w.w_v.T.copy())
         xs = {"q": case.inputs.query, "k": case.inputs.key, "v": case.inputs.value, "o": f["concat"]}
         ds = {"q": dq, "k": dk, "v": dv, "o": dy}
         for n in "qkvo":

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "ml_dtypes"]
+FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "ml_dtypes", "onnx", "onnxruntime", "onnxscript"]
 
 
 def _frameworks_loaded_after(code: str) -> list[str]:

@@ -99,6 +99,28 @@ def test_catalog_covers_the_required_features():
     assert any(c.scale != 1 / math.sqrt(c.D_k) for c in cfgs)
     assert any(s.batch == 1 for s in specs) and any(s.tgt_len == s.src_len == 1 for s in specs)
     assert any(s.tgt_len == s.src_len >= 128 for s in specs)
+    # issue 11: the gaps third-party layers fell into
+    assert any(s.inputs == "self" and 1 < c.H_kv < c.H for s, c in zip(specs, cfgs))  # self-attention GQA
+    assert any(s.inputs == "self" and c.H_kv == 1 < c.H for s, c in zip(specs, cfgs))  # self-attention MQA
+    assert any(s.inputs == "shared_kv" and s.tgt_len != s.src_len for s in specs)  # key = value memory
+    assert any(s.inputs == "distinct" and s.tgt_len == s.src_len and c.kdim == c.vdim == c.d_model
+               for s, c in zip(specs, cfgs))
+    assert any(c.D_k != c.d_model // c.H and (c.H * c.D_k) % c.d_model == 0 and c.d_model % c.H == 0 for c in cfgs)
+    assert any(s.inputs == "self" and s.mask is not None and s.mask.fully_masked and c.D_k == 8
+               for s, c in zip(specs, cfgs))
+    assert any(s.tgt_len > 64 and s.tgt_len % 64 and s.src_len > 128 and s.src_len % 128 for s in specs)
+
+
+def test_shared_kv_inputs_pass_one_memory_tensor():
+    spec = CATALOG["cross_shared_kv"]
+    inputs = spec.make_inputs()
+    assert inputs["key"] is inputs["value"] and not np.array_equal(inputs["query"][:, :1], inputs["key"][:, :1])
+    case = spec.case("float32")
+    assert case.key_is_value and not case.self_attention and case.inputs.key is case.inputs.value
+    assert CATALOG["self_basic"].case().key_is_value and not CATALOG["cross_attention"].case().key_is_value
+    with pytest.raises(pydantic.ValidationError, match="shared_kv .* needs kdim == vdim"):
+        CaseSpec(id="x", config=MHAConfig(d_model=4, num_heads=2, kdim=3, vdim=5), batch=1, tgt_len=2, src_len=3,
+                 inputs="shared_kv", seed=1)
 
 
 def test_catalog_values_are_exact_in_float16_and_bfloat16():
@@ -135,7 +157,7 @@ def test_catalog_file_errors_name_file_and_field(tmp_path):
     bad_field = tmp_path / "field.json"
     bad_field.write_text(json.dumps([{"id": "a", "config": {"d_model": 10, "num_heads": 3},
                                       "batch": 1, "tgt_len": 2, "src_len": 2, "seed": 1}]))
-    with pytest.raises(SpecError, match=r"field.json: case 0 \(a\) is invalid\n.*d_model=10 is not divisible"):
+    with pytest.raises(SpecError, match=r"field.json: case 0 \(a\) is invalid: cases.0.config: .*d_model=10 is not divisible"):
         load_catalog_file(bad_field)
     with pytest.raises(SpecError, match="not found"):
         load_catalog_file(tmp_path / "missing.json")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +18,16 @@ from pathlib import Path
 from . import __version__
 from .errors import MhaspecError
 
+DEFAULT_TIMEOUT, MAX_TIMEOUTS = 60.0, 3  # kept equal to mhaspec.conformance.runner's (tests check)
+
 EPILOG = ("exit codes: 0 all conform, 1 a non-conformance, 2 bad usage or bad input "
           "(or nothing could be judged informatively)")
+RUN_EPILOG = (
+    "exit codes: 0 all conform; 1 a non-conformance; 2 bad usage or bad input, an adapter error (raised, "
+    "crashed, exited, hung, no output), a broken fixture, or nothing judged informatively; 130 interrupted. "
+    "The adapter runs in a worker process (restarted after a crash); --report is written even when the "
+    "run is cut short, marked \"partial\"."
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,8 +43,10 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run the conformance suite against an adapter (default: numpy)",
         description="Judge every golden case × dtype × stage and print a table; the first failing "
-        "stage of a case is where its bug is.",
-        epilog=EPILOG + " (2 also when the adapter raises, hangs or returns no output)",
+        "stage of a case is where its bug is. Your own cases of any size: --catalog FILE.json (computed on the "
+        "fly). On several cores, the same verdicts through pytest-xdist: "
+        "pytest -n auto --pyargs mhaspec.conformance --mha-adapter=ADAPTER.",
+        epilog=RUN_EPILOG,
     )
     run.add_argument(
         "adapter",
@@ -47,10 +59,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-k", dest="pattern", metavar="PATTERN",
                      help="only cases whose name contains PATTERN (or matches it as a glob); comma = or")
     run.add_argument("--golden", metavar="DIR", help="golden folder (default: the fixtures shipped with mhaspec)")
+    run.add_argument("--catalog", metavar="FILE.json",
+                     help="judge your own cases (JSON list of case specs, see `mhaspec schema`), computed on the fly "
+                     "by the fast float64 reference; no fixture is written")
     run.add_argument("--report", metavar="FILE.json", help="also write the JSON report (keys in docs/report.md)")
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
-    run.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                     help="per-case timeout for the adapter (default 300; 0 = none)")
+    run.add_argument("--timeout", default=None, metavar="SECONDS",
+                     help=f"per case × dtype; the worker is killed when it runs out (default {DEFAULT_TIMEOUT:g}; "
+                     f"0 = none); after {MAX_TIMEOUTS} timeouts the remaining cases are not run")
+    run.add_argument("--no-isolate", action="store_true",
+                     help="call the adapter in this process instead of a worker (to debug it with pdb; a crash "
+                     "then ends the run and a timeout cannot stop native code)")
     run.add_argument("--precision", choices=("standard", "worst-case"), default="standard",
                      help="precision contract (docs/tolerances.md): standard = results stored in the dtype, sums "
                      "and softmax in float32 or wider, as production kernels do (default); worst-case = anything a "
@@ -67,11 +86,37 @@ def _parser() -> argparse.ArgumentParser:
         description="Compute every catalog case with the float64 reference and write one safetensors "
         "file per case plus manifest.json, atomically.",
     )
-    gen.add_argument("--out", metavar="DIR", help="golden folder to write or check (default: the package's own)")
+    gen.add_argument("--out", metavar="DIR",
+                     help="golden folder to write or check (default: the package's own); an existing folder is "
+                     "replaced only if it is empty or an mhaspec golden folder")
     gen.add_argument("--check", action="store_true",
                      help="recompute in memory, write nothing; exit 1 naming each case/stage that differs")
     gen.add_argument("--catalog", metavar="FILE.json",
-                     help="generate your own cases from a JSON list of case specs (see `mhaspec schema`)")
+                     help="generate your own cases from a JSON list of case specs (see `mhaspec schema`); "
+                     "needs --out (the package's fixtures come only from the built-in catalog)")
+
+    fz = sub.add_parser(
+        "fuzz",
+        help="judge an adapter on random configurations (hypothesis); shrink a failure to a minimal case",
+        description="Draw random MHA configurations (sizes including 1, T != S and T = S, head sizes 1-256, "
+        "GQA/MQA, kdim/vdim, bias, causal in both alignments, masks with fully masked rows, self-/cross-attention "
+        "with key = value or distinct), compute each with the fast float64 reference and judge it like a catalog "
+        "case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
+        "and print it as catalog JSON that `mhaspec run ADAPTER --catalog FILE.json` reproduces. Needs the "
+        "extra `fuzz` (hypothesis).",
+        epilog="exit codes: 0 nothing found, 1 a non-conformance found (printed), 2 bad usage or bad input",
+    )
+    fz.add_argument("adapter", nargs="?", default="numpy",
+                    help="built-in name, package.module:attr, or path/to/file.py:attr (default: numpy)")
+    fz.add_argument("--examples", type=int, default=100, metavar="N", help="random cases to judge (default 100)")
+    fz.add_argument("--seed", type=int, default=0, metavar="S", help="the same seed draws the same cases (default 0)")
+    fz.add_argument("--max-size", type=int, default=24, metavar="L",
+                    help="largest query/key length T, S (default 24); head sizes go up to 256")
+    fz.add_argument("--dtype", action="append", metavar="DTYPE",
+                    help="dtypes to judge each case in; repeat or comma-separate (default: all four)")
+    fz.add_argument("--device", help="device for adapters that take one")
+    fz.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="per-case timeout for the adapter (default 300; 0 = none)")
 
     sub.add_parser("schema", help="print the JSON Schema of the spec models",
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
@@ -92,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {
             "run": _run,
             "generate": _generate,
+            "fuzz": _fuzz,
             "schema": _schema,
             "cases": _cases,
             "adapters": _adapters,
@@ -102,44 +148,148 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mhaspec: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("mhaspec: error: out of memory (a case too large for this machine?)", file=sys.stderr)
+        return 2
+
+
+def _report_path(value: str) -> Path:
+    """Validate --report before the run, so a long run never ends in an unwritable path."""
+    path = Path(value)
+    if path.is_dir():
+        raise MhaspecError(f"--report {value}: is a folder; give a file name, e.g. {path / 'report.json'}")
+    if not path.parent.is_dir():
+        raise MhaspecError(f"--report {value}: folder {path.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mhaspec-probe-", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise MhaspecError(f"--report {value}: cannot write in {path.parent} ({exc.strerror or exc})") from None
+    return path
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .conformance import check
+    from .conformance.worker import Worker, validate_timeout
+
+    timeout = validate_timeout(DEFAULT_TIMEOUT if args.timeout is None else args.timeout, "--timeout")
+    report_path = _report_path(args.report) if args.report else None
+    adapter = args.adapter
+    if not args.no_isolate:  # start the worker now: it imports the adapter's framework while we import the rest
+        adapter = Worker(args.adapter, {"device": args.device})
+        adapter.start()
+
+    from .conformance import Report, Session, check, select_cases
+    from .conformance.runner import resolve_dtypes
+    from .fixtures import DEFAULT_GOLDEN
 
     dtypes = None
     if args.dtype:
         dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()]
-    if args.report:
-        report_path = Path(args.report)
-        if not report_path.parent.is_dir():
-            raise MhaspecError(f"--report: folder {report_path.parent} does not exist")
-    from .adapters import adapter_framework
-    from .conformance import Report, Session, select_cases
-    from .conformance.runner import resolve_dtypes
+    start = time.perf_counter()
+    done: list = []  # results so far: a run cut short still reports them
+    session = None
 
-    session = Session(args.adapter, golden=args.golden, timeout=args.timeout or None, device=args.device,
-                      precision=args.precision, backward=args.backward)
-    width = Report.case_width(select_cases(session.golden, None, args.pattern))
-    framework, version = adapter_framework(session.adapter)
-    header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))
-    print(header + "\n\n" + Report.column_titles(width), flush=True)
+    def write_partial(reason: str, code: int) -> None:
+        if report_path is None:
+            return
+        try:
+            wanted = resolve_dtypes(dtypes)
+        except MhaspecError:
+            wanted = []
+        extra = dict(partial=True, partial_reason=reason, partial_exit_code=code)
+        if session is not None:
+            report = session.report(done, wanted, time.perf_counter() - start, **extra)
+        else:
+            report = Report(adapter=args.adapter, framework=None, framework_version=None,
+                            golden=str(args.golden or DEFAULT_GOLDEN), dtypes=wanted,
+                            duration_s=time.perf_counter() - start, **extra)
+        report.write_json(report_path)
+        print(f"partial report written to {report_path}", file=sys.stderr)
 
-    def progress(result):  # stream rows as they are judged: framework adapters can take a while
-        print(Report.row(result, width), flush=True)
+    golden = args.golden
+    if args.catalog:
+        if args.golden:
+            raise MhaspecError("--catalog and --golden: give one of them (a catalog is computed on the fly)")
+        from .reference.onthefly import OnTheFlyGolden
 
-    report = check(session, dtypes=dtypes, pattern=args.pattern, progress=progress)
+        golden = OnTheFlyGolden(args.catalog)
+
+    try:
+        session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision, backward=args.backward,
+                          isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
+        width = Report.case_width(select_cases(session.golden, None, args.pattern))
+        framework, version = session.framework
+        header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))
+        print(header + "\n\n" + Report.column_titles(width), flush=True)
+
+        def progress(result):  # stream rows as they are judged: framework adapters can take a while
+            done.append(result)
+            print(Report.row(result, width), flush=True)
+
+        report = check(session, dtypes=dtypes, pattern=args.pattern, progress=progress)
+    except KeyboardInterrupt:
+        write_partial(f"interrupted (Ctrl-C) after {len(done)} case×dtype", 130)
+        raise
+    except MhaspecError as exc:
+        write_partial(str(exc), 2)
+        raise
+    except MemoryError:
+        write_partial("out of memory", 2)
+        raise
+    finally:
+        if session is not None:
+            session.close()
+        elif isinstance(adapter, Worker):
+            adapter.close()
     print("\n".join(report.footer(verbose=args.verbose)))
-    if args.report:
-        report.write_json(args.report)
-        print(f"report written to {args.report}")
+    if report_path is not None:
+        report.write_json(report_path)
+        print(f"report written to {report_path}")
     return report.exit_code
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from .conformance import Report
+    from .fuzz import fuzz
+
+    if args.examples < 1:
+        raise MhaspecError(f"--examples: must be at least 1, got {args.examples}")
+    if args.max_size < 1:
+        raise MhaspecError(f"--max-size: must be at least 1, got {args.max_size}")
+    dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()] if args.dtype else None
+    start = time.perf_counter()
+    outcome = fuzz(args.adapter, examples=args.examples, seed=args.seed, dtypes=dtypes, max_len=args.max_size,
+                   timeout=args.timeout or None, device=args.device)
+    took = time.perf_counter() - start
+    judged = f"{outcome.examples} case(s) judged, {outcome.rejected} refused by supports(), seed {args.seed}, {took:.1f} s"
+    if not outcome.found:
+        print(f"fuzz {args.adapter}: no non-conformance found ({judged})")
+        return 0
+    width = max(Report.case_width([outcome.spec.id]), 4)  # type: ignore[union-attr]
+    print(f"fuzz {args.adapter}: NON-CONFORMANCE found and shrunk ({judged})\n")
+    print(Report.column_titles(width))
+    for result in outcome.results:
+        print(Report.row(result, width))
+    for result in outcome.results:
+        if result.verdict in ("fail", "error"):
+            first = result.first_failing_stage
+            detail = result.stage(first).message if first else result.message
+            print(f"\n{result.dtype}: {first or 'error'}: {detail}")
+            break
+    print(f"\nminimal failing case (save as case.json; `mhaspec run {args.adapter} --catalog case.json` reproduces it):")
+    print(outcome.catalog_json())
+    return 1
 
 
 def _generate(args: argparse.Namespace) -> int:
     from .reference.generate import check, generate
     from .spec import CATALOG, load_catalog_file
 
+    if args.catalog and not args.out and not args.check:
+        raise MhaspecError(
+            "generate --catalog needs --out DIR: the fixtures shipped with mhaspec come only from the built-in catalog"
+        )
     catalog = load_catalog_file(args.catalog) if args.catalog else CATALOG
     if args.check:
         start = time.perf_counter()

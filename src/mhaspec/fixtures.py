@@ -1,10 +1,11 @@
 """Golden fixtures on disk: one safetensors file per case plus ``manifest.json``.
 
-The loader works on any folder (``--golden DIR``), verifies each file's size
-and SHA-256 against the manifest before parsing it, and checks every tensor's
-shape against the case's config.  Any problem is a :class:`FixtureError` that
-names the file.  Writing is atomic: the new folder is built beside the old one
-and swapped in with renames, so a failure leaves the old folder untouched.
+The loader works on any folder (``--golden DIR``).  Before reading a file's
+tensor data it checks the file's size (against the manifest and against what
+the case's tensors need) and its header (tensor names, dtypes, shapes); then
+the SHA-256.  Any problem is a :class:`FixtureError` that names the file; the
+runner makes it an ``error`` of that case only.  Writing is atomic and locked:
+see :func:`write_folder_atomically`.
 
 Tensor names inside a file::
 
@@ -18,14 +19,19 @@ Tensor names inside a file::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pydantic
@@ -106,19 +112,32 @@ class GoldenCase:
     visible: np.ndarray  # (B, H, T, S) bool: explicit mask AND causal
     path: Path
     d_output: np.ndarray | None = None  # (B, T, d_out)
+    #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
+    reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.spec.id
 
+    def with_reference_error(self, bounds: Mapping[str, Any]) -> dict[str, Any]:
+        """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).
+
+        The reference error is a worst-case bound, not rounding noise: a bound with a
+        worst-case part (``worst``, see :class:`mhaspec.conformance.tolerance.Bound`) gets it
+        there; a plain tolerance array gets it added."""
+        if self.reference_error is None:
+            return dict(bounds)
+        out = {}
+        for stage, bound in bounds.items():
+            extra = self.reference_error[stage]
+            out[stage] = bound._replace(worst=bound.worst + extra) if hasattr(bound, "_replace") else bound + extra
+        return out
+
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""
         if dtype not in self._cases:
-            self._cases[dtype] = Case.from_arrays(
-                self.spec.id, self.spec.config, dtype, self.inputs, self.weights, self.spec.inputs == "self",
-                self.d_output,
-            )
+            self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights, self.d_output)
         return self._cases[dtype]
 
 
@@ -136,7 +155,7 @@ def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
     shapes.update({f"weight.{k}": v for k, v in cfg.weight_shapes().items()})
     shapes.update({f"stage.{k}": v for k, v in cfg.stage_shapes(B, T, S).items()})
     shapes["grad.d_output"] = (B, T, cfg.d_out)
-    shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs == "self").items()})
+    shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs).items()})
     return shapes
 
 
@@ -148,6 +167,7 @@ class GoldenSet:
         self.manifest = read_manifest(self.folder)
         self._entries = self.manifest.by_id()
         self._loaded: dict[str, GoldenCase] = {}
+        self._failed: dict[str, FixtureError] = {}
 
     def ids(self) -> list[str]:
         return list(self._entries)
@@ -166,12 +186,20 @@ class GoldenSet:
                 raise FixtureError(
                     f"{self.folder / MANIFEST_NAME}: no case {case_id!r}; known: {', '.join(self._entries)}"
                 )
-            self._loaded[case_id] = load_case(self.folder, entry)
+            if case_id in self._failed:  # a broken file is read (and reported) once
+                raise self._failed[case_id]
+            try:
+                self._loaded[case_id] = load_case(self.folder, entry)
+            except FixtureError as exc:
+                self._failed[case_id] = exc
+                raise
         return self._loaded[case_id]
 
 
 def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST_NAME
+    if folder.is_file():
+        raise FixtureError(f"{folder}: is a file; a golden folder (holding {MANIFEST_NAME}) is expected")
     if not folder.is_dir():
         raise FixtureError(f"{folder}: golden folder does not exist")
     try:
@@ -201,17 +229,121 @@ def read_manifest(folder: Path) -> Manifest:
     return manifest
 
 
+#: Largest safetensors header accepted in a fixture (a case's header is a few KB).
+MAX_HEADER_BYTES = 1 << 20
+
+_ITEMSIZE = {"F64": 8, "BOOL": 1}
+
+
+def expected_dtype(name: str) -> str:
+    """The safetensors dtype a fixture tensor must be stored as."""
+    return "BOOL" if name in ("input.mask", "visible") else "F64"
+
+
+def fixture_data_bytes(spec: CaseSpec) -> int:
+    """Bytes of tensor data in the fixture of ``spec`` (its file is this plus a small header)."""
+    return sum(math.prod(shape) * _ITEMSIZE[expected_dtype(name)] for name, shape in expected_shapes(spec).items())
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (Linux: MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def require_memory(spec: CaseSpec, needed: int, what: str) -> None:
+    """Refuse (FixtureError, with the numbers) when ``needed`` bytes exceed the available memory."""
+    available = available_memory()
+    if available is not None and needed > available:
+        cfg = spec.config
+        raise FixtureError(
+            f"case {spec.id}: {what} needs about {needed / 1e9:.3g} GB (B={spec.batch}, T={spec.tgt_len}, "
+            f"S={spec.src_len}, d_model={cfg.d_model}, H={cfg.H}, D_k={cfg.D_k}, D_v={cfg.D_v}), "
+            f"but only {available / 1e9:.3g} GB of memory is available"
+        )
+
+
+def _read_header(fh: Any, path: Path, size: int) -> dict[str, Any]:
+    """The JSON header of an open safetensors file, bounded and parsed before any tensor data is read."""
+    raw = fh.read(8)
+    if len(raw) < 8:
+        raise FixtureError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    n = int.from_bytes(raw, "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise FixtureError(f"{path}: not a safetensors file (header length {n} bytes is implausible for a {size}-byte file)")
+    try:
+        header = json.loads(fh.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FixtureError(f"{path}: not a safetensors file (header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise FixtureError(f"{path}: not a safetensors file (header is not a JSON object)")
+    return header
+
+
+def _check_header(header: dict[str, Any], path: Path, spec: CaseSpec, data_size: int) -> None:
+    """Tensor names, dtypes, shapes and offsets of a fixture, from its header alone."""
+    shapes = expected_shapes(spec)
+    names = set(header) - {"__metadata__"}
+    missing, extra = sorted(set(shapes) - names), sorted(names - set(shapes))
+    if missing or extra:
+        raise FixtureError(f"{path}: tensors do not match case {spec.id}: missing {missing}, unexpected {extra}")
+    for name, shape in shapes.items():
+        info = header[name]
+        if not isinstance(info, dict):
+            raise FixtureError(f"{path}: tensor {name}: malformed header entry")
+        if info.get("dtype") != expected_dtype(name):
+            raise FixtureError(f"{path}: tensor {name} is stored as {info.get('dtype')}, expected {expected_dtype(name)}")
+        if tuple(info.get("shape", ())) != shape:
+            raise FixtureError(f"{path}: tensor {name} has shape {tuple(info.get('shape', ()))}, expected {shape}")
+        start, end = info.get("data_offsets", (None, None))
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_size
+                and end - start == math.prod(shape) * _ITEMSIZE[info["dtype"]]):
+            raise FixtureError(f"{path}: tensor {name} has bad data offsets {info.get('data_offsets')}")
+
+
 def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
-    """Read, verify (size, SHA-256, tensor names and shapes) and decode one fixture."""
+    """Read, verify and decode one fixture.
+
+    Before any tensor data is read: the file's size against the manifest and
+    against what the case's tensors need, and the header's tensor names,
+    dtypes, shapes and offsets.  Then the SHA-256 of the whole file.
+    """
     path = folder / entry.file
     if Path(entry.file).name != entry.file:
         raise FixtureError(f"{folder / MANIFEST_NAME}: file name {entry.file!r} must not contain a folder")
+    data_bytes = fixture_data_bytes(entry.spec)
+    if not data_bytes + 8 < entry.size <= data_bytes + 8 + MAX_HEADER_BYTES:
+        raise FixtureError(
+            f"{folder / MANIFEST_NAME}: case {entry.spec.id}: size {entry.size} bytes does not fit its tensors "
+            f"({data_bytes} bytes of data plus a header)"
+        )
+    require_memory(entry.spec, 2 * entry.size, f"loading {path.name}")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size != entry.size:
+                raise FixtureError(
+                    f"{path}: truncated or altered fixture (case {entry.spec.id}): {size} bytes, manifest says {entry.size}"
+                )
+            header = _read_header(fh, path, size)
+            _check_header(header, path, entry.spec, size - fh.tell())
+            fh.seek(0)
+            data = fh.read()
     except FileNotFoundError:
         raise FixtureError(f"{path}: fixture file is missing (case {entry.spec.id})") from None
+    except IsADirectoryError:
+        raise FixtureError(f"{path}: is a folder, not a fixture file (case {entry.spec.id})") from None
     except OSError as exc:
-        raise FixtureError(f"{path}: cannot read fixture ({exc})") from None
+        raise FixtureError(f"{path}: cannot read fixture ({exc.strerror or exc})") from None
     if len(data) != entry.size:
         raise FixtureError(
             f"{path}: truncated or altered fixture (case {entry.spec.id}): {len(data)} bytes, manifest says {entry.size}"
@@ -223,13 +355,9 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
         )
     tensors = decode_tensors(data, str(path))
     shapes = expected_shapes(entry.spec)
-    missing = sorted(set(shapes) - set(tensors))
-    extra = sorted(set(tensors) - set(shapes))
-    if missing or extra:
-        raise FixtureError(f"{path}: tensors do not match case {entry.spec.id}: missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
-        if tensors[name].shape != shape:
-            raise FixtureError(f"{path}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
+        if tensors[name].shape != shape or tensors[name].dtype != (np.bool_ if expected_dtype(name) == "BOOL" else np.float64):
+            raise FixtureError(f"{path}: tensor {name} has shape {tensors[name].shape} and dtype {tensors[name].dtype}, expected {shape}")
     inputs = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("input.")}
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
     stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
@@ -247,30 +375,101 @@ def format_validation_error(exc: pydantic.ValidationError) -> str:
 
 
 def write_folder_atomically(folder: Path, files: Mapping[str, bytes]) -> None:
-    """Replace ``folder`` with exactly ``files``; never leave it half-written.
+    """Replace ``folder`` with exactly ``files``; never leave it half-written, never destroy what mhaspec did not write.
 
-    Refuses to replace a non-empty folder that is not a golden folder (one
-    holding anything but ``manifest.json`` and ``*.safetensors``).
+    - Only an empty or missing folder, or a golden folder (a valid mhaspec
+      ``manifest.json`` plus exactly the files it lists), is replaced.
+    - The new folder is written beside it (``.NAME.new-*``, manifest last,
+      every file fsync'ed) and swapped in with one atomic exchange of the two
+      directories (Linux ``renameat2(RENAME_EXCHANGE)``): a reader sees the
+      old folder or the new one, never none.  Where the exchange is not
+      available it falls back to two renames, and the next generate restores
+      the old folder if a kill fell between them.
+    - Concurrent generates into the same parent folder are serialised by a
+      lock (``flock`` on the parent folder); stale ``.NAME.new-*`` and
+      ``.NAME.old-*`` folders left by killed runs are removed.
+    Any OS error is a FixtureError naming the folder.
     """
-    folder = folder.resolve()
-    if folder.exists():
-        if not folder.is_dir():
-            raise FixtureError(f"{folder}: exists and is not a folder")
-        foreign = [p.name for p in folder.iterdir() if not (p.name == MANIFEST_NAME or p.suffix == ".safetensors")]
-        if foreign:
-            raise FixtureError(
-                f"{folder}: refusing to overwrite a folder that is not a golden folder (it holds {', '.join(sorted(foreign)[:5])})"
-            )
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(folder).absolute()
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(folder.parent):
+            _recover(folder)
+            check_replaceable(folder)
+            _swap_in(folder, files)
+    except OSError as exc:
+        raise FixtureError(f"{folder}: cannot write the golden folder ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _folder_lock(parent: Path) -> Iterator[None]:
+    """An exclusive lock on ``parent`` (released by the OS if the process dies)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _staging_folders(folder: Path, kind: str) -> list[Path]:
+    return sorted(folder.parent.glob(f".{folder.name}.{kind}-*"), key=lambda p: p.stat().st_mtime)
+
+
+def _recover(folder: Path) -> None:
+    """Under the lock: bring back a folder lost between two renames, then remove stale staging folders."""
+    old = _staging_folders(folder, "old")
+    if not folder.exists() and old:
+        os.replace(old.pop(), folder)  # the most recent complete folder
+    for stale in old + _staging_folders(folder, "new"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_replaceable(folder: Path) -> None:
+    """FixtureError unless ``folder`` is missing, empty, or a golden folder holding only what its manifest lists."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not folder.is_dir():
+        raise FixtureError(f"{folder}: exists and is not a folder")
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return
+    shown = ", ".join(names[:5]) + (f", … ({len(names)} in all)" if len(names) > 5 else "")
+    if MANIFEST_NAME not in names:
+        raise FixtureError(f"{folder}: refusing to replace a folder that is not an mhaspec golden folder "
+                           f"(no {MANIFEST_NAME}; it holds {shown})")
+    try:
+        raw = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        if raw.get("format") != "mhaspec-golden":
+            raise ValueError("format is not mhaspec-golden")
+        listed = {str(case["file"]) for case in raw["cases"]}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise FixtureError(f"{folder}: refusing to replace a folder whose {MANIFEST_NAME} is not an mhaspec "
+                           f"manifest ({exc})") from None
+    foreign = sorted(set(names) - listed - {MANIFEST_NAME})
+    if foreign:
+        raise FixtureError(f"{folder}: refusing to replace a golden folder holding files its manifest does not list "
+                           f"({', '.join(foreign[:5])}{', …' if len(foreign) > 5 else ''})")
+
+
+def _swap_in(folder: Path, files: Mapping[str, bytes]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
     try:
-        for name, data in files.items():
+        for name in sorted(files, key=lambda n: n == MANIFEST_NAME):  # manifest last
             with open(staging / name, "wb") as fh:
-                fh.write(data)
+                fh.write(files[name])
                 fh.flush()
                 os.fsync(fh.fileno())
         os.chmod(staging, 0o755)
-        if folder.exists():
+        _fsync_dir(staging)
+        if not folder.exists():
+            os.replace(staging, folder)
+        elif not _exchange(staging, folder):  # staging now holds the old folder, removed below
             backup = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
             backup.rmdir()
             os.replace(folder, backup)
@@ -280,8 +479,40 @@ def write_folder_atomically(folder: Path, files: Mapping[str, bytes]) -> None:
                 os.replace(backup, folder)
                 raise
             shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(staging, folder)
+        _fsync_dir(folder.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system cannot: fall back
+        return False
+    raise OSError(err, os.strerror(err), str(b))

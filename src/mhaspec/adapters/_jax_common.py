@@ -104,6 +104,10 @@ def vjp_stages(
             _, pullback = jax.vjp(lambda x, w, t: output(x, x, x, w, t), query, weights, taps)
             d_query, d_weights, d_taps = pullback(d_output)
             inputs = {"d_query": d_query}
+        elif case.key_is_value:  # one memory tensor: its gradient (d_key) is the sum of two
+            _, pullback = jax.vjp(lambda q, m, w, t: output(q, m, m, w, t), query, key, weights, taps)
+            d_query, d_key, d_weights, d_taps = pullback(d_output)
+            inputs = {"d_query": d_query, "d_key": d_key}
         else:
             _, pullback = jax.vjp(output, query, key, value, weights, taps)
             d_query, d_key, d_value, d_weights, d_taps = pullback(d_output)

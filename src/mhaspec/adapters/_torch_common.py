@@ -86,7 +86,7 @@ def linear_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torc
     w = canonical(weights)
     out: dict[str, torch.Tensor] = {}
     for (w_name, b_name), prefix in LINEAR_NAMES.items():
-        out[f"{prefix}.weight"] = torch.from_numpy(np.ascontiguousarray(w[w_name].T))
+        out[f"{prefix}.weight"] = torch.from_numpy(np.array(w[w_name].T, order="C"))  # a copy: the case is read-only
         if b_name in w:
             out[f"{prefix}.bias"] = torch.from_numpy(w[b_name].copy())
     return out
@@ -148,13 +148,13 @@ def autograd_backward(
     ``call(query, key, value)`` returns the forward's stage tensors by name
     (``output`` required); each intermediate one is kept with ``retain_grad`` and
     comes back as ``d_<stage>``.  The input gradients come from the leaf inputs
-    (self-attention: one leaf, so ``d_query`` is the sum of the three, as the spec
-    says); the weight gradients from ``module``'s parameters through
+    (one leaf per tensor: self-attention's ``d_query`` is the sum of the three,
+    shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from ``module``'s parameters through
     ``to_canonical`` (the state_dict converter: a gradient has its parameter's layout).
     """
     query = to_tensor(case.inputs.query, dtype, device).requires_grad_()
     key = query if case.self_attention else to_tensor(case.inputs.key, dtype, device).requires_grad_()
-    value = query if case.self_attention else to_tensor(case.inputs.value, dtype, device).requires_grad_()
+    value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, device).requires_grad_()
     module.zero_grad(set_to_none=True)
     with torch.enable_grad():
         stages = call(query, key, value)
@@ -164,8 +164,10 @@ def autograd_backward(
         stages["output"].backward(to_tensor(case.d_output, dtype, device))
     out = {f"d_{name}": to_numpy(t.grad) for name, t in stages.items() if name != "output" and t.grad is not None}
     out["d_query"] = to_numpy(query.grad)
-    if not case.self_attention:
-        out["d_key"], out["d_value"] = to_numpy(key.grad), to_numpy(value.grad)
+    if not case.self_attention:  # one leaf per tensor: a shared one's gradient is the sum (d_key)
+        out["d_key"] = to_numpy(key.grad)
+        if not case.key_is_value:
+            out["d_value"] = to_numpy(value.grad)
     grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
     out.update({f"d_{name}": value for name, value in to_canonical(grads).items()})
     return out

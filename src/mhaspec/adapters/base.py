@@ -118,6 +118,13 @@ class BuiltinAdapter:
     target: str  # "module:attr"
     framework: str  # the distribution it needs
     description: str
+    requires: tuple[str, ...] = ()  # further modules it needs besides the framework
+
+    @property
+    def extra(self) -> str:
+        """The pip extra(s) that install what it needs."""
+        extras = dict.fromkeys(_extra(m) for m in (self.framework, *self.requires))
+        return ",".join(extras)
 
 
 BUILTINS: dict[str, BuiltinAdapter] = {
@@ -149,6 +156,14 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "flax.nnx.MultiHeadAttention, sow_weights=True (attention weights exposed)"),
         BuiltinAdapter("flax-nnx-fast", "mhaspec.adapters.flax_nnx:FlaxNNXFastAdapter", "flax",
                        "flax.nnx.MultiHeadAttention, sow_weights=False (the production dot_product_attention path)"),
+        BuiltinAdapter("onnxruntime", "mhaspec.adapters.onnx_attention:OnnxRuntimeAdapter", "onnxruntime",
+                       "the standard ONNX Attention op (opset 23) between MatMul projections, onnxruntime CPU",
+                       requires=("onnx",)),
+        BuiltinAdapter("onnx-reference", "mhaspec.adapters.onnx_attention:OnnxReferenceAdapter", "onnx",
+                       "the same ONNX graph run by onnx.reference.ReferenceEvaluator"),
+        BuiltinAdapter("torch-onnx", "mhaspec.adapters.torch_onnx:TorchOnnxAdapter", "torch",
+                       "the torch adapter's module exported by torch.onnx.export (dynamo), run by onnxruntime",
+                       requires=("onnx", "onnxruntime", "onnxscript")),
     ]
 }
 
@@ -208,7 +223,7 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             except AdapterError as exc:
                 raise AdapterError(
                     f"built-in adapter {ref!r} is not usable here: {exc} "
-                    f"(install it with `pip install mhaspec[{_extra(builtin.framework)}]`)"
+                    f"(install it with `pip install mhaspec[{builtin.extra}]`)"
                 ) from None
         else:
             obj = _import_target(ref, ref)
@@ -239,7 +254,8 @@ def load_adapter(ref: Any, **options: Any) -> Any:
 
 
 def _extra(framework: str) -> str:
-    return {"keras": "tensorflow", "flax": "jax", "numpy": "bf16"}.get(framework, framework)
+    return {"keras": "tensorflow", "flax": "jax", "numpy": "bf16", "onnxruntime": "onnx", "onnxscript": "onnx"}.get(
+        framework, framework)
 
 
 def adapter_name(adapter: Any) -> str:
@@ -277,8 +293,9 @@ def builtin_status() -> list[tuple[BuiltinAdapter, bool, str]]:
     rows = []
     for b in BUILTINS.values():
         module = b.target.split(":")[0]
-        if importlib.util.find_spec(b.framework) is None:
-            rows.append((b, False, f"{b.framework} is not installed"))
+        missing = [m for m in (b.framework, *b.requires) if importlib.util.find_spec(m) is None]
+        if missing:
+            rows.append((b, False, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"))
         elif importlib.util.find_spec(module) is None:
             rows.append((b, False, f"{module} is missing"))
         else:

@@ -235,10 +235,15 @@ class KerasMHAAdapter:
             set_layer_weights(layer, case.weights, cfg)
 
             query = to_tensor(x.query, dt)
-            key, value = (query, query) if case.self_attention else (to_tensor(x.key, dt), to_tensor(x.value, dt))
+            if case.self_attention:
+                tensors = {"value": query, "key": query}
+            elif case.key_is_value:  # one memory tensor: no key argument, Keras's key defaults to value
+                tensors = {"value": to_tensor(x.value, dt)}
+            else:
+                tensors = {"value": to_tensor(x.value, dt), "key": to_tensor(x.key, dt)}
             attention_mask, use_causal_mask = keras_masks(case)
             result = layer(
-                query=query, value=value, key=key,
+                query=query, **tensors,
                 attention_mask=attention_mask, use_causal_mask=use_causal_mask,
                 return_attention_scores=self.return_attention_scores,
             )
@@ -247,8 +252,9 @@ class KerasMHAAdapter:
                 out["attn_weights"] = result[1]  # (B, H, T, S)
             # the layer's own projection sublayers: (B, L, heads, D) -> (B, L, heads·D).
             # MultiHeadAttention exposes them as query_dense …; GroupQueryAttention only as _query_dense ….
+            key = tensors.get("key", tensors["value"])
             for stage, sub, inp in (("q_proj", "query_dense", query), ("k_proj", "key_dense", key),
-                                    ("v_proj", "value_dense", value)):
+                                    ("v_proj", "value_dense", tensors["value"])):
                 y = getattr(layer, "_" + sub)(inp)
                 out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
             return {stage: to_numpy(t) for stage, t in out.items()}

@@ -101,8 +101,8 @@ class NumpyMHA:
 
         Same precision policy as the forward (stored in the dtype, summed in
         float32 for float16/bfloat16).  A GQA key/value head's gradient sums
-        its group's query heads; self-attention reports one input gradient,
-        the sum of the three, as ``d_query``.
+        its group's query heads; a tensor passed as several inputs gets one
+        gradient, the sum (self-attention: ``d_query``; shared key/value: ``d_key``).
         """
         assert case.d_output is not None, "case.d_output is missing"
         st, f = self._forward(case)
@@ -139,8 +139,11 @@ class NumpyMHA:
             out["d_query"] = rnd(a(dq) @ a(w.w_q).T + a(dk) @ a(w.w_k).T + a(dv) @ a(w.w_v).T)
         else:
             out["d_query"] = rnd(a(dq) @ a(w.w_q).T)
-            out["d_key"] = rnd(a(dk) @ a(w.w_k).T)
-            out["d_value"] = rnd(a(dv) @ a(w.w_v).T)
+            if case.key_is_value:  # one memory tensor: the sum of the key and value gradients
+                out["d_key"] = rnd(a(dk) @ a(w.w_k).T + a(dv) @ a(w.w_v).T)
+            else:
+                out["d_key"] = rnd(a(dk) @ a(w.w_k).T)
+                out["d_value"] = rnd(a(dv) @ a(w.w_v).T)
         x = {"q": case.inputs.query, "k": case.inputs.key, "v": case.inputs.value, "o": st["concat"]}
         d = {"q": dq, "k": dk, "v": dv, "o": dy}
         for n in "qkvo":

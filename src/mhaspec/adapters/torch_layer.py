@@ -190,7 +190,7 @@ class TorchMHAAdapter:
         module = self._module(case)
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = query if case.self_attention else to_tensor(case.inputs.value, dtype, self.device)
+        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
         mask = None if case.inputs.mask is None else to_tensor(case.inputs.mask, torch.bool, self.device)
 
         with torch.inference_mode():

@@ -69,10 +69,10 @@ def canonical_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, t
         out["in_proj_weight"] = torch.from_numpy(np.concatenate([w[_Q].T, w[_K].T, w[_V].T], axis=0))
     else:
         for name in (_Q, _K, _V):
-            out[f"{name[-1]}_proj_weight"] = torch.from_numpy(np.ascontiguousarray(w[name].T))
+            out[f"{name[-1]}_proj_weight"] = torch.from_numpy(np.array(w[name].T, order="C"))  # a copy: the case is read-only
     if "b_q" in w:
         out["in_proj_bias"] = torch.from_numpy(np.concatenate([w["b_q"], w["b_k"], w["b_v"]]))
-    out["out_proj.weight"] = torch.from_numpy(np.ascontiguousarray(w["w_o"].T))
+    out["out_proj.weight"] = torch.from_numpy(np.array(w["w_o"].T, order="C"))  # a copy: the case is read-only
     if "b_o" in w:
         out["out_proj.bias"] = torch.from_numpy(w["b_o"].copy())
     return out
@@ -187,7 +187,7 @@ class TorchMultiheadAttentionAdapter:
 
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = query if case.self_attention else to_tensor(case.inputs.value, dtype, self.device)
+        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
 
         with torch.inference_mode():
             output, attn_weights = module(

@@ -134,7 +134,7 @@ class TorchSDPAAdapter:
         module = self._module(case)
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = query if case.self_attention else to_tensor(case.inputs.value, dtype, self.device)
+        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
         with torch.inference_mode():
             stages = module(query=query, key=key, value=value, **self._masks(case))
         return {name: to_numpy(t) for name, t in stages.items()}

@@ -3,27 +3,36 @@
 Entry points: :func:`check` (Python), ``mhaspec run`` (CLI) and the pytest
 plugin (``pytest --pyargs mhaspec.conformance --mha-adapter=NAME``), all
 judging through :class:`Session`.
+
+Names are imported on first use, so that the adapter's worker process
+(:mod:`mhaspec.conformance.worker`) starts without loading the judging code.
 """
 
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult, compare_stage
-from .report import ERROR, UNSUPPORTED, CaseResult, Report
-from .runner import DEFAULT_TIMEOUT, Session, check, select_cases
-from .tolerance import stage_tolerances
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "ERROR",
-    "FAIL",
-    "KNOWN_DEVIATION",
-    "NOT_EXPOSED",
-    "PASS",
-    "UNSUPPORTED",
-    "CaseResult",
-    "Report",
-    "Session",
-    "StageResult",
-    "check",
-    "compare_stage",
-    "select_cases",
-    "stage_tolerances",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FAIL": "compare", "KNOWN_DEVIATION": "compare", "NOT_EXPOSED": "compare", "PASS": "compare",
+    "UNINFORMATIVE": "compare",
+    "StageResult": "compare", "compare_stage": "compare",
+    "ERROR": "report", "UNSUPPORTED": "report", "CaseResult": "report", "Report": "report",
+    "DEFAULT_TIMEOUT": "runner", "Session": "runner", "check": "runner", "select_cases": "runner",
+    "stage_tolerances": "tolerance",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

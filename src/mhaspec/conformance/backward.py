@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import BACKWARD_STAGES, FOLDED_IN_SELF_ATTENTION, STAGES
+from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
 from .tolerance_backward import backward_tolerances, local_checks
 
@@ -25,6 +25,7 @@ SELF_ATTENTION_NOTE = (
     "in a self-attention case d_query is the gradient with respect to the one input tensor: "
     "the sum of the query, key and value gradients"
 )
+SHARED_KV_NOTE = "with key and value one tensor, d_key is its gradient: the sum of the key and value gradients"
 
 
 def case_backward_stages(golden: GoldenCase) -> list[str]:
@@ -43,11 +44,13 @@ def contract_error(returned: Any, golden: GoldenCase) -> str:
     unknown = [n for n in names if n not in BACKWARD_STAGES]
     if unknown:
         return f"backward() returned unknown stage(s) {', '.join(unknown)}; backward stages are {', '.join(BACKWARD_STAGES)}"
-    if golden.spec.inputs == "self":
-        folded = [n for n in names if n in FOLDED_IN_SELF_ATTENTION]
-        if folded:
-            return (f"backward() returned {', '.join(folded)} for self-attention case {golden.id}: "
-                    f"{SELF_ATTENTION_NOTE}, reported as d_query alone")
+    folded = [n for n in names if n in ("d_key", "d_value") and n not in INPUT_GRADIENTS[golden.spec.inputs]]
+    if folded and golden.spec.inputs == "self":
+        return (f"backward() returned {', '.join(folded)} for self-attention case {golden.id}: "
+                f"{SELF_ATTENTION_NOTE}, reported as d_query alone")
+    if folded:
+        return (f"backward() returned d_value for case {golden.id}, whose key and value are one tensor: "
+                f"{SHARED_KV_NOTE}, reported as d_key alone")
     absent = [n for n in names if n not in golden.stages]
     if absent:
         return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have (no bias)"
@@ -96,6 +99,8 @@ def judge_backward(
             res.failed_check = "golden"
         if res.verdict == FAIL and stage == "d_query" and golden.spec.inputs == "self":
             res.message += f" ({SELF_ATTENTION_NOTE})"
+        if res.verdict == FAIL and stage == "d_key" and golden.spec.inputs == "shared_kv":
+            res.message += f" ({SHARED_KV_NOTE})"
         out.append(res)
     return out
 

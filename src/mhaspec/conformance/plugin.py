@@ -7,7 +7,10 @@ passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
 skip with the reason, ``known deviation`` is an xfail with the declared
 reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
 reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
-CLI and :func:`mhaspec.check`.  Importing this plugin imports no framework.
+CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
+or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
+runs it in the pytest process, for debugging).  Importing this plugin imports
+no framework.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
     group.addoption("--mha-backward", action="store_true", default=False,
                     help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
-    group.addoption("--mha-timeout", type=float, default=300.0, help="per-case timeout in seconds (0 = none)")
+    group.addoption("--mha-timeout", default=None,
+                    help="per case × dtype timeout in seconds (default 60; 0 = none); the worker is killed")
+    group.addoption("--mha-no-isolate", action="store_true", default=False,
+                    help="call the adapter in the pytest process instead of a worker process (for debugging)")
     group.addoption("--mha-precision", default="standard", choices=("standard", "worst-case"),
                     help="precision contract: standard (stored in the dtype, float32 sums; default) or worst-case")
 
@@ -42,14 +48,16 @@ def _session(config: pytest.Config) -> Any:
     state: _State = config._mhaspec_state  # type: ignore[attr-defined]
     if state.session is None and state.error is None:
         from ..errors import MhaspecError
-        from .runner import Session, resolve_dtypes
+        from .runner import DEFAULT_TIMEOUT, Session, resolve_dtypes, validate_timeout
 
         dtypes = config.getoption("--mha-dtype")
+        timeout = config.getoption("--mha-timeout")
         try:
             state.session = Session(
                 config.getoption("--mha-adapter") or "numpy",
                 golden=config.getoption("--mha-golden"),
-                timeout=config.getoption("--mha-timeout") or None,
+                timeout=validate_timeout(DEFAULT_TIMEOUT if timeout is None else timeout, "--mha-timeout"),
+                isolate=not config.getoption("--mha-no-isolate"),
                 backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
                 precision=config.getoption("--mha-precision"),
@@ -66,13 +74,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config._mhaspec_state = _State()  # type: ignore[attr-defined]
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = getattr(config, "_mhaspec_state", None)
+    if state is not None and state.session is not None:
+        state.session.close()  # stop the worker process
+
+
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not config.getoption("--mha-adapter"):
         return None
     session = _session(config)
-    from ..adapters import adapter_framework
-
-    framework, version = adapter_framework(session.adapter)
+    framework, version = session.framework
     return [
         f"mhaspec: adapter {session.name} ({framework or '-'} {version or ''}), dtypes {', '.join(_state(config).dtypes)}, "
         f"golden {session.golden.folder}"

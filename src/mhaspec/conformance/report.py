@@ -7,8 +7,11 @@ The JSON keys are documented in docs/report.md and are stable within a
 from __future__ import annotations
 
 import json
+import os
 import platform
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,6 +91,9 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     backward: bool = False  # the backward stages were judged too (--backward)
+    partial: bool = False  # the run was cut short (Ctrl-C, a fatal problem): not a verdict
+    partial_reason: str = ""
+    partial_exit_code: int = 2  # the exit code of a partial run (130 when interrupted)
 
     @property
     def judged(self) -> int:
@@ -96,13 +102,26 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """Every case conforms and at least one was judged informatively."""
-        return self.judged > 0 and all(r.ok for r in self.results)
+        """Every case conforms, at least one was judged informatively, and the run was complete."""
+        return not self.partial and self.judged > 0 and all(r.ok for r in self.results)
+
+    @property
+    def nothing_judged(self) -> str:
+        """Why nothing was judged ("" when something was)."""
+        if self.judged:
+            return ""
+        if not self.results:
+            return "nothing was judged: no case × dtype was selected (empty dtype list, case selection or catalog)"
+        if all(r.verdict == UNSUPPORTED for r in self.results):
+            return f"nothing was judged: the adapter does not support any of the {len(self.results)} selected case × dtype"
+        return "nothing was judged: no selected case × dtype got an informative verdict"
 
     @property
     def exit_code(self) -> int:
-        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, hung, no
-        output) or nothing informative was judged."""
+        """0 all conform; 1 a non-conformance; 2 the adapter broke the contract (raised, crashed, exited,
+        hung, no output), a fixture was broken, nothing informative was judged, or the run was cut short."""
+        if self.partial:
+            return self.partial_exit_code
         if any(r.verdict == ERROR for r in self.results):
             return 2
         if any(r.verdict == FAIL for r in self.results):
@@ -163,6 +182,8 @@ class Report:
             status = "ERROR"
         else:
             status = "NOTHING JUDGED (no case×dtype got an informative verdict: not a conformance)"
+        if self.partial:
+            status = "INCOMPLETE"
         return (
             f"{self.adapter}: {status} — {c[PASS]} pass, {c[KNOWN_DEVIATION]} known deviation, "
             f"{c[FAIL]} fail, {c[ERROR]} error, {c[UNSUPPORTED]} unsupported"
@@ -201,6 +222,10 @@ class Report:
             lines += ["", *details]
         if self.warnings:
             lines += [""] + [f"warning: {w}" for w in self.warnings]
+        if self.partial:
+            lines += ["", f"partial run: {self.partial_reason}"]
+        elif self.nothing_judged and not any(r.verdict == ERROR for r in self.results):
+            lines += ["", self.nothing_judged]
         lines += ["", self.summary()]
         return lines
 
@@ -255,6 +280,9 @@ class Report:
             "stages": list(STAGES) + (list(BACKWARD_STAGES) if self.backward else []),
             "ok": self.ok,
             "exit_code": self.exit_code,
+            "partial": self.partial,
+            "partial_reason": self.partial_reason or None,
+            "judged": self.judged,
             "counts": self.counts(),
             "smallest_margin": _num(self.smallest_margin()),
             "duration_seconds": round(self.duration_s, 6),
@@ -262,7 +290,20 @@ class Report:
             "results": [r.to_json() for r in self.results],
         }
 
-    def write_json(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_json(), fh, indent=2)
-            fh.write("\n")
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON report atomically (a reader never sees half a file); OSError is a MhaspecError."""
+        from ..errors import MhaspecError
+
+        target = Path(path)
+        text = json.dumps(self.to_json(), indent=2) + "\n"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(text)
+                os.replace(tmp, target)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            raise MhaspecError(f"--report {path}: cannot write the report ({exc.strerror or exc})") from None

@@ -3,60 +3,34 @@
 from __future__ import annotations
 
 import fnmatch
-import threading
+import json
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
-from ..errors import MhaspecError
+from ..adapters import Deviation, load_adapter
+from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES
-from .backward import NO_BACKWARD, contract_error, judge_backward
+from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward
+from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
                         worst_case_tolerances)
 from .tolerance_backward import backward_tolerances
+from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
-DEFAULT_TIMEOUT = 300.0
+#: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
+#: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
+DEFAULT_TIMEOUT = 60.0
 
-
-class CaseTimeout(Exception):
-    pass
-
-
-def _call(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """``fn()`` in a daemon thread, giving up after ``timeout`` seconds (None or 0: inline)."""
-    if not timeout:
-        return fn()
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=target, name="mhaspec-case", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise CaseTimeout(f"the adapter did not return within {timeout:g} s (per-case timeout)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message (file:line in function)`` at the innermost frame."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+#: After this many timed-out case × dtype, the session stops calling the adapter: the rest are
+#: ``error`` ("not run"), so an adapter that hangs everywhere costs about 3 minutes at the default.
+MAX_TIMEOUTS = 3
 
 
 def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern: str | None = None) -> list[str]:
@@ -131,55 +105,93 @@ class Session:
         timeout: float | None = DEFAULT_TIMEOUT,
         precision: str = "standard",
         backward: bool = False,
+        *,
+        isolate: bool = True,
         **options: Any,
     ) -> None:
         if precision not in PRECISIONS:
             raise MhaspecError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         self.precision = precision
-        self.adapter = load_adapter(adapter, **options)
         self.backward = backward  # also judge the adapter's backward(case) stages
-        self.name = adapter_name(self.adapter)
-        self.golden = golden if isinstance(golden, GoldenSet) else GoldenSet(golden)
-        self.timeout = timeout
-        self.deviations = parse_deviations(
-            getattr(self.adapter, "known_deviations", None), f"adapter {self.name}: known_deviations"
-        )
-        self.dtypes = adapter_dtypes(self.adapter)
+        self.timeout = validate_timeout(timeout)
+        self.isolate = bool(isolate)
+        #: The adapter object, when it lives in this process (given as an object, or isolate=False).
+        self.adapter: Any = None
+        if isinstance(adapter, Worker):  # already started (the CLI starts it before importing the rest)
+            self._worker = adapter
+        elif self.isolate and isinstance(adapter, str) and _jsonable(options):
+            self._worker: Worker | InProcess = Worker(adapter, options)  # a spawned worker loads it by name
+            self._worker.start()  # it imports the framework while this process reads the golden folder
+        else:
+            self.adapter = load_adapter(adapter, **options)
+            self._worker = Worker(self.adapter) if self.isolate else InProcess(self.adapter)
+        try:
+            self.golden = golden if isinstance(golden, GoldenSet) else GoldenSet(golden)
+            info = self._worker.wait_loaded() if isinstance(self._worker, Worker) else self._worker.info
+        except BaseException:
+            self.close()
+            raise
+        self.name: str = info["name"]
+        self.framework: tuple[str | None, str | None] = (info["framework"], info["framework_version"])
+        self.deviations = [Deviation(**d) for d in info["deviations"]]
+        self.dtypes = tuple(info["dtypes"])
+        self._has_supports = bool(info["has_supports"])
+        self._has_backward = bool(info.get("has_backward"))
+        self._timeouts = 0
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()
         self._results: dict[tuple[str, str], CaseResult] = {}
 
+    def close(self) -> None:
+        """Stop the worker process (also done when the session is garbage-collected or at exit)."""
+        self._worker.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def result(self, case_id: str, dtype: str) -> CaseResult:
-        """The (cached) verdict on one case in one dtype."""
+        """The (cached) verdict on one case in one dtype; a broken fixture is an error of that case only."""
         key = (case_id, dtype)
         if key not in self._results:
-            self._results[key] = self._judge(self.golden.load(case_id), dtype)
+            try:
+                golden = self.golden.load(case_id)
+            except FixtureError as exc:
+                self._results[key] = CaseResult(case_id, dtype, ERROR, message=f"fixture: {exc}")
+            else:
+                self._results[key] = self._judge(golden, dtype)
         return self._results[key]
 
     def _judge(self, golden: GoldenCase, dtype: str) -> CaseResult:
         case_id = golden.id
         if dtype not in self.dtypes:
             return CaseResult(case_id, dtype, UNSUPPORTED, message=f"the adapter declares dtypes {', '.join(self.dtypes)}")
+        if self._timeouts >= MAX_TIMEOUTS:
+            return CaseResult(case_id, dtype, ERROR, message=f"not run: the adapter already timed out on {self._timeouts} "
+                              "case×dtype in this session (select cases with -k, or raise --timeout)")
         case = golden.case(dtype)
-        supports = getattr(self.adapter, "supports", None)
-        if supports is not None:
+        if self._has_supports:
             try:
-                answer = supports(case)
-            except Exception as exc:
-                return CaseResult(case_id, dtype, ERROR, message=f"supports() raised {_describe(exc)}")
+                answer = self._worker.supports(case, self.timeout)
+            except CaseTimeout as exc:
+                self._timeouts += 1
+                return CaseResult(case_id, dtype, ERROR, message=str(exc))
+            except AdapterCrash as exc:
+                return CaseResult(case_id, dtype, ERROR, message=str(exc))
             if answer is not True:
                 reason = answer if isinstance(answer, str) and answer else "the adapter's supports() returned False"
                 return CaseResult(case_id, dtype, UNSUPPORTED, message=reason)
 
         start = time.perf_counter()
         try:
-            returned = _call(lambda: self.adapter.run(case), self.timeout)
+            returned, adapter_s = self._worker.run(case, self.timeout)
         except CaseTimeout as exc:
+            self._timeouts += 1
             return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
-        except Exception as exc:
-            return CaseResult(case_id, dtype, ERROR, message=f"run() raised {_describe(exc)}",
-                              adapter_s=time.perf_counter() - start)
-        adapter_s = time.perf_counter() - start
+        except AdapterCrash as exc:
+            return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
 
         t0 = time.perf_counter()
         if not isinstance(returned, Mapping):
@@ -193,7 +205,8 @@ class Session:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message="run() did not return the required stage 'output'")
 
-        stages = self.judge_stages(golden, dtype, returned)
+        # large cases are judged in blocks of query rows (memory-bounded); small ones in one block
+        stages = judge_in_blocks(golden, returned, lambda g, r: self.judge_stages(g, dtype, r))
         if self.backward:
             more, error, backward_s = self._judge_backward(golden, case, dtype, returned)
             adapter_s += backward_s
@@ -215,7 +228,7 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
-        bounds = golden_bounds(golden, dtype, self.precision)
+        bounds = golden.with_reference_error(golden_bounds(golden, dtype, self.precision))  # fast reference: + its error
         tolerances = {name: b.tolerance(LAMBDA) for name, b in bounds.items()}
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
@@ -258,7 +271,7 @@ class Session:
         algorithm in ``dtype`` (golden and local): too much rounding error for the standard
         contract (float32 accumulation), not necessarily a wrong function."""
         if not worst:
-            worst["golden"] = worst_case_tolerances(golden, dtype)
+            worst["golden"] = golden.with_reference_error(worst_case_tolerances(golden, dtype))
             worst["local"] = local_references(golden, own, dtype, "worst-case")
         stage = res.stage
         again = compare_stage(stage, returned[stage], golden.stages[stage], worst["golden"][stage], dtype, selected)
@@ -281,17 +294,16 @@ class Session:
         self, golden: GoldenCase, case: Any, dtype: str, forward: Mapping[str, Any]
     ) -> tuple[list[StageResult], str, float]:
         """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
-        method = getattr(self.adapter, "backward", None)
-        if not callable(method):
+        if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
-            returned = _call(lambda: method(case), self.timeout)
+            returned, seconds = self._worker.backward(case, self.timeout)
         except CaseTimeout as exc:
-            return [], f"backward: {exc}", time.perf_counter() - start
-        except Exception as exc:
-            return [], f"backward() raised {_describe(exc)}", time.perf_counter() - start
-        seconds = time.perf_counter() - start
+            self._timeouts += 1
+            return [], str(exc), time.perf_counter() - start
+        except AdapterCrash as exc:
+            return [], str(exc), time.perf_counter() - start
         error = contract_error(returned, golden)
         if error:
             return [], error, seconds
@@ -337,9 +349,13 @@ class Session:
                 rest = judge(outside if visible is None else outside & visible)
                 if rest.verdict == FAIL:
                     continue  # it fails outside those rows too: a real failure
-                res.message += (f"; outside the query rows that see no key every element passes "
-                                f"(worst ratio {rest.worst_ratio:.3g})" if rest.compared else
-                                "; every element of this gradient sums over the query rows that see no key")
+                if rest.worst_ratio is None and rest.compared == 0 and res.stage in BACKWARD_STAGES:
+                    res.message += "; every element of this gradient sums over the query rows that see no key"
+                elif rest.worst_ratio is None:  # every row sees no key: nothing outside them to compare
+                    res.message += "; every query row here sees no key"
+                else:
+                    res.message += (f"; outside the query rows that see no key every element passes "
+                                    f"(worst ratio {rest.worst_ratio:.3g})")
             res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
             self._used.add(i)
             return
@@ -355,10 +371,11 @@ class Session:
                 out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
         return out
 
-    def report(self, results: list[CaseResult], dtypes: list[str], duration: float) -> Report:
-        framework, version = adapter_framework(self.adapter)
+    def report(self, results: list[CaseResult], dtypes: list[str], duration: float, **partial: Any) -> Report:
+        """The report of ``results``; ``partial=True, partial_reason=...`` for a run cut short."""
+        framework, version = self.framework
         warnings = self.deviation_warnings()
-        if self.backward and not callable(getattr(self.adapter, "backward", None)):
+        if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         return Report(
             adapter=self.name,
@@ -370,7 +387,17 @@ class Session:
             warnings=warnings,
             duration_s=duration,
             backward=self.backward,
+            **partial,
         )
+
+
+def _jsonable(options: Mapping[str, Any]) -> bool:
+    """Whether adapter options can travel to a spawned worker (otherwise the adapter is loaded here and forked)."""
+    try:
+        json.dumps({k: v for k, v in options.items() if v is not None})
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def resolve_dtypes(dtypes: Iterable[str] | str | None) -> list[str]:
@@ -393,6 +420,7 @@ def check(
     pattern: str | None = None,
     golden: str | Path | GoldenSet | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    isolate: bool = True,
     progress: Callable[[CaseResult], None] | None = None,
     precision: str = "standard",
     backward: bool = False,
@@ -405,21 +433,30 @@ def check(
     not declare are reported unsupported); ``cases`` are exact case ids and
     ``pattern`` a -k style filter; ``backward=True`` also judges the adapter's
     ``backward(case)`` stages (docs/backward.md).  Options such as ``device="cuda"`` go to the
-    adapter's constructor.  Raises :class:`mhaspec.errors.MhaspecError` for bad
-    usage (unknown adapter, case, dtype; unreadable fixtures).  ``precision`` is the
-    precision contract: ``"standard"`` (results stored in the dtype, sums and softmax
-    in float32 or wider) or ``"worst-case"`` (anything a correct algorithm in the
-    dtype could produce); docs/tolerances.md.
+    adapter's constructor.  The adapter runs in a worker process
+    (``isolate=False``: in this process, for debugging); ``timeout`` is per
+    case × dtype in seconds (None or 0: none).  Raises
+    :class:`mhaspec.errors.MhaspecError` for bad usage (unknown adapter, case,
+    dtype; unreadable manifest).  A run in which nothing was judged is not ok.
+    ``precision`` is the precision contract: ``"standard"`` (results stored in
+    the dtype, sums and softmax in float32 or wider) or ``"worst-case"``
+    (anything a correct algorithm in the dtype could produce); docs/tolerances.md.
     """
     start = time.perf_counter()
-    session = (adapter if isinstance(adapter, Session)
-               else Session(adapter, golden=golden, timeout=timeout, precision=precision, backward=backward, **options))
-    wanted = resolve_dtypes(dtypes)
-    results = []
-    for case_id in select_cases(session.golden, cases, pattern):
-        for dtype in wanted:
-            res = session.result(case_id, dtype)
-            results.append(res)
-            if progress is not None:
-                progress(res)
-    return session.report(results, wanted, time.perf_counter() - start)
+    own = not isinstance(adapter, Session)
+    session = (Session(adapter, golden=golden, timeout=timeout, precision=precision, backward=backward,
+                       isolate=isolate, **options)
+               if own else adapter)
+    try:
+        wanted = resolve_dtypes(dtypes)
+        results = []
+        for case_id in select_cases(session.golden, cases, pattern):
+            for dtype in wanted:
+                res = session.result(case_id, dtype)
+                results.append(res)
+                if progress is not None:
+                    progress(res)
+        return session.report(results, wanted, time.perf_counter() - start)
+    finally:
+        if own:
+            session.close()

@@ -30,6 +30,7 @@ import numpy as np
 from typing import NamedTuple
 
 from ..fixtures import GoldenCase
+from ..spec import INPUT_GRADIENTS
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .tolerance import PRECISIONS, gamma, stage_tolerances, worst_case_tolerances
 
@@ -116,7 +117,6 @@ def backward_tolerances(
     scale = float(cfg.scale)  # type: ignore[arg-type]
     visible = golden.visible
     S, D, E = golden.spec.src_len, cfg.D_k, cfg.D_v
-    self_attention = golden.spec.inputs == "self"
     A = np.abs
     assert golden.d_output is not None
     dY = A(golden.d_output)  # exact in every dtype
@@ -171,10 +171,8 @@ def backward_tolerances(
         hi = sum((d_y[x] + e_y[x]) @ A(w[f"w_{x}"]).T for x in names)
         return prop + r.rel(n) * hi
 
-    if self_attention:
-        bounds["d_query"] = input_bound("qkv")
-    else:
-        bounds.update(d_query=input_bound("q"), d_key=input_bound("k"), d_value=input_bound("v"))
+    for name, sums in INPUT_GRADIENTS[golden.spec.inputs].items():
+        bounds[name] = input_bound(sums)
 
     # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, is off by the forward's E_c),
     #    bias gradients Σ d_y.
@@ -298,7 +296,7 @@ def local_checks(
         mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
         return val, r.rel(n) * mag + floor, srcs
 
-    targets = {"d_query": "qkv"} if golden.spec.inputs == "self" else {"d_query": "q", "d_key": "k", "d_value": "v"}
+    targets = INPUT_GRADIENTS[golden.spec.inputs]
     for stage, names in targets.items():
         check = input_check(names)
         if check is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import FOLDED_IN_SELF_ATTENTION, MHAConfig
+from ..spec import INPUT_GRADIENTS, MHAConfig
 from .mha import _matmul, merge_heads, split_heads
 
 
@@ -106,9 +106,13 @@ def backward(
     stages: dict[str, np.ndarray],
     visible: np.ndarray,
     d_output: np.ndarray,
-    self_attention: bool = False,
+    inputs_kind: str = "distinct",
 ) -> dict[str, np.ndarray]:
-    """Every backward stage (docs/backward.md), by name, in float64, from the forward ``stages``."""
+    """Every backward stage (docs/backward.md), by name, in float64, from the forward ``stages``.
+
+    ``inputs_kind`` (``CaseSpec.inputs``): a tensor passed as several inputs gets one
+    gradient, the sum of theirs (self-attention: ``d_query``; shared key/value: ``d_key``).
+    """
     H, G, group = config.H, config.H_kv, config.group_size
     scale = float(config.scale)  # type: ignore[arg-type]
     Q = split_heads(stages["q_proj"], H)  # (B, H, T, D)
@@ -129,12 +133,9 @@ def backward(
         "d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS,
         "d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv,
     }
-    if self_attention:  # one input tensor: its gradient is the sum of the three
-        out["d_query"] = input_grad([dq, dk, dv], [weights["w_q"], weights["w_k"], weights["w_v"]])
-    else:
-        out["d_query"] = input_grad([dq], [weights["w_q"]])
-        out["d_key"] = input_grad([dk], [weights["w_k"]])
-        out["d_value"] = input_grad([dv], [weights["w_v"]])
+    proj = {"q": dq, "k": dk, "v": dv}
+    for name, sums in INPUT_GRADIENTS[inputs_kind].items():  # one tensor: the sum of its inputs' gradients
+        out[name] = input_grad([proj[n] for n in sums], [weights[f"w_{n}"] for n in sums])
     x = {"q": inputs["query"], "k": inputs["key"], "v": inputs["value"], "o": stages["concat"]}
     d_y = {"q": dq, "k": dk, "v": dv, "o": d_output}
     for n in "qkvo":
@@ -142,5 +143,4 @@ def backward(
     if config.bias:
         for n in "qkvo":
             out[f"d_b_{n}"] = bias_grad(d_y[n])
-    assert not (self_attention and any(name in out for name in FOLDED_IN_SELF_ATTENTION))
     return out

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import FixtureError
+from ..errors import FixtureError, SpecError
 from ..fixtures import (
     DEFAULT_GOLDEN,
     decode_tensors,
     encode_case,
     encode_manifest,
+    fixture_data_bytes,
+    require_memory,
+    check_replaceable,
     sha256,
     write_folder_atomically,
 )
@@ -29,7 +32,7 @@ def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     stages = forward(spec.config, inputs, weights)
     visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
     d_output = spec.make_d_output()
-    grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs == "self")
+    grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs)
     tensors = {f"input.{k}": v for k, v in inputs.items()}
     tensors.update({f"weight.{k}": v for k, v in weights.items()})
     tensors.update({f"stage.{k}": stages[k] for k in STAGES})
@@ -39,12 +42,45 @@ def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     return tensors
 
 
+#: Peak memory of computing one case, as a multiple of its fixture's tensor data (copies of the
+#: stages, plus the exact softmax's per-element Python objects, counted separately below).
+MEMORY_FACTOR = 4
+BYTES_PER_SCORE = 200
+
+
+def case_memory(spec: CaseSpec) -> int:
+    """Estimated peak bytes of computing the fixture of ``spec``."""
+    scores = spec.batch * spec.config.H * spec.tgt_len * spec.src_len
+    return MEMORY_FACTOR * fixture_data_bytes(spec) + BYTES_PER_SCORE * scores
+
+
+def checked_case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
+    """:func:`case_tensors`, refusing up front what memory cannot hold and afterwards a golden that is not finite."""
+    require_memory(spec, case_memory(spec), "computing its fixture")
+    # Inputs and weights are bounded by construction (|k| <= 64 times a power of two), so the one
+    # field that can push the golden beyond float64 is the unbounded config.scale.
+    try:
+        with np.errstate(all="ignore"):
+            tensors = case_tensors(spec)
+    except ArithmeticError as exc:  # decimal.Overflow in the exact softmax
+        raise SpecError(f"case {spec.id}: config.scale={spec.config.scale:g} makes the scores overflow float64 "
+                        f"({type(exc).__name__} in the exact softmax): reduce config.scale") from None
+    for stage in STAGES:
+        values = tensors[f"stage.{stage}"]
+        if not np.isfinite(values).all():
+            raise SpecError(
+                f"case {spec.id}: stage {stage} overflows float64 ({np.count_nonzero(~np.isfinite(values))} "
+                f"non-finite values at config.scale={spec.config.scale:g}): reduce config.scale"
+            )
+    return tensors
+
+
 def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
     """Every file of a golden folder, in memory: ``<case>.safetensors`` and ``manifest.json``."""
     files: dict[str, bytes] = {}
     entries: list[ManifestEntry] = []
     for spec in catalog:
-        data = encode_case(spec, case_tensors(spec))
+        data = encode_case(spec, checked_case_tensors(spec))
         name = f"{spec.id}.safetensors"
         files[name] = data
         entries.append(ManifestEntry(file=name, sha256=sha256(data), size=len(data), spec=spec))
@@ -53,8 +89,18 @@ def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
 
 
 def generate(out: Path | str | None = None, catalog: Catalog = CATALOG) -> Path:
-    """Write the golden folder for ``catalog`` into ``out`` (default: the package's own)."""
+    """Write the golden folder for ``catalog`` into ``out`` (default: the package's own).
+
+    The package's shipped fixtures come only from the built-in catalog: another
+    catalog needs an ``out`` folder of its own.
+    """
     folder = Path(out) if out is not None else DEFAULT_GOLDEN
+    if catalog is not CATALOG and folder.absolute().resolve() == DEFAULT_GOLDEN.resolve():
+        raise FixtureError(
+            f"{folder}: refusing to write a custom catalog over the fixtures shipped with mhaspec "
+            "(they come only from the built-in catalog); give --out DIR"
+        )
+    check_replaceable(folder.absolute())  # fail before computing; checked again under the lock
     write_folder_atomically(folder, build_files(catalog))
     return folder
 

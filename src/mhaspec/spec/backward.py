@@ -21,6 +21,8 @@ user (inputs, then weights, then biases)::
 Self-attention (``inputs="self"``): query, key and value are one tensor, so the
 gradient a framework gives is the sum of the three input gradients; the spec
 calls that sum ``d_query`` and has no ``d_key``/``d_value`` for such a case.
+Likewise ``inputs="shared_kv"`` (key = value, one memory tensor): ``d_key`` is
+the sum of the key and value gradients and there is no ``d_value``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ BACKWARD_STAGES: tuple[str, ...] = (
 #: Input gradients that self-attention folds into ``d_query``.
 FOLDED_IN_SELF_ATTENTION: tuple[str, ...] = ("d_key", "d_value")
 
+#: For each kind of case inputs (``CaseSpec.inputs``): the input gradients it has, and the
+#: projections (q, k, v) whose gradients each one sums (one tensor passed twice gets the sum).
+INPUT_GRADIENTS: dict[str, dict[str, str]] = {
+    "distinct": {"d_query": "q", "d_key": "k", "d_value": "v"},
+    "shared_kv": {"d_query": "q", "d_key": "kv"},
+    "self": {"d_query": "qkv"},
+}
+
 #: ``d_output`` is ``k · 2^-D_OUTPUT_EXPONENT`` with |k| <= 64, like the inputs: exact in every dtype.
 D_OUTPUT_EXPONENT = 5
 
@@ -65,12 +75,14 @@ def make_d_output(seed: int, batch: int, tgt_len: int, config: MHAConfig) -> np.
 
 
 def backward_stage_shapes(
-    config: MHAConfig, batch: int, tgt_len: int, src_len: int, self_attention: bool
+    config: MHAConfig, batch: int, tgt_len: int, src_len: int, inputs: str = "distinct"
 ) -> dict[str, tuple[int, ...]]:
     """Canonical shape of every backward stage a case has, in :data:`BACKWARD_STAGES` order.
 
-    Without bias there are no ``d_b_*``; in self-attention there is no
-    ``d_key``/``d_value`` (folded into ``d_query``).
+    ``inputs`` is the case's kind of inputs (``"distinct"``, ``"shared_kv"``, ``"self"``).
+    Without bias there are no ``d_b_*``; a tensor passed as several inputs has one
+    gradient (:data:`INPUT_GRADIENTS`): self-attention has no ``d_key``/``d_value``,
+    shared key/value no ``d_value``.
     """
     B, T, S, H, G = batch, tgt_len, src_len, config.H, config.H_kv
     D, E = config.D_k, config.D_v
@@ -87,7 +99,7 @@ def backward_stage_shapes(
         "d_value": (B, S, int(config.vdim)),  # type: ignore[arg-type]
     }
     shapes.update({f"d_{name}": shape for name, shape in config.weight_shapes().items()})
-    if self_attention:
-        for name in FOLDED_IN_SELF_ATTENTION:
+    for name in ("d_query", "d_key", "d_value"):
+        if name not in INPUT_GRADIENTS[inputs]:
             del shapes[name]
     return {name: shapes[name] for name in BACKWARD_STAGES if name in shapes}

@@ -41,7 +41,10 @@ class CaseSpec(BaseModel):
 
     Inputs are ``k·2^-input_exponent`` with |k| <= 64; weights are scaled by
     their fan-in (see :mod:`mhaspec.spec.data`), times ``2^weight_shift``.
-    ``inputs="self"`` passes the same tensor as query, key and value.
+    ``inputs="self"`` passes the same tensor as query, key and value;
+    ``inputs="shared_kv"`` passes one memory tensor as both key and value
+    (cross-attention as decoders call it: ``attn(x, memory, memory)``);
+    ``inputs="distinct"`` passes three tensors.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,8 +55,10 @@ class CaseSpec(BaseModel):
     batch: int = Field(gt=0, description="B")
     tgt_len: int = Field(gt=0, description="T, query length")
     src_len: int = Field(gt=0, description="S, key/value length")
-    inputs: Literal["self", "distinct"] = Field(
-        "distinct", description="self: key = value = query; distinct: three tensors"
+    inputs: Literal["self", "shared_kv", "distinct"] = Field(
+        "distinct",
+        description="self: key = value = query; shared_kv: key = value (one memory tensor), query distinct; "
+        "distinct: three tensors",
     )
     mask: MaskSpec | None = None
     seed: int = Field(ge=0)
@@ -73,6 +78,10 @@ class CaseSpec(BaseModel):
                     f"inputs: self-attention needs kdim == vdim == d_model, got "
                     f"kdim={cfg.kdim}, vdim={cfg.vdim}, d_model={cfg.d_model}"
                 )
+        if self.inputs == "shared_kv" and cfg.kdim != cfg.vdim:
+            raise ValueError(
+                f"inputs: shared_kv (key = value) needs kdim == vdim, got kdim={cfg.kdim}, vdim={cfg.vdim}"
+            )
         mask = self.mask
         if mask is not None and mask.kind == "key_padding":
             if mask.lengths is None or len(mask.lengths) != self.batch:
@@ -98,7 +107,10 @@ class CaseSpec(BaseModel):
             key = value = query
         else:
             key = dyadic_tensor(f"{self.seed}/key", (B, S, int(cfg.kdim)), e)  # type: ignore[arg-type]
-            value = dyadic_tensor(f"{self.seed}/value", (B, S, int(cfg.vdim)), e)  # type: ignore[arg-type]
+            if self.inputs == "shared_kv":
+                value = key
+            else:
+                value = dyadic_tensor(f"{self.seed}/value", (B, S, int(cfg.vdim)), e)  # type: ignore[arg-type]
         out = {"query": query, "key": key, "value": value}
         if self.mask is not None:
             out["mask"] = self._make_mask()
@@ -181,7 +193,9 @@ class Case(BaseModel):
     """What an adapter receives: read-only, float64, canonical layout.
 
     ``config`` has every size resolved; ``dtype`` is the precision to compute
-    in.  ``d_output`` (B, T, d_out) is the upstream gradient for an adapter's
+    in.  ``self_attention``: query, key and value are one tensor;
+    ``key_is_value``: key and value are one tensor (true also in self-attention).
+    ``d_output`` (B, T, d_out) is the upstream gradient for an adapter's
     ``backward(case)`` (docs/backward.md).  There is no way to reach the
     golden stages from here.
     """
@@ -195,6 +209,7 @@ class Case(BaseModel):
     tgt_len: int
     src_len: int
     self_attention: bool
+    key_is_value: bool = False
     inputs: Inputs
     weights: Weights
     d_output: np.ndarray | None = None
@@ -261,9 +276,13 @@ class Case(BaseModel):
         inputs: dict[str, Any],
         weights: dict[str, Any],
         self_attention: bool = False,
+        key_is_value: bool = False,
         d_output: Any = None,
     ) -> Case:
-        """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``)."""
+        """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``).
+
+        ``self_attention`` uses ``query`` as key and value; ``key_is_value``
+        uses ``key`` as value (the arrays passed for them are ignored)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         query = _readonly(np.asarray(inputs["query"], dtype=np.float64))
@@ -271,7 +290,7 @@ class Case(BaseModel):
             key = value = query
         else:
             key = _readonly(np.asarray(inputs["key"], dtype=np.float64))
-            value = _readonly(np.asarray(inputs["value"], dtype=np.float64))
+            value = key if key_is_value else _readonly(np.asarray(inputs["value"], dtype=np.float64))
         mask = inputs.get("mask")
         if mask is not None:
             mask = _readonly(np.asarray(mask))
@@ -283,6 +302,7 @@ class Case(BaseModel):
             tgt_len=query.shape[1],
             src_len=key.shape[1],
             self_attention=self_attention,
+            key_is_value=self_attention or key_is_value,
             inputs=Inputs(query=query, key=key, value=value, mask=mask),
             weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
             d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
@@ -291,7 +311,16 @@ class Case(BaseModel):
     @classmethod
     def build(cls, spec: CaseSpec, dtype: str = "float64") -> Case:
         """The case described by a catalog entry."""
+        return cls.from_spec(spec, dtype, spec.make_inputs(), spec.make_weights())
+
+    @classmethod
+    def from_spec(
+        cls, spec: CaseSpec, dtype: str, inputs: dict[str, Any], weights: dict[str, Any], d_output: Any = None
+    ) -> Case:
+        """The case of a catalog entry from its (already made or loaded) arrays; ``d_output``
+        defaults to the one the spec makes."""
         return cls.from_arrays(
-            spec.id, spec.config, dtype, spec.make_inputs(), spec.make_weights(), spec.inputs == "self",
-            spec.make_d_output(),
+            spec.id, spec.config, dtype, inputs, weights,
+            self_attention=spec.inputs == "self", key_is_value=spec.inputs == "shared_kv",
+            d_output=spec.make_d_output() if d_output is None else d_output,
         )

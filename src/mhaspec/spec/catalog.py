@@ -187,6 +187,49 @@ CATALOG = Catalog(
             dict(d_model=16, num_heads=2),
             batch=1, tgt_len=128, src_len=128, inputs="self", seed=20,
         ),
+        _case(
+            "gqa_self",
+            "self-attention GQA (Llama-style): H=6 query heads share H_kv=2 key/value heads",
+            dict(d_model=24, num_heads=6, num_kv_heads=2),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=22,
+        ),
+        _case(
+            "mqa_self",
+            "self-attention MQA: H=5 query heads share one key/value head",
+            dict(d_model=20, num_heads=5, num_kv_heads=1),
+            batch=2, tgt_len=6, src_len=6, inputs="self", seed=23,
+        ),
+        _case(
+            "cross_shared_kv",
+            "cross-attention with one memory tensor as key and value (key = value), T != S",
+            dict(d_model=12, num_heads=3),
+            batch=2, tgt_len=5, src_len=8, inputs="shared_kv", seed=24,
+        ),
+        _case(
+            "distinct_same_len",
+            "distinct query, key and value with T = S and kdim = vdim = d_model (locates self-attention assumptions)",
+            dict(d_model=12, num_heads=2),
+            batch=2, tgt_len=6, src_len=6, seed=25,
+        ),
+        _case(
+            "head_dim_not_split",
+            "head_dim != d_model/H with sizes that divide: d_model=12, H=3, D_k=8 (not 12 // 3 = 4)",
+            dict(d_model=12, num_heads=3, head_dim=8),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=26,
+        ),
+        _case(
+            "self_masked_rows_d8",
+            "self-attention, head_dim 8, a (B, 1, T, S) mask hiding every key from some query rows",
+            dict(d_model=16, num_heads=2),
+            batch=2, tgt_len=6, src_len=6, inputs="self", seed=27,
+            mask=MaskSpec(kind="random", density=0.75, fully_masked=((0, 3), (1, 0))),
+        ),
+        _case(
+            "tile_crossing",
+            "T = 65, S = 129: one past common kernel tile sizes (64, 128), distinct inputs, head_dim 16",
+            dict(d_model=16, num_heads=1),
+            batch=1, tgt_len=65, src_len=129, seed=28,
+        ),
     ]
 )
 
@@ -217,10 +260,10 @@ def load_catalog_file(path: str | Path) -> Catalog:
             specs.append(CaseSpec.model_validate(item))
         except ValidationError as exc:
             name = item.get("id", "?") if isinstance(item, dict) else "?"
-            lines = [
-                f"  cases.{i}." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}" for err in exc.errors()
+            problems = [
+                f"cases.{i}." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}" for err in exc.errors()
             ]
-            raise SpecError(f"{path}: case {i} ({name}) is invalid\n" + "\n".join(lines)) from None
+            raise SpecError(f"{path}: case {i} ({name}) is invalid: " + "; ".join(problems)) from None
     try:
         return Catalog(specs)
     except ValueError as exc:

@@ -1,0 +1,96 @@
+"""Benchmark: the fast float64 reference and the tolerance computation against a plain BLAS forward.
+
+Targets (issue #11), for B = 1, H = 8, T = S = 2048, D = 64 (d_model = 512):
+the fast reference (every stage plus the bound of its own error) costs <= 3x a
+plain float64 BLAS forward of the same size in the same process, and the
+tolerance computation (``stage_tolerances`` for one dtype) <= 3x as well.
+Also prints the exact reference's estimated cost at this size (extrapolated
+from a smaller run: it is far too slow to run here).
+
+    python benchmarks/bench_reference.py [--repeat N] [--size T] [--heads H] [--head-dim D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def plain_forward(config, inputs, weights) -> np.ndarray:
+    """The MHA forward in float64 numpy/BLAS, nothing else: the yardstick."""
+    q = inputs["query"] @ weights["w_q"] + weights["b_q"]
+    k = inputs["key"] @ weights["w_k"] + weights["b_k"]
+    v = inputs["value"] @ weights["w_v"] + weights["b_v"]
+    B, T, _ = q.shape
+    S, H, D = k.shape[1], config.H, config.D_k
+    Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    K = k.reshape(B, S, H, D).transpose(0, 2, 1, 3)
+    V = v.reshape(B, S, H, config.D_v).transpose(0, 2, 1, 3)
+    s = (Q @ np.swapaxes(K, -1, -2)) * config.scale
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = s @ V
+    c = o.transpose(0, 2, 1, 3).reshape(B, T, H * config.D_v)
+    return c @ weights["w_o"] + weights["b_o"]
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each; the best is reported")
+    parser.add_argument("--size", type=int, default=2048, help="T = S")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="dtype of the tolerance computation")
+    parser.add_argument("--exact", action="store_true", help="also time the exact reference at T=S=128 (~30 s)")
+    args = parser.parse_args()
+
+    from mhaspec.conformance.tolerance import local_references, stage_tolerances
+    from mhaspec.reference.fast import forward_fast
+    from mhaspec.reference.onthefly import golden_case
+    from mhaspec.spec import CaseSpec, MHAConfig
+
+    H, D, L = args.heads, args.head_dim, args.size
+    spec = CaseSpec(id="bench", config=MHAConfig(d_model=H * D, num_heads=H), batch=1, tgt_len=L, src_len=L,
+                    inputs="self", seed=1)
+    inputs, weights = spec.make_inputs(), spec.make_weights()
+    print(f"B=1 H={H} T=S={L} D={D} d_model={H * D}; best of {args.repeat}")
+
+    blas = best(lambda: plain_forward(spec.config, inputs, weights), args.repeat)
+    print(f"plain float64 BLAS forward:        {blas:8.3f} s")
+    fast = best(lambda: forward_fast(spec.config, inputs, weights), args.repeat)
+    print(f"fast reference (stages + bounds):  {fast:8.3f} s  = {fast / blas:.2f}x BLAS (target <= 3x)")
+    if args.exact:  # the exact reference at a small size, extrapolated by its O(B·H·T·S·D) work.
+        from mhaspec.reference import forward
+
+        small = 128
+        spec_s = spec.model_copy(update={"tgt_len": small, "src_len": small})
+        start = time.perf_counter()
+        forward(spec.config, spec_s.make_inputs(), spec_s.make_weights())
+        exact_small = time.perf_counter() - start
+        scale = (L / small) ** 2
+        print(f"exact reference (fsum/decimal) at T=S={small}: {exact_small:.2f} s; "
+              f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas:.0f}x BLAS)")
+    golden = golden_case(spec)
+    tol = best(lambda: golden.with_reference_error(stage_tolerances(golden, args.dtype)), args.repeat)
+    print(f"golden tolerances ({args.dtype}, + reference error): {tol:8.3f} s  = {tol / blas:.2f}x BLAS "
+          "(target <= 3x)")
+    own = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
+    loc = best(lambda: local_references(golden, own, args.dtype), args.repeat)
+    print(f"local references ({args.dtype}, every stage exposed): {loc:8.3f} s  = {loc / blas:.2f}x BLAS; "
+          f"tolerance computation in all: {(tol + loc) / blas:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""What the ONNX adapters share: dtypes, arrays in and out, initializers, and
+the onnxruntime session they run in.
+
+ONNX tensors have the canonical layout of numpy arrays; the ONNX ``MatMul``
+computes ``x @ W``, so a canonical weight (``(in, out)``, ``y = x @ W + b``)
+is an initializer as it is.  bfloat16 travels as ``ml_dtypes.bfloat16``
+(``onnx.numpy_helper`` reads and writes it as ``TensorProto.BFLOAT16``).
+
+onnx is imported here; onnxruntime only inside :func:`ort_session`, so the
+``onnx-reference`` adapter needs onnx alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+#: spec dtype name -> ONNX element type
+ELEM_TYPES: dict[str, int] = {
+    "float64": TensorProto.DOUBLE,
+    "float32": TensorProto.FLOAT,
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+}
+
+#: Why onnxruntime's CPU execution provider cannot run a bfloat16 graph
+#: (checked by tests/frameworks/test_onnx.py: the day a kernel appears, the test fails).
+ORT_NO_BFLOAT16 = (
+    "onnxruntime's CPU execution provider has no bfloat16 kernel for MatMul (NOT_IMPLEMENTED: "
+    "'Could not find an implementation for MatMul(13)')"
+)
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a spec dtype name (bfloat16 is ``ml_dtypes.bfloat16``)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name not in ELEM_TYPES:
+        raise ValueError(f"dtype: {name!r} is not one of {', '.join(ELEM_TYPES)}")
+    return np.dtype(name)
+
+
+def elem_type(name: str) -> int:
+    """The ONNX element type (``TensorProto.DOUBLE`` …) for a spec dtype name."""
+    try:
+        return ELEM_TYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: {name!r} is not one of {', '.join(ELEM_TYPES)}") from None
+
+
+def to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
+    """A float64 case array in ``dtype`` (exact: case data is representable in every dtype)."""
+    return np.ascontiguousarray(np.asarray(array, dtype=np.float64).astype(np_dtype(dtype)))
+
+
+def initializers(arrays: Mapping[str, np.ndarray], dtype: str) -> list[TensorProto]:
+    """``{name: float64 array}`` -> initializers of ``dtype``, same names, same layout."""
+    return [numpy_helper.from_array(to_dtype(a, dtype), name) for name, a in arrays.items()]
+
+
+def initializer_arrays(graph: onnx.GraphProto, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """A graph's initializers (all, or those in ``names``) as float64 numpy arrays (exact)."""
+    wanted = None if names is None else set(names)
+    return {
+        t.name: numpy_helper.to_array(t).astype(np.float64)
+        for t in graph.initializer
+        if wanted is None or t.name in wanted
+    }
+
+
+def replace_initializers(model: onnx.ModelProto, tensors: Iterable[TensorProto]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers of the same names are ``tensors``.
+
+    Every replacement must exist with the same shape and element type: the
+    graph was built (or exported) for exactly these weights' layout.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    by_name = {t.name: i for i, t in enumerate(out.graph.initializer)}
+    for tensor in tensors:
+        i = by_name.get(tensor.name)
+        if i is None:
+            raise ValueError(f"initializer {tensor.name!r}: not in the graph (it has {', '.join(by_name)})")
+        old = out.graph.initializer[i]
+        if list(old.dims) != list(tensor.dims) or old.data_type != tensor.data_type:
+            raise ValueError(
+                f"initializer {tensor.name!r}: graph has shape {list(old.dims)} type {old.data_type}, "
+                f"got shape {list(tensor.dims)} type {tensor.data_type}"
+            )
+        out.graph.initializer[i].CopyFrom(tensor)
+    return out
+
+
+def ort_session(model: onnx.ModelProto, threads: int = 1) -> Any:
+    """An onnxruntime ``InferenceSession`` on the CPU execution provider, default graph optimizations."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 4  # fatal only: errors come back as exceptions
+    return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def causal_visible(tgt_len: int, src_len: int, alignment: str) -> np.ndarray:
+    """(T, S) bool, True = may attend: top_left j <= i, bottom_right j <= i + S - T."""
+    shift = 0 if alignment == "top_left" else src_len - tgt_len
+    return np.arange(src_len)[None, :] <= np.arange(tgt_len)[:, None] + shift

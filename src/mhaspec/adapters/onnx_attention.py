@@ -1,0 +1,277 @@
+"""The standard ONNX ``Attention`` operator (opset 23) between four ``MatMul``
+(+``Add``) projections, run by onnxruntime (built-in adapter ``onnxruntime``)
+or by ``onnx.reference.ReferenceEvaluator`` (built-in adapter ``onnx-reference``).
+
+    query (B, T, d_model)  key (B, S, kdim)  value (B, S, vdim)      graph inputs; attn_mask (bool)
+        │ MatMul w_q, Add b_q  │ MatMul w_k …     │ MatMul w_v …      initializers: the canonical weights
+        ▼                      ▼                  ▼
+    q_proj (B, T, H·D)     k_proj (B, S, G·D)  v_proj (B, S, G·E)
+        └──────────────┬───────┴──────────────────┘
+                       ▼
+     Attention(q_num_heads=H, kv_num_heads=G, is_causal, [scale], qk_matmul_output_mode=0) ─► scores (B, H, T, S)
+     Attention(… the same …, qk_matmul_output_mode=3) ─► attn_weights (B, H, T, S), Y = concat (B, T, H·E)
+                       │ MatMul w_o, Add b_o
+                       ▼
+                 output (B, T, d_out)
+
+The op returns one ``qk_matmul_output`` per node, so the graph holds two
+``Attention`` nodes on the same inputs: mode 0 (the scaled Q·Kᵀ, before the
+mask) gives ``scores``; mode 3 (after the softmax) gives ``attn_weights`` and
+its ``Y`` is ``concat``.  ``head_outputs`` is not exposed (3-D inputs: the op
+splits and merges the heads itself).
+
+Masks: the op's boolean ``attn_mask`` means True = take part, the spec's
+polarity; it is passed as ``(B|1, 1, T, S)`` (a key-padding mask ``(B, 1, 1, S)``
+is broadcast along T first: onnxruntime's CPU kernel rejects a query axis of 1).  The op's
+``is_causal`` is offset-aligned by the past length, which is 0 here: query i
+sees keys j <= i, the spec's top-left.  A bottom-right causal case with T != S
+gets the causal mask ANDed into the boolean mask instead.  The ``scale``
+attribute is given only for a non-default scale; it is a 32-bit float.
+
+Weights: initializers named ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o``, each
+the canonical array as it is (``MatMul`` computes ``x @ W``), in the case's
+dtype: :func:`canonical_to_initializers`, :func:`initializers_to_canonical`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..spec import Case, MHAConfig, Weights
+from ._onnx_common import (
+    ORT_NO_BFLOAT16,
+    causal_visible,
+    elem_type,
+    initializer_arrays,
+    initializers,
+    ort_session,
+    to_dtype,
+)
+from .base import Deviation
+
+#: The first opset with the standard Attention operator.
+ATTENTION_OPSET = 23
+
+#: Stages the graph returns, in its output order.
+GRAPH_STAGES = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "concat", "output")
+
+_SQRT_SCALE_F32 = (
+    "onnxruntime has no float64 kernel for Attention and runs the operator's function body "
+    "(onnx/defs/nn/defs.cc, Attention's function builder: CalculatedScale = Div(1, Sqrt(Cast<float>(head_size))), "
+    "ScaleFactorSqrt = Sqrt(ScaleFactor) in float32, ScaleFactorF = Cast<double>), so Q and K are each multiplied "
+    "by a float32-rounded sqrt(scale): float64 scores are off by ~3e-8 relative, and every later stage with them"
+)
+
+
+_EXPLICIT_SCALE_F32 = (
+    "an explicit scale is the Attention op's 32-bit float attribute, and the reference evaluator takes its "
+    "square root in float32 (onnx/reference/ops/op_attention.py: scale = np.sqrt(scale) on the np.float32 "
+    "attribute, then Q.dtype.type(scale)), as the op's function body does (ScaleFactorSqrt = Sqrt(ScaleF)): "
+    "Q and K are multiplied by a float32-rounded sqrt(scale), float64 scores are off by ~3e-8 relative. "
+    "The default scale (no attribute) is computed in float64 and conforms"
+)
+
+_SOFTMAX_IN_BFLOAT16 = (
+    "the Attention op computes its softmax in the input type unless softmax_precision is set (spec: 'If softmax "
+    "precision is not provided, the same precision as the input of softmax (Q and K) is used'), and the reference "
+    "evaluator does exp and the sum over S in bfloat16 (onnx/reference/ops/op_attention.py _softmax): more "
+    "rounding than a float32 softmax, beyond the precision contract's tolerance at S = 128. With "
+    "softmax_precision=FLOAT the case passes"
+)
+
+
+def canonical_to_initializers(weights: Weights | Mapping[str, Any], dtype: str = "float64") -> list[TensorProto]:
+    """Canonical weights -> the graph's initializers in ``dtype``.
+
+    Same names (``w_q`` … ``b_o``; absent biases left out) and the same layout:
+    ``w_q (d_model, H·D_k)``, ``w_k (kdim, H_kv·D_k)``, ``w_v (vdim, H_kv·D_v)``,
+    ``w_o (H·D_v, d_out)`` — ONNX ``MatMul(x, W)`` is ``x @ W`` — and the biases
+    ``b_*`` added by ``Add``.  Exact for every dtype (the case's weights are
+    representable in each).
+    """
+    items = weights.as_dict() if isinstance(weights, Weights) else {k: v for k, v in weights.items() if v is not None}
+    return initializers(items, dtype)
+
+
+def initializers_to_canonical(model: onnx.ModelProto | onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The graph's initializers -> canonical float64 weights (``w_q`` … ``b_o`` that are present)."""
+    graph = model.graph if isinstance(model, onnx.ModelProto) else model
+    return initializer_arrays(graph, ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"))
+
+
+def attention_mask(case: Case) -> tuple[np.ndarray | None, bool]:
+    """(boolean attn_mask or None, is_causal) for the op; True = take part, as in the spec.
+
+    The mask is given with its query axis spelled out, ``(B|1, 1, T, S)``:
+    onnxruntime's CPU kernel refuses a mask whose query axis is 1 (a key-padding
+    mask ``(B, 1, 1, S)``), although the op broadcasts it.  Top-left causal (or
+    T = S) is the op's ``is_causal``; bottom-right with T != S is ANDed into the mask.
+    """
+    cfg, T, S = case.config, case.tgt_len, case.src_len
+    mask = case.inputs.mask
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (T, S)), dtype=bool)
+    if not cfg.causal or cfg.causal_alignment == "top_left" or T == S:
+        return mask, cfg.causal
+    causal = causal_visible(T, S, cfg.causal_alignment)[None, None]  # (1, 1, T, S)
+    return (causal if mask is None else mask & causal), False
+
+
+def default_scale(config: MHAConfig) -> bool:
+    """True when the config's scale is the op's default, 1/sqrt(D_k) (no ``scale`` attribute)."""
+    return config.scale == 1.0 / math.sqrt(config.D_k)
+
+
+def attention_model(
+    config: MHAConfig,
+    dtype: str,
+    weights: Weights | Mapping[str, Any],
+    *,
+    batch: int,
+    tgt_len: int,
+    src_len: int,
+    mask_shape: tuple[int, ...] | None = None,
+    is_causal: bool = False,
+    opset: int = ATTENTION_OPSET,
+) -> onnx.ModelProto:
+    """The MHA graph for ``config`` in ``dtype`` with ``weights`` as initializers (checked by onnx.checker).
+
+    Inputs ``query (B, T, d_model)``, ``key (B, S, kdim)``, ``value (B, S, vdim)``
+    and, with ``mask_shape``, ``attn_mask`` (bool, True = take part); outputs
+    :data:`GRAPH_STAGES` in their canonical shapes.
+    """
+    cfg, elem = config, elem_type(dtype)
+    B, T, S, H, G = batch, tgt_len, src_len, cfg.H, cfg.H_kv
+    kdim, vdim = int(cfg.kdim), int(cfg.vdim)  # type: ignore[arg-type]
+    inits = canonical_to_initializers(weights, dtype)
+    have = {t.name for t in inits}
+    nodes: list[onnx.NodeProto] = []
+
+    def linear(x: str, w: str, stage: str) -> None:  # MatMul(x, W), then Add(·, b) when there is a bias
+        b = "b_" + w[2:]
+        if b in have:
+            nodes.append(helper.make_node("MatMul", [x, w], [f"{stage}_matmul"]))
+            nodes.append(helper.make_node("Add", [f"{stage}_matmul", b], [stage]))
+        else:
+            nodes.append(helper.make_node("MatMul", [x, w], [stage]))
+
+    # 1. The projections.
+    linear("query", "w_q", "q_proj")  # (B, T, H·D)
+    linear("key", "w_k", "k_proj")  # (B, S, G·D)
+    linear("value", "w_v", "v_proj")  # (B, S, G·E)
+
+    # 2. The attention core, twice: mode 0 exposes the scores, mode 3 the weights (and Y = concat).
+    attrs: dict[str, Any] = {"q_num_heads": H, "kv_num_heads": G, "is_causal": int(is_causal)}
+    if not default_scale(cfg):
+        attrs["scale"] = float(cfg.scale)  # type: ignore[arg-type]
+    core = ["q_proj", "k_proj", "v_proj"] + (["attn_mask"] if mask_shape is not None else [])
+    nodes.append(helper.make_node("Attention", core, ["concat_mode0", "", "", "scores"],
+                                  qk_matmul_output_mode=0, **attrs))  # scores (B, H, T, S)
+    nodes.append(helper.make_node("Attention", core, ["concat", "", "", "attn_weights"],
+                                  qk_matmul_output_mode=3, **attrs))  # attn_weights (B, H, T, S), concat (B, T, H·E)
+
+    # 3. The output projection.
+    linear("concat", "w_o", "output")  # (B, T, d_out)
+
+    inputs = [
+        helper.make_tensor_value_info("query", elem, [B, T, cfg.d_model]),
+        helper.make_tensor_value_info("key", elem, [B, S, kdim]),
+        helper.make_tensor_value_info("value", elem, [B, S, vdim]),
+    ]
+    if mask_shape is not None:
+        inputs.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL, list(mask_shape)))
+    shapes = cfg.stage_shapes(B, T, S)
+    outputs = [helper.make_tensor_value_info(s, elem, list(shapes[s])) for s in GRAPH_STAGES]
+    graph = helper.make_graph(nodes, "mhaspec_attention", inputs, outputs, initializer=inits)
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="mhaspec",
+                              ir_version=helper.find_min_ir_version_for(opsets))
+    onnx.checker.check_model(model)
+    return model
+
+
+def case_model(case: Case, opset: int = ATTENTION_OPSET) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The graph for ``case`` and its input feed (in the case's dtype)."""
+    mask, is_causal = attention_mask(case)
+    model = attention_model(
+        case.config, case.dtype, case.weights, batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
+        mask_shape=None if mask is None else mask.shape, is_causal=is_causal, opset=opset,
+    )
+    query = to_dtype(case.inputs.query, case.dtype)
+    feed = {
+        "query": query,
+        "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
+        "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
+    }
+    if mask is not None:
+        feed["attn_mask"] = mask
+    return model, feed
+
+
+def _scale_limit(case: Case) -> bool | str:
+    """The op's ``scale`` attribute is a 32-bit float: a float64 run needs a scale float32 holds."""
+    scale = float(case.config.scale)  # type: ignore[arg-type]
+    if case.dtype == "float64" and not default_scale(case.config) and float(np.float32(scale)) != scale:
+        return (f"the Attention op's scale attribute is a 32-bit float: scale={scale!r} is not a float32 "
+                "value, so a float64 graph cannot express it")
+    return True
+
+
+class OnnxRuntimeAdapter:
+    """The ``onnxruntime`` adapter: the Attention graph on onnxruntime's CPU execution provider."""
+
+    name = "onnxruntime"
+    framework = "onnxruntime"
+    known_deviations = [Deviation(_SQRT_SCALE_F32, dtype="float64", stage=s)
+                        for s in ("scores", "attn_weights", "concat", "output")]
+
+    def __init__(self, *, opset: int = ATTENTION_OPSET, threads: int = 1) -> None:
+        if opset < ATTENTION_OPSET:
+            raise ValueError(f"opset: the Attention operator needs opset >= {ATTENTION_OPSET}, got {opset}")
+        self.opset, self.threads = opset, threads
+
+    def supports(self, case: Case) -> bool | str:
+        if case.dtype == "bfloat16":
+            return ORT_NO_BFLOAT16 + ", nor an Attention kernel (its function body needs Expand, which has none either)"
+        return _scale_limit(case)
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        model, feed = case_model(case, self.opset)
+        results = ort_session(model, self.threads).run(list(GRAPH_STAGES), feed)
+        return dict(zip(GRAPH_STAGES, results))
+
+
+class OnnxReferenceAdapter:
+    """The ``onnx-reference`` adapter: the same graph run by ``onnx.reference.ReferenceEvaluator``."""
+
+    name = "onnx-reference"
+    framework = "onnx"
+    #: the catalog's one case with an explicit scale; a float64 case of your own with one deviates alike
+    known_deviations = [
+        *(Deviation(_EXPLICIT_SCALE_F32, case="custom_scale", dtype="float64", stage=s)
+          for s in ("scores", "attn_weights", "concat", "output")),
+        # seen where S is long enough for bfloat16 sums to show (S = 128); shorter rows pass
+        Deviation(_SOFTMAX_IN_BFLOAT16, case="long_sequence", dtype="bfloat16", stage="attn_weights"),
+    ]
+
+    def __init__(self, *, opset: int = ATTENTION_OPSET) -> None:
+        if opset < ATTENTION_OPSET:
+            raise ValueError(f"opset: the Attention operator needs opset >= {ATTENTION_OPSET}, got {opset}")
+        self.opset = opset
+
+    def supports(self, case: Case) -> bool | str:
+        return _scale_limit(case)
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        from onnx.reference import ReferenceEvaluator
+
+        model, feed = case_model(case, self.opset)
+        results = ReferenceEvaluator(model).run(list(GRAPH_STAGES), feed)
+        return dict(zip(GRAPH_STAGES, results))

@@ -1,0 +1,152 @@
+"""Memory-bounded judging: a large case is judged one block of query rows at a time.
+
+Every stage but ``k_proj``/``v_proj`` has a query-row axis, and row t of each
+stage depends only on row t of the previous stages (and on all of K and V), so
+the element-wise tolerances of a block of rows are the tolerances of those
+rows in the whole case: judging by blocks gives the same verdicts as judging
+at once, in O(rows · H · S) memory instead of O(B · H · T · S).  The blocks'
+stage results are merged into one per stage: the worst verdict (fail, then
+known deviation, then any other non-pass verdict such as uninformative, then
+pass), the largest errors, the worst element's index in the whole case, and
+the systematic-error test's root mean square over all blocks (each block must
+also pass it on its own, which a correct implementation does: its rounding
+noise has that mean square in every block).
+
+Only cases above :data:`MAX_BLOCK_ELEMENTS` per (B, H, T, S) stage are split;
+every committed fixture is judged in one block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..fixtures import GoldenCase
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
+
+#: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
+MAX_BLOCK_ELEMENTS = 1 << 22
+
+#: Axis of the query rows (T) in each stage; None: the stage has none (key/value projections).
+ROW_AXIS = {"q_proj": 1, "k_proj": None, "v_proj": None, "scores": 2, "attn_weights": 2,
+            "head_outputs": 2, "concat": 1, "output": 1}
+
+
+def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]:
+    """(batch entry, first row, end row) of each block; [] when the case fits in one block."""
+    B, H, T, S = golden.visible.shape
+    if B * H * T * S <= max_elements:
+        return []
+    rows = max(1, max_elements // (H * S))
+    return [(b, t0, min(T, t0 + rows)) for b in range(B) for t0 in range(0, T, rows)]
+
+
+def _slice_input(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray:
+    if name == "query":
+        return x[b : b + 1, t0:t1]
+    if name == "mask":  # (B|1, 1, T|1, S)
+        rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
+        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
+    return x[b : b + 1]  # key, value: every key
+
+
+def _slice_stage(stage: str, x: Any, b: int, t0: int, t1: int) -> Any:
+    if isinstance(x, float):
+        return x
+    axis = ROW_AXIS[stage]
+    index: list[Any] = [slice(b, b + 1)]
+    if axis is not None:
+        index += [slice(None)] * (axis - 1) + [slice(t0, t1)]
+    return x[tuple(index)]
+
+
+def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
+    """The golden rows [t0, t1) of batch entry ``b``, as a case of its own (B = 1, T = t1 - t0)."""
+    error = golden.reference_error
+    return GoldenCase(
+        spec=golden.spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
+        inputs={k: _slice_input(k, v, b, t0, t1) for k, v in golden.inputs.items()},
+        weights=golden.weights,
+        stages={k: _slice_stage(k, v, b, t0, t1) for k, v in golden.stages.items() if k in ROW_AXIS},  # forward
+        visible=golden.visible[b : b + 1, :, t0:t1],
+        path=golden.path,
+        reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
+    )
+
+
+def _rank(verdict: str) -> int:
+    return {FAIL: 0, KNOWN_DEVIATION: 1, PASS: 3}.get(verdict, 2)
+
+
+def merge(parts: list[tuple[tuple[int, int, int], StageResult]]) -> StageResult:
+    """One stage's results over its blocks ((b, t0, t1), result) -> one result for the whole case."""
+    first = parts[0][1]
+    if first.verdict == NOT_EXPOSED:
+        return first
+    worst_verdict = min((r.verdict for _, r in parts), key=_rank)
+    merged = StageResult(first.stage, worst_verdict)
+    merged.compared = sum(r.compared for _, r in parts)
+    merged.nonfinite = sum(r.nonfinite for _, r in parts)
+    for attr in ("max_abs_err", "max_rel_err"):
+        values = [getattr(r, attr) for _, r in parts if getattr(r, attr) is not None]
+        setattr(merged, attr, max(values) if values else None)
+    locals_ = [r.local_worst_ratio for _, r in parts if r.local_worst_ratio is not None]
+    merged.local_worst_ratio = max(locals_) if locals_ else None
+    rms = [(r.compared, r.rms_ratio) for _, r in parts if r.rms_ratio is not None and r.compared]
+    if rms:  # the mean square over the blocks, weighted by their compared elements
+        merged.rms_ratio = float(np.sqrt(sum(n * x * x for n, x in rms) / sum(n for n, _ in rms)))
+    failing = [r for _, r in parts if r.verdict == FAIL]
+    if failing:
+        checks = {c for r in failing for c in r.failed_check.split("+") if c}
+        merged.failed_check = "+".join(c for c in ("golden", "local") if c in checks)
+        merged.imprecise = all(r.imprecise for r in failing)  # one plainly failing block: a plain failure
+    rated = [(where, r) for where, r in parts if r.worst_ratio is not None]
+    if rated:
+        (b, t0, t1), worst = max(rated, key=lambda item: item[1].worst_ratio)
+        merged.worst_ratio = worst.worst_ratio
+        if worst.worst_index is not None:
+            index = list(worst.worst_index)
+            index[0] += b
+            axis = ROW_AXIS[first.stage]
+            if axis is not None:
+                index[axis] += t0
+            merged.worst_index = tuple(index)
+    # the message and reason of the first block with the merged verdict, located in the case
+    (b, t0, t1), chosen = next((where, r) for where, r in parts if r.verdict == worst_verdict)
+    merged.reason = chosen.reason
+    if chosen.message:
+        where = f"batch entry {b}" if ROW_AXIS[first.stage] is None else f"batch entry {b}, query rows {t0}:{t1}"
+        merged.message = f"[block: {where}; indices within the block] {chosen.message}"
+    return merged
+
+
+def judge_in_blocks(
+    golden: GoldenCase,
+    returned: Mapping[str, Any],
+    judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
+    max_elements: int | None = None,
+) -> list[StageResult]:
+    """``judge(golden, returned)``, block by block when the case is large (default: above
+    :data:`MAX_BLOCK_ELEMENTS`)."""
+    blocks = _blocks(golden, MAX_BLOCK_ELEMENTS if max_elements is None else max_elements)
+    if not blocks:
+        return judge(golden, returned)
+    arrays: dict[str, Any] = {}
+    for stage, value in returned.items():
+        try:
+            array = np.asarray(value)
+        except Exception:
+            return judge(golden, returned)  # not an array: judged whole, where it fails with the reason
+        if array.shape != golden.stages[stage].shape:
+            return judge(golden, returned)  # a wrong shape fails whole, with the shapes in the message
+        arrays[stage] = array
+    per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
+    for b, t0, t1 in blocks:
+        sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
+        for res in judge(block_case(golden, b, t0, t1), sub):
+            if ROW_AXIS[res.stage] is None and t0 > 0:
+                continue  # key/value projections: judged once per batch entry
+            per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))
+    return [merge(parts) for parts in per_stage.values()]

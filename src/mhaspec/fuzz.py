@@ -1,0 +1,206 @@
+"""``mhaspec fuzz``: random configurations, judged like catalog cases, shrunk on a failure.
+
+Configurations are drawn with hypothesis (extra ``fuzz``): sizes including 1
+and odd lengths, T = S and T != S, head sizes 1–256, D_v != D_k, GQA/MQA
+ratios, kdim/vdim, bias on/off, causal in both alignments, key-padding and
+random masks with fully masked rows, self-attention, cross-attention with one
+memory tensor (key = value) or three distinct inputs, custom scales.  Each is
+computed by the fast reference (:mod:`mhaspec.reference.onthefly`) and judged
+through the same :class:`~mhaspec.conformance.Session` as ``mhaspec run``.
+
+A case the adapter's ``supports()`` refuses is not an example (hypothesis
+rejects it and draws another).  A failing or erroring case is shrunk to a
+minimal one and returned as a :class:`~mhaspec.spec.CaseSpec`, which
+``mhaspec run ADAPTER --catalog FILE.json`` reproduces.  The same seed draws
+the same examples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import MhaspecError
+from .spec import Catalog, CaseSpec, MaskSpec, MHAConfig
+
+#: Verdicts that count as a find.
+FINDS = ("fail", "error")
+
+
+def _hypothesis() -> Any:
+    try:
+        import hypothesis
+    except ImportError:
+        raise MhaspecError("mhaspec fuzz needs hypothesis: pip install 'mhaspec[fuzz]'") from None
+    return hypothesis
+
+
+def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_head_dim: int = 256,
+               max_features: int = 512) -> Any:
+    """A hypothesis strategy of valid :class:`CaseSpec` (id ``fuzz``).
+
+    Shrinks towards one batch entry, T = S = 1, one head, head_dim 1, no bias,
+    no mask, self-attention, seed 0.  ``max_features`` caps H·D_k and every
+    feature size so that large head sizes stay quick.
+    """
+    st = _hypothesis().strategies
+
+    @st.composite
+    def draw_spec(draw: Callable[[Any], Any]) -> CaseSpec:
+        batch = draw(st.integers(1, max_batch))
+        H = draw(st.integers(1, max_heads))
+        H_kv = draw(st.sampled_from([d for d in range(H, 0, -1) if H % d == 0]))  # first: H (no GQA)
+        D_k = draw(st.integers(1, max(1, min(max_head_dim, max_features // H))))
+        config: dict[str, Any] = {"num_heads": H, "num_kv_heads": H_kv}
+        if draw(st.booleans()):  # head_dim given explicitly, d_model free
+            config.update(d_model=draw(st.integers(1, min(64, max_features))), head_dim=D_k)
+        else:
+            config["d_model"] = H * D_k
+        if draw(st.booleans()):
+            config["value_head_dim"] = draw(st.integers(1, max(1, min(64, max_features // H))))
+        if draw(st.booleans()):
+            config["out_dim"] = draw(st.integers(1, min(64, max_features)))
+        config["bias"] = draw(st.booleans())
+        if draw(st.booleans()):
+            config["scale"] = draw(st.sampled_from([0.125, 0.5, 1.0, 0.3, 2.0]))
+        if draw(st.booleans()):
+            config.update(causal=True, causal_alignment=draw(st.sampled_from(["top_left", "bottom_right"])))
+
+        inputs = draw(st.sampled_from(["self", "distinct", "shared_kv"]))
+        T = draw(st.integers(1, max_len))
+        if inputs == "self":
+            S = T
+        else:
+            S = T if draw(st.booleans()) else draw(st.integers(1, max_len))
+            features = st.integers(1, min(64, max_features))
+            if inputs == "shared_kv":
+                if draw(st.booleans()):
+                    config["kdim"] = config["vdim"] = draw(features)
+            else:
+                if draw(st.booleans()):
+                    config["kdim"] = draw(features)
+                if draw(st.booleans()):
+                    config["vdim"] = draw(features)
+
+        mask = None
+        kind = draw(st.sampled_from([None, "key_padding", "random"]))
+        if kind == "key_padding":
+            lengths = tuple(draw(st.integers(0, S)) for _ in range(batch))
+            mask = MaskSpec(kind="key_padding", lengths=lengths)
+        elif kind == "random":
+            density = draw(st.sampled_from([0.75, 0.5, 0.25, 1.0]))
+            rows = draw(st.lists(st.tuples(st.integers(0, batch - 1), st.integers(0, T - 1)), max_size=3, unique=True))
+            mask = MaskSpec(kind="random", density=density, fully_masked=tuple(sorted(rows)))
+        return CaseSpec(
+            id="fuzz", description="found by mhaspec fuzz", config=MHAConfig(**config),
+            batch=batch, tgt_len=T, src_len=S, inputs=inputs, mask=mask,
+            seed=draw(st.integers(0, 1000)), weight_shift=draw(st.integers(-1, 1)),
+        )
+
+    return draw_spec()
+
+
+@dataclass
+class FuzzOutcome:
+    """What a fuzz run found: nothing (``spec`` None), or a shrunk failing case and its verdicts."""
+
+    examples: int = 0  # cases judged (supported ones)
+    rejected: int = 0  # cases the adapter's supports() refused
+    spec: CaseSpec | None = None
+    results: list[Any] = field(default_factory=list)  # CaseResult per dtype of the shrunk case
+
+    @property
+    def found(self) -> bool:
+        return self.spec is not None
+
+    def catalog_json(self) -> str:
+        """The shrunk case as a catalog file that ``mhaspec run --catalog`` reproduces."""
+        import json
+
+        assert self.spec is not None
+        return json.dumps([minimal_dump(self.spec)], indent=2)
+
+
+def minimal_dump(spec: CaseSpec) -> dict[str, Any]:
+    """``spec`` as a JSON-ready dict: fields at their defaults left out, the config as it was given
+    (sizes resolved from defaults are not repeated)."""
+    out = spec.model_dump(mode="json", exclude_defaults=True)
+    out["config"] = spec.config.model_dump(mode="json", include=set(spec.config.model_fields_set))
+    out["id"] = spec.id
+    return out
+
+
+def fuzz(
+    adapter: Any,
+    examples: int = 100,
+    seed: int = 0,
+    dtypes: Iterable[str] | str | None = None,
+    max_len: int = 24,
+    timeout: float | None = None,
+    progress: Callable[[CaseSpec, list[Any]], None] | None = None,
+    **options: Any,
+) -> FuzzOutcome:
+    """Judge ``examples`` random cases; on a find, shrink it and return it (deterministic per ``seed``)."""
+    hypothesis = _hypothesis()
+    from .adapters import load_adapter
+    from .conformance import Session
+    from .conformance.runner import resolve_dtypes
+    from .reference.onthefly import OnTheFlyGolden
+
+    adapter = load_adapter(adapter, **options)
+    wanted = resolve_dtypes(dtypes)
+    outcome = FuzzOutcome()
+    last: dict[str, Any] = {}
+
+    supports = getattr(adapter, "supports", None)
+
+    def refused(spec: CaseSpec) -> bool:
+        """Whether supports() refuses ``spec`` in every dtype (checked before computing a golden)."""
+        if supports is None:
+            return False
+        try:
+            return all(supports(spec.case(dtype)) is not True for dtype in wanted)
+        except Exception:
+            return False  # the Session reports what supports() raised
+
+    def judge(spec: CaseSpec) -> list[Any]:
+        session = Session(adapter, golden=OnTheFlyGolden(Catalog([spec]), source="<fuzz>"), timeout=timeout)
+        with np.errstate(all="ignore"):  # infinite bounds (bfloat16, long sums) are judged, not warned about
+            return [session.result(spec.id, dtype) for dtype in wanted]
+
+    @hypothesis.settings(
+        max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
+        report_multiple_bugs=False,
+        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+        suppress_health_check=list(hypothesis.HealthCheck), verbosity=hypothesis.Verbosity.quiet,
+    )
+    @hypothesis.seed(seed)
+    @hypothesis.given(case_specs(max_len=max_len))
+    def check(spec: CaseSpec) -> None:
+        if refused(spec):
+            outcome.rejected += 1
+            hypothesis.reject()
+        results = judge(spec)
+        judged = [r for r in results if r.verdict != "unsupported"]
+        if not judged:
+            outcome.rejected += 1
+            hypothesis.reject()
+        outcome.examples += 1
+        if progress is not None:
+            progress(spec, results)
+        if any(r.verdict in FINDS for r in judged):
+            last.update(spec=spec, results=results)  # hypothesis replays the shrunk case last
+            raise AssertionError(spec.id)
+
+    try:
+        check()
+    except AssertionError:
+        if "spec" not in last:
+            raise
+        outcome.spec, outcome.results = last["spec"], last["results"]
+    except hypothesis.errors.Unsatisfiable:
+        raise MhaspecError(f"adapter {adapter.name}: supports() refused every drawn case") from None
+    return outcome

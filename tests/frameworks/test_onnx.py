@@ -1,0 +1,292 @@
+"""The ONNX adapters: converters, the graph, masks, supports() reasons, the
+deviations' causes, conformance (onnxruntime, onnx-reference, torch-onnx)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.conftest import require
+from tests.frameworks.helpers import arange_weights, assert_same_weights, golden_case
+
+onnx = require("onnx")
+ort = require("onnxruntime")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+import mhaspec  # noqa: E402
+from mhaspec.adapters import onnx_attention  # noqa: E402
+from mhaspec.adapters._onnx_common import ort_session, replace_initializers, to_dtype  # noqa: E402
+from mhaspec.spec import MHAConfig  # noqa: E402
+
+pytestmark = pytest.mark.onnx
+
+FEW = ["cross_attention", "custom_head_dims", "causal_top_left", "causal_bottom_right_t_gt_s", "key_padding",
+       "custom_mask", "gqa", "custom_scale", "large_logits"]
+
+
+@pytest.fixture(scope="module")
+def torch_onnx():
+    """The torch-onnx module (needs torch and onnxscript besides onnx and onnxruntime)."""
+    require("torch")
+    require("onnxscript")
+    from mhaspec.adapters import torch_onnx
+
+    return torch_onnx
+
+
+def q_k(case) -> tuple[np.ndarray, np.ndarray]:
+    """The case's Q (B, H, T, D) and K (B, H, S, D) in float64, GQA heads repeated (exact)."""
+    cfg, w = case.config, case.weights
+    q = case.inputs.query @ w.w_q + (0 if w.b_q is None else w.b_q)
+    k = case.inputs.key @ w.w_k + (0 if w.b_k is None else w.b_k)
+    Q = q.reshape(case.batch, case.tgt_len, cfg.H, cfg.D_k).transpose(0, 2, 1, 3)
+    K = k.reshape(case.batch, case.src_len, cfg.H_kv, cfg.D_k).transpose(0, 2, 1, 3)
+    return Q, np.repeat(K, cfg.group_size, axis=1)
+
+
+# -- converters -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("case_id", ["custom_head_dims", "gqa", "cross_attention", "no_bias"])
+def test_initializer_converters_round_trip_through_a_real_graph(case_id: str, dtype: str) -> None:
+    case = golden_case(case_id)
+    model = onnx_attention.attention_model(case.config, dtype, case.weights, batch=2, tgt_len=3, src_len=4)
+    stored = {t.name: t for t in model.graph.initializer}
+    assert set(stored) == set(case.weights.as_dict())
+    assert {t.data_type for t in stored.values()} == {helper.np_dtype_to_tensor_dtype(to_dtype(np.zeros(1), dtype).dtype)}
+    assert_same_weights(onnx_attention.initializers_to_canonical(model), case.weights.as_dict())
+
+
+def test_initializer_layout_by_hand() -> None:
+    cfg = MHAConfig(d_model=2, num_heads=1, kdim=3, vdim=1, value_head_dim=3, out_dim=4, head_dim=5)
+    w = arange_weights(cfg)  # w_q (2, 5), w_k (3, 5), w_v (1, 3), w_o (3, 4)
+    tensors = {t.name: numpy_helper.to_array(t) for t in onnx_attention.canonical_to_initializers(w)}
+    np.testing.assert_array_equal(tensors["w_q"], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])  # (in, out): as it is
+    np.testing.assert_array_equal(tensors["w_v"], [[200, 201, 202]])
+    # the graph's projection computes query @ w_q + b_q
+    model = onnx_attention.attention_model(cfg, "float64", w, batch=1, tgt_len=1, src_len=1)
+    q_proj = ReferenceEvaluator(model).run(["q_proj"], {
+        "query": np.array([[[1.0, 10.0]]]), "key": np.zeros((1, 1, 3)), "value": np.zeros((1, 1, 1))})[0]
+    np.testing.assert_array_equal(q_proj, [[[50 + 400, 61 + 401, 72 + 402, 83 + 403, 94 + 404]]])
+
+
+def test_graph_is_two_standard_attention_nodes_between_matmuls() -> None:
+    case = golden_case("gqa")  # H=8, H_kv=2
+    model, _ = onnx_attention.case_model(case)
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)]
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == ["MatMul", "Add"] * 3 + ["Attention", "Attention", "MatMul", "Add"]
+    modes = []
+    for node in model.graph.node:
+        if node.op_type == "Attention":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["q_num_heads"] == 8 and attrs["kv_num_heads"] == 2 and attrs["is_causal"] == 0
+            assert "scale" not in attrs  # the default 1/sqrt(D_k) is the op's own
+            modes.append(attrs["qk_matmul_output_mode"])
+    assert modes == [0, 3]
+    assert [o.name for o in model.graph.output] == list(onnx_attention.GRAPH_STAGES)
+    scaled, _ = onnx_attention.case_model(golden_case("custom_scale"))
+    attrs = {a.name: helper.get_attribute_value(a) for a in scaled.graph.node[-3].attribute}
+    assert attrs["scale"] == pytest.approx(0.125, abs=0)
+
+
+def test_torch_export_converters_round_trip_through_the_exported_graph(torch_onnx) -> None:
+    case = golden_case("custom_head_dims")
+    exported = torch_onnx.export_model(case.config, "float64", batch=1, tgt_len=2, src_len=2)
+    names = {t.name for t in exported.graph.initializer}
+    assert {"q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight", "out_proj.bias"} <= names
+    assert not torch_onnx.initializers_to_canonical(exported)["w_q"].any()  # exported with zero weights
+    model = replace_initializers(exported, torch_onnx.canonical_to_initializers(case.weights, "float64"))
+    assert_same_weights(torch_onnx.initializers_to_canonical(model), case.weights.as_dict())
+    stored = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(stored["q_proj.weight"], case.weights.w_q.T)  # nn.Linear layout (out, in)
+    ops = {n.op_type for n in model.graph.node}
+    assert "Attention" not in ops and {"MatMul", "Mul", "Softmax"} <= ops  # the module's own decomposition
+
+
+def test_replace_initializers_refuses_a_foreign_layout() -> None:
+    case = golden_case("cross_attention")
+    model = onnx_attention.attention_model(case.config, "float32", case.weights, batch=1, tgt_len=1, src_len=1)
+    wrong = numpy_helper.from_array(np.ascontiguousarray(case.weights.w_k.T, dtype=np.float32), "w_k")
+    with pytest.raises(ValueError, match="initializer 'w_k': graph has shape"):
+        replace_initializers(model, [wrong])
+    with pytest.raises(ValueError, match="not in the graph"):
+        replace_initializers(model, [numpy_helper.from_array(np.zeros(1, np.float32), "q_proj.weight")])
+
+
+def test_optimized_export_computes_the_same_stages(torch_onnx) -> None:
+    # The adapter exports with optimize=False (parameter names kept); torch.onnx.export's default
+    # optimizer only folds the weight transposes: bit-identical results.
+    case = golden_case("gqa", "float32")
+    plain = torch_onnx.TorchOnnxAdapter().run(case)
+    optimized = torch_onnx.TorchOnnxAdapter(optimize=True).run(case)
+    for stage in plain:
+        np.testing.assert_array_equal(optimized[stage], plain[stage], err_msg=stage)
+
+
+# -- masks ------------------------------------------------------------------------
+
+
+def test_key_padding_mask_is_spelled_out_along_the_query_axis() -> None:
+    case = golden_case("key_padding")  # (B, 1, 1, S), lengths 7, 4, 1
+    mask, is_causal = onnx_attention.attention_mask(case)
+    assert is_causal is False and mask.dtype == bool and mask.shape == (3, 1, 7, 7)
+    assert mask[:, 0].sum(axis=-1).tolist() == [[7] * 7, [4] * 7, [1] * 7]
+
+
+def test_top_left_causal_is_the_ops_is_causal_and_bottom_right_a_mask() -> None:
+    mask, is_causal = onnx_attention.attention_mask(golden_case("causal_top_left"))  # T=5 < S=8
+    assert mask is None and is_causal is True
+    mask, is_causal = onnx_attention.attention_mask(golden_case("causal_bottom_right_t_gt_s"))  # T=7, S=4
+    assert is_causal is False and mask.shape == (1, 1, 7, 4)
+    assert not mask[0, 0, :3].any()  # the first T - S rows see no key
+    assert mask[0, 0, 3].tolist() == [True, False, False, False] and mask[0, 0, 6].all()
+    mask, is_causal = onnx_attention.attention_mask(golden_case("causal_and_mask"))  # T = S: is_causal AND mask
+    assert is_causal is True and mask.shape == (2, 1, 6, 6)
+
+
+def test_onnxruntime_rejects_a_mask_with_a_query_axis_of_one() -> None:
+    # Why attention_mask() spells the query axis out: the op broadcasts attn_mask, onnxruntime's
+    # CPU kernel does not. If this fails, onnxruntime fixed it: drop the note in docs/onnx.md.
+    case = golden_case("key_padding", "float32")
+    model, feed = onnx_attention.case_model(case)
+    for value in model.graph.input:
+        if value.name == "attn_mask":
+            value.type.tensor_type.shape.dim[2].dim_value = 1
+    feed["attn_mask"] = np.ascontiguousarray(case.inputs.mask)
+    with pytest.raises(Exception, match="inconsistent q_sequence_length"):
+        ort_session(model).run(None, feed)
+    assert ReferenceEvaluator(model).run(["concat"], feed)[0].shape == (3, 7, 12)  # the op itself accepts it
+
+
+def test_rows_without_keys_come_back_zero_from_onnxruntime() -> None:
+    case = golden_case("custom_mask", "float32")
+    stages = onnx_attention.OnnxRuntimeAdapter().run(case)
+    empty = ~case.inputs.mask.any(axis=-1)  # (B, 1, T): rows that see no key
+    assert empty.any()
+    b, _, t = np.nonzero(empty)
+    assert not np.isnan(stages["attn_weights"]).any()
+    assert (stages["attn_weights"][b, :, t] == 0).all() and (stages["concat"][b, t] == 0).all()
+    np.testing.assert_array_equal(stages["output"][b, t], np.broadcast_to(case.weights.b_o, (len(b), case.config.d_out)))
+
+
+# -- supports() and the deviations' causes --------------------------------------------
+
+
+def test_onnxruntime_has_no_bfloat16_matmul_on_cpu() -> None:
+    # Backs ORT_NO_BFLOAT16: the day onnxruntime gains the kernel, this fails and bfloat16 can run.
+    case = golden_case("self_basic", "bfloat16")
+    assert "bfloat16" in str(onnx_attention.OnnxRuntimeAdapter().supports(case))
+    model, _ = onnx_attention.case_model(case)
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
+        ort_session(model)
+    assert onnx_attention.OnnxReferenceAdapter().supports(case) is True
+
+
+def test_scale_float32_cannot_hold_is_refused_in_float64_only() -> None:
+    spec = golden_case("custom_scale")
+    cfg = spec.config.model_copy(update={"scale": 0.3})
+    for dtype, expected in [("float64", "32-bit float"), ("float32", True)]:
+        case = spec.model_copy(update={"config": cfg, "dtype": dtype})
+        for adapter in (onnx_attention.OnnxRuntimeAdapter(), onnx_attention.OnnxReferenceAdapter()):
+            answer = adapter.supports(case)
+            assert answer is True if expected is True else expected in answer
+
+
+def test_onnxruntime_float64_scores_carry_a_float32_sqrt_scale() -> None:
+    case = golden_case("self_basic")  # D_k = 4: scale 1/2, sqrt(scale) irrational
+    scores = onnx_attention.OnnxRuntimeAdapter().run(case)["scores"]
+    Q, K = q_k(case)
+    # the function body: CalculatedScale = 1/Sqrt(float32(D)), ScaleFactorSqrt = Sqrt(.) in float32, Cast to double
+    root = float(np.sqrt(np.float32(1) / np.sqrt(np.float32(case.config.D_k))))
+    np.testing.assert_allclose(scores, (Q * root) @ (K * root).transpose(0, 1, 3, 2), rtol=1e-14, atol=0)
+    exact = case.config.scale * Q @ K.transpose(0, 1, 3, 2)
+    rel = np.abs(scores - exact) / np.abs(exact)
+    assert 1e-8 < rel.max() < 1e-7  # far beyond float64 rounding: the declared deviation
+    ref = onnx_attention.OnnxReferenceAdapter().run(case)["scores"]  # the reference evaluator: float64 sqrt
+    np.testing.assert_allclose(ref, exact, rtol=1e-14, atol=0)
+
+
+def test_reference_evaluator_takes_an_explicit_scales_root_in_float32() -> None:
+    case = golden_case("custom_scale")  # scale 1/8 (an exact float32 attribute); sqrt is not exact
+    scores = onnx_attention.OnnxReferenceAdapter().run(case)["scores"]
+    Q, K = q_k(case)
+    root = float(np.sqrt(np.float32(case.config.scale)))
+    np.testing.assert_allclose(scores, (Q * root) @ (K * root).transpose(0, 1, 3, 2), rtol=1e-14, atol=0)
+    assert root != math.sqrt(case.config.scale)
+
+
+class FloatSoftmaxReference(onnx_attention.OnnxReferenceAdapter):
+    """The onnx-reference graph with ``softmax_precision = FLOAT`` on both Attention nodes."""
+
+    name = "onnx-reference-float-softmax"
+    known_deviations = []
+
+    def run(self, case):
+        model, feed = onnx_attention.case_model(case)
+        for node in model.graph.node:
+            if node.op_type == "Attention":
+                node.attribute.append(helper.make_attribute("softmax_precision", TensorProto.FLOAT))
+        return dict(zip(onnx_attention.GRAPH_STAGES, ReferenceEvaluator(model).run(list(onnx_attention.GRAPH_STAGES), feed)))
+
+
+def test_reference_evaluator_softmax_in_bfloat16_is_the_declared_cause() -> None:
+    # The declared long_sequence/bfloat16/attn_weights deviation: the op's default softmax precision is
+    # the input type. Asking for a float32 softmax removes it; without the declaration it fails.
+    native = mhaspec.check(onnx_attention.OnnxReferenceAdapter(), dtypes=["bfloat16"], cases=["long_sequence"])
+    assert native.result("long_sequence", "bfloat16").verdict == "known deviation"
+    bare = type("Bare", (onnx_attention.OnnxReferenceAdapter,), {"known_deviations": []})()
+    failed = mhaspec.check(bare, dtypes=["bfloat16"], cases=["long_sequence"])
+    assert failed.result("long_sequence", "bfloat16").first_failing_stage == "attn_weights"
+    fixed = mhaspec.check(FloatSoftmaxReference(), dtypes=["bfloat16"], cases=["long_sequence"])
+    assert fixed.result("long_sequence", "bfloat16").verdict == "pass", str(fixed)
+
+
+def test_torch_export_scales_float64_scores_by_a_float32_scale(torch_onnx) -> None:
+    case = golden_case("large_logits")  # D_k = 8: float32 cannot hold 1/sqrt(8)
+    scores = torch_onnx.TorchOnnxAdapter().run(case)["scores"]
+    Q, K = q_k(case)
+    np.testing.assert_allclose(scores, (Q @ K.transpose(0, 1, 3, 2)) * float(np.float32(case.config.scale)),
+                               rtol=1e-14, atol=0)
+    model, _ = torch_onnx.TorchOnnxAdapter().model(case)
+    float_constants = [n for n in model.graph.node if n.op_type == "Constant"
+                       and n.attribute[0].t.data_type == TensorProto.FLOAT]
+    assert float_constants, "the exported float64 graph holds a float32 constant (the scale)"
+
+
+# -- conformance ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "onnx-reference"])
+def test_attention_graph_conforms_on_a_few_cases(name: str) -> None:
+    report = mhaspec.check(name, cases=FEW)
+    assert report.ok, str(report)
+    assert not report.warnings, report.warnings
+    for case_id in FEW:
+        for dtype in ("float32", "float16"):
+            assert report.result(case_id, dtype).verdict == "pass", (case_id, dtype)
+    bf16 = report.result("gqa", "bfloat16").verdict
+    assert bf16 == ("unsupported" if name == "onnxruntime" else "pass")
+
+
+def test_onnxruntime_deviates_in_float64_only_where_declared() -> None:
+    report = mhaspec.check("onnxruntime", dtypes=["float64"], cases=["gqa", "head_dim_1"])
+    stages = {st.stage: st.verdict for st in report.result("gqa", "float64").stages}
+    assert stages["q_proj"] == stages["k_proj"] == stages["v_proj"] == "pass"
+    assert stages["scores"] == stages["output"] == "known deviation"
+    assert stages["head_outputs"] == "not exposed"
+    assert report.result("head_dim_1", "float64").verdict == "pass"  # D_k = 1: sqrt(scale) = 1, exact
+
+
+def test_torch_onnx_conforms_on_a_few_cases(torch_onnx) -> None:
+    cases = ["custom_head_dims", "causal_bottom_right_t_gt_s", "custom_mask"]
+    report = mhaspec.check("torch-onnx", dtypes=["float64", "float32", "float16", "bfloat16"], cases=cases)
+    assert report.ok, str(report)
+    for case_id in cases:
+        assert all(st.verdict == "pass" for st in report.result(case_id, "float32").stages), case_id
+        assert report.result(case_id, "bfloat16").verdict == "unsupported"

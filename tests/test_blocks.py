@@ -1,0 +1,43 @@
+"""Judging by blocks of query rows gives the verdicts of judging whole cases."""
+
+from __future__ import annotations
+
+import pytest
+
+import mhaspec
+from mhaspec.conformance import blocks
+
+from mhaspec.adapters import Deviation
+
+from .variants import BUGS, CORRECT, Variant
+
+class UniformDeclared(Variant):
+    known_deviations = [Deviation("uniform rows", stage=s, rows="fully_masked")
+                        for s in ("attn_weights", "head_outputs", "concat", "output")]
+
+
+CASES = ["custom_mask", "causal_bottom_right_t_gt_s", "key_padding", "gqa", "large_logits", "cross_shared_kv"]
+
+
+@pytest.mark.parametrize("name", ["einsum", "causal_off_by_one", "mask_polarity_inverted", "heads_merged_without_transpose",
+                                  "nan_on_fully_masked_rows", "output_bias_dropped",
+                                  "uniform_declared"])
+def test_blocks_give_the_same_verdicts(name, monkeypatch):
+    if name == "uniform_declared":  # a row-scoped known deviation, decided block by block
+        adapter = UniformDeclared(name="uniform", uniform_masked_rows=True)
+    else:
+        adapter = CORRECT[name] if name in CORRECT else BUGS[name][0]
+    whole = mhaspec.check(adapter, dtypes=["float32", "bfloat16"], cases=CASES, timeout=None)
+    monkeypatch.setattr(blocks, "MAX_BLOCK_ELEMENTS", 7)  # a few query rows per block, one batch entry
+    split = mhaspec.check(adapter, dtypes=["float32", "bfloat16"], cases=CASES, timeout=None)
+    for a, b in zip(whole.results, split.results):
+        assert (a.case, a.dtype, a.verdict, a.first_failing_stage) == (b.case, b.dtype, b.verdict, b.first_failing_stage)
+        for x, y in zip(a.stages, b.stages):
+            assert (x.stage, x.verdict, x.compared, x.nonfinite) == (y.stage, y.verdict, y.compared, y.nonfinite)
+            assert (x.max_abs_err, x.max_rel_err) == (y.max_abs_err, y.max_rel_err)
+            # tolerances are matrix products: another block shape may round them in another order
+            assert x.worst_ratio == pytest.approx(y.worst_ratio, rel=1e-9)
+            if x.worst_ratio is not None and x.worst_ratio > 0:
+                assert x.worst_index == y.worst_index, (a.case, x.stage)
+            if y.verdict == "fail":
+                assert "[block: batch entry" in y.message

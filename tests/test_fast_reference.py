@@ -1,0 +1,119 @@
+"""The fast reference: its error bound holds against the exact reference, and
+``mhaspec run --catalog`` judges on the fly through the same Session."""
+
+from __future__ import annotations
+
+import json
+from decimal import Context, Decimal
+
+import numpy as np
+import pytest
+
+from mhaspec.cli import main
+from mhaspec.fixtures import GoldenSet
+from mhaspec.reference import forward
+from mhaspec.reference.fast import EXP_ULPS, exact_product, forward_fast, grid_exponent
+from mhaspec.reference.onthefly import OnTheFlyGolden
+from mhaspec.spec import STAGES, MHAConfig
+
+from .variants import BUGS
+
+
+def _within(fast, exact: dict[str, np.ndarray]) -> dict[str, float]:
+    """Worst |fast - exact| / bound per stage (asserting <= 1 everywhere)."""
+    ratios = {}
+    for stage in STAGES:
+        err = np.abs(fast.stages[stage] - exact[stage])
+        bound = np.broadcast_to(fast.error[stage], err.shape)
+        assert np.all(err <= bound), f"{stage}: error {np.max(err - bound):.3g} above its bound"
+        ratios[stage] = float(np.max(np.where(bound > 0, err / np.where(bound > 0, bound, 1), 0)))
+    return ratios
+
+
+def test_fast_reference_is_within_its_bound_on_every_committed_case():
+    for golden in GoldenSet():
+        fast = forward_fast(golden.spec.config, golden.inputs, golden.weights)
+        _within(fast, golden.stages)
+        assert np.array_equal(fast.visible, golden.visible)
+        # dyadic inputs: projections and scores are proven exact, hence bit-identical to the fixtures
+        for stage in ("q_proj", "k_proj", "v_proj", "scores"):
+            assert fast.exact[stage] and fast.error[stage] == 0.0, (golden.id, stage)
+            assert np.array_equal(fast.stages[stage], golden.stages[stage]), (golden.id, stage)
+
+
+def test_fast_reference_bound_holds_on_data_that_is_not_exact():
+    """Non-dyadic float64 data: every exactness proof fails, every bound is the general one."""
+    rng = np.random.default_rng(3)
+    cfg = MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, head_dim=8, value_head_dim=5, out_dim=7,
+                    causal=True, causal_alignment="bottom_right")
+    B, T, S = 2, 9, 13
+    inputs = {"query": 3 * rng.standard_normal((B, T, 24)), "key": rng.standard_normal((B, S, 24)),
+              "value": rng.standard_normal((B, S, 24)), "mask": rng.random((B, 1, T, S)) < 0.8}
+    weights = {n: rng.standard_normal(s) for n, s in cfg.weight_shapes().items()}
+    fast = forward_fast(cfg, inputs, weights)
+    assert not any(fast.exact.values())
+    ratios = _within(fast, forward(cfg, inputs, weights))
+    assert all(0 < r <= 1 for r in ratios.values())  # every bound is exercised, none is violated
+
+
+def test_exactness_proof():
+    a = np.array([[3.0, -5.0]]) * 2.0**-5
+    assert grid_exponent(a) == -5 and grid_exponent(np.zeros(3)) is None
+    assert grid_exponent(np.array([0.75])) == -2
+    assert exact_product(a, np.array([[1.0], [0.5]])) == (True, -6)
+    big = np.array([[2.0**27 + 1, 2.0**27 + 1]])  # products need 55 bits: not provably exact
+    assert not exact_product(big, big.T)[0]
+
+
+def test_numpy_exp_is_within_the_assumed_ulps():
+    """The bound assumes numpy's exp within EXP_ULPS ulps of the correctly rounded exp."""
+    rng = np.random.default_rng(7)
+    x = np.concatenate([-rng.exponential(3.0, 3000), -rng.uniform(0, 700, 1000), -rng.uniform(0, 1e-3, 1000)])
+    context = Context(prec=40)
+    exact = np.array([float(Decimal(v).exp(context)) for v in x.tolist()])
+    assert np.max(np.abs(np.exp(x) - exact) / np.spacing(exact)) <= EXP_ULPS
+
+
+def _catalog(tmp_path, cases) -> str:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(cases))
+    return str(path)
+
+
+CASES = [
+    {"id": "odd_sizes", "config": {"d_model": 24, "num_heads": 6, "num_kv_heads": 2, "causal": True,
+                                   "causal_alignment": "bottom_right"},
+     "batch": 2, "tgt_len": 33, "src_len": 70, "seed": 5},
+    {"id": "memory", "config": {"d_model": 16, "num_heads": 2, "kdim": 12, "vdim": 12},
+     "batch": 1, "tgt_len": 9, "src_len": 65, "inputs": "shared_kv", "seed": 6,
+     "mask": {"kind": "random", "density": 0.5, "fully_masked": [[0, 3]]}},
+]
+
+
+def test_run_catalog_judges_on_the_fly_without_writing(tmp_path, capsys):
+    catalog = _catalog(tmp_path, CASES)
+    assert main(["run", "numpy", "--catalog", catalog]) == 0
+    out = capsys.readouterr().out
+    assert "odd_sizes" in out and "memory" in out and "CONFORMS" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]  # no fixture written
+
+
+def test_run_catalog_finds_bugs_at_their_stage(tmp_path):
+    import mhaspec
+
+    golden = OnTheFlyGolden(_catalog(tmp_path, CASES[:1]))
+    for bug in ("gqa_heads_by_modulo", "causal_wrong_alignment", "missing_scale"):
+        adapter, stage = BUGS[bug]
+        report = mhaspec.check(adapter, dtypes=["float32"], golden=golden, timeout=None)
+        assert [r.first_failing_stage for r in report.results] == [stage], bug
+
+
+def test_run_catalog_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = _catalog(tmp_path, [{**CASES[0], "config": {"d_model": 10, "num_heads": 3}}])
+    assert main(["run", "numpy", "--catalog", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "case 0 (odd_sizes)" in err and "cases.0.config" in err and "not divisible" in err
+    assert main(["run", "numpy", "--catalog", bad, "--golden", str(tmp_path)]) == 2
+    assert main(["run", "numpy", "--catalog", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""``mhaspec fuzz``: a correct adapter passes, buggy ones are found, shrunk, and reproduced by ``run --catalog``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import mhaspec
+from mhaspec.cli import main
+from mhaspec.fuzz import fuzz
+from mhaspec.reference.onthefly import OnTheFlyGolden
+
+from .variants import BUGS, Variant
+
+pytest.importorskip("hypothesis")
+
+
+def test_fuzz_numpy_200_examples_passes(capsys):
+    assert main(["fuzz", "numpy", "--examples", "200"]) == 0
+    assert "no non-conformance found (200 case(s) judged" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bug", ["gqa_heads_by_modulo", "causal_wrong_alignment", "mask_polarity_inverted",
+                                 "heads_merged_without_transpose", "softmax_over_queries"])
+def test_bugs_are_found_shrunk_and_reproduced(bug, tmp_path):
+    adapter, stage = BUGS[bug]
+    outcome = fuzz(adapter, examples=100, seed=0, dtypes=["float32"])
+    assert outcome.found and outcome.examples <= 100, bug
+    spec = outcome.spec
+    assert outcome.results[0].first_failing_stage == stage
+    # shrunk: one batch entry, short sequences, and only the feature the bug needs
+    assert spec.batch == 1 and spec.tgt_len <= 2 and spec.src_len <= 2 and spec.config.d_model <= 4, spec
+    if bug == "gqa_heads_by_modulo":
+        assert 1 < spec.config.H_kv < spec.config.H
+    if bug == "causal_wrong_alignment":
+        assert spec.config.causal and spec.tgt_len != spec.src_len
+    if bug == "mask_polarity_inverted":
+        assert spec.mask is not None
+    # the printed catalog entry reproduces it through `run --catalog`'s path
+    path = tmp_path / "case.json"
+    path.write_text(outcome.catalog_json())
+    report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
+    assert [r.first_failing_stage for r in report.results] == [stage]
+
+
+def test_fuzz_is_deterministic_per_seed():
+    adapter, _ = BUGS["causal_off_by_one"]
+    first = fuzz(adapter, examples=50, seed=3, dtypes=["float32"])
+    again = fuzz(adapter, examples=50, seed=3, dtypes=["float32"])
+    assert first.found and first.catalog_json() == again.catalog_json()
+
+
+class NoGQA(Variant):
+    def supports(self, case):
+        return True if case.config.H_kv == case.config.H else "no grouped-query attention"
+
+
+def test_fuzz_honours_supports():
+    judged = []
+    adapter = NoGQA(name="gqa_mod_without_gqa", gqa_modulo=True)  # the bug needs GQA, which it refuses
+    outcome = fuzz(adapter, examples=60, seed=0, dtypes=["float32"], progress=lambda spec, _: judged.append(spec))
+    assert not outcome.found and outcome.rejected > 0
+    assert judged and all(spec.config.H_kv == spec.config.H for spec in judged)
+
+
+def test_cli_prints_the_minimal_case_and_exits_1(tmp_path, capsys):
+    repo = Path(__file__).resolve().parent.parent
+    module = tmp_path / "buggy.py"
+    module.write_text(f"import sys\nsys.path.insert(0, {str(repo)!r})\nfrom tests.variants import Variant\n"
+                      "BUGGY = Variant(name='no_b_o', drop_output_bias=True)\n")
+    assert main(["fuzz", f"{module}:BUGGY", "--examples", "50", "--dtype", "float32"]) == 1
+    out = capsys.readouterr().out
+    assert "NON-CONFORMANCE found and shrunk" in out and "output" in out
+    case_json = out[out.index("["):]
+    (tmp_path / "case.json").write_text(case_json)
+    assert json.loads(case_json)[0]["id"] == "fuzz"
+    assert main(["run", f"{module}:BUGGY", "--catalog", str(tmp_path / "case.json"), "--dtype", "float32"]) == 1
+    assert main(["fuzz", "numpy", "--examples", "0"]) == 2
