@@ -382,7 +382,11 @@ def _forget_golden() -> None:
 
     for obj in gc.get_objects():
         if isinstance(obj, fixtures.GoldenSet):
-            obj._loaded.clear()
+            loaded = getattr(obj, "_loaded", None)  # a golden folder's cache
+            if loaded is not None:
+                loaded.clear()
+            if hasattr(obj, "_current"):  # a catalog computed on the fly keeps its last case
+                obj._current = None
         elif isinstance(obj, fixtures.GoldenCase):
             obj.stages.clear()
             obj.inputs.clear()
