@@ -169,9 +169,9 @@ class TorchMultiheadAttentionAdapter:
         return module.eval()
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """The input and weight gradients by ``torch.autograd`` (with ``need_weights=True``,
-        also d_attn_weights); the layer exposes no other intermediate stage.  With gradients
-        enabled the native fast path is never taken."""
+        """The input and weight gradients by ``torch.autograd``: the layer exposes no intermediate
+        stage to the backward (the attention weights it returns are a view made after their last
+        use, so no gradient reaches them).  With gradients enabled the native fast path is never taken."""
         module, masks = self._module(case), torch_masks(case, self.device)
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
