@@ -1,6 +1,6 @@
 """pytest plugin (registered through the ``pytest11`` entry point).
 
-    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--junitxml=out.xml]
+    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--mha-backward] [--junitxml=out.xml]
 
 gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
 passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
@@ -33,6 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mha-catalog", default=None, metavar="FILE.json",
                     help="your own cases, computed on the fly by the fast reference (as `mhaspec run --catalog`)")
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
+    group.addoption("--mha-backward", action="store_true", default=False,
+                    help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
     group.addoption("--mha-timeout", default=None,
                     help="per case × dtype timeout in seconds (default 60; 0 = none); the worker is killed")
     group.addoption("--mha-no-isolate", action="store_true", default=False,
@@ -68,6 +70,7 @@ def _session(config: pytest.Config) -> Any:
                 golden=golden,
                 timeout=validate_timeout(DEFAULT_TIMEOUT if timeout is None else timeout, "--mha-timeout"),
                 isolate=not config.getoption("--mha-no-isolate"),
+                backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
                 precision=config.getoption("--mha-precision"),
             )
@@ -110,12 +113,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from ..spec import STAGES
 
     session = _session(metafunc.config)
-    params = [
-        (case_id, dtype, stage)
-        for case_id in session.golden.ids()
-        for dtype in _state(metafunc.config).dtypes
-        for stage in STAGES
-    ]
+    params = []
+    for case_id in session.golden.ids():
+        stages = list(STAGES)
+        if session.backward:
+            from .backward import case_backward_stages
+
+            stages += case_backward_stages(session.golden.load(case_id))
+        params += [(case_id, dtype, stage) for dtype in _state(metafunc.config).dtypes for stage in stages]
     metafunc.parametrize("mha_stage", params, ids=[f"{c}-{d}-{s}" for c, d, s in params])
 
 

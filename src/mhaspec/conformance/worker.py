@@ -53,7 +53,7 @@ import numpy as np
 
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
 from ..errors import AdapterError, MhaspecError
-from ..spec import STAGES, Case, MHAConfig
+from ..spec import BACKWARD_STAGES, STAGES, Case, MHAConfig
 from ..spec.case import Inputs, Weights
 
 #: Seconds a spawned worker may take to import and construct the adapter.
@@ -148,7 +148,8 @@ def _case_message(case: Case) -> tuple[dict[str, Any], bytes]:
     an input that is the same array as another (self-attention, key = value)
     travels once and is the same array again on the other side.
     """
-    scalars = {name: getattr(case, name) for name in type(case).model_fields if name not in ("config", "inputs", "weights")}
+    scalars = {name: getattr(case, name) for name in type(case).model_fields
+               if name not in ("config", "inputs", "weights", "d_output")}
     arrays: dict[str, np.ndarray] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -162,6 +163,8 @@ def _case_message(case: Case) -> tuple[dict[str, Any], bytes]:
         first[id(array)] = name
         arrays[f"input.{name}"] = array
     arrays.update({f"weight.{k}": v for k, v in case.weights.as_dict().items()})
+    if case.d_output is not None:
+        arrays["grad.d_output"] = case.d_output
     header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
     return header, encode_arrays(arrays)
 
@@ -173,7 +176,7 @@ def _case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
         inputs[name] = inputs[same_as]
     weights = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("weight.")}
     return Case(config=MHAConfig.model_validate(header["config"]), inputs=Inputs(**inputs), weights=Weights(**weights),
-                **header["scalars"])
+                d_output=arrays.get("grad.d_output"), **header["scalars"])
 
 
 def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
@@ -183,7 +186,7 @@ def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
     arrays: dict[str, np.ndarray] = {}
     special: dict[str, Any] = {}
     for key, value in returned.items():
-        if not (isinstance(key, str) and key in STAGES):
+        if not (isinstance(key, str) and (key in STAGES or key in BACKWARD_STAGES)):
             continue  # the runner only needs the name to report it
         try:
             array = np.asarray(value)
@@ -326,6 +329,7 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
         "framework": framework,
         "framework_version": version,
         "has_supports": getattr(adapter, "supports", None) is not None,
+        "has_backward": callable(getattr(adapter, "backward", None)),
     }
 
 
@@ -335,7 +339,7 @@ def _call_adapter(adapter: Any, op: str, case: Case) -> tuple[dict[str, Any], by
         if op == "supports":
             answer = adapter.supports(case)
             return {"ok": True, "answer": answer if isinstance(answer, (bool, str)) else False}, b""
-        returned = adapter.run(case)
+        returned = adapter.backward(case) if op == "backward" else adapter.run(case)
         header, payload = _pack_returned(returned)  # converting lazy arrays is part of the adapter's time
         header.update(ok=True, seconds=time.perf_counter() - start)
         return header, payload
@@ -733,14 +737,21 @@ class Worker:
 
     def run(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         """(what ``run(case)`` returned, seconds it took in the worker)."""
-        reply, data = self._request("run", case, timeout)
-        if self.on_idle is not None:
+        return self._returned("run", case, timeout)
+
+    def backward(self, case: Case, timeout: float | None) -> tuple[Any, float]:
+        """(what ``backward(case)`` returned, seconds it took in the worker)."""
+        return self._returned("backward", case, timeout)
+
+    def _returned(self, op: str, case: Case, timeout: float | None) -> tuple[Any, float]:
+        reply, data = self._request(op, case, timeout)
+        if op == "run" and self.on_idle is not None:
             self.on_idle()  # e.g. send the next case ahead: the worker computes it while this one is judged
         try:
             return _unpack_returned(reply, data), float(reply["seconds"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             self._discard()
-            raise AdapterCrash(f"the worker sent a malformed reply during run() ({type(exc).__name__}: {exc}); "
+            raise AdapterCrash(f"the worker sent a malformed reply during {op}() ({type(exc).__name__}: {exc}); "
                                "worker process killed") from None
 
 
@@ -762,6 +773,11 @@ class InProcess:
     def run(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         start = time.perf_counter()
         returned = self._call("run", lambda: self.adapter.run(case), timeout)
+        return returned, time.perf_counter() - start
+
+    def backward(self, case: Case, timeout: float | None) -> tuple[Any, float]:
+        start = time.perf_counter()
+        returned = self._call("backward", lambda: self.adapter.backward(case), timeout)
         return returned, time.perf_counter() - start
 
     def close(self) -> None:
