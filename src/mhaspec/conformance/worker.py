@@ -676,13 +676,14 @@ class Worker:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        self._send(case, with_supports=op == "supports")
+        self._send(case, with_supports=op == "supports", then="backward" if op == "backward" else "run")
         self._expect.popleft()
         return self._reply(op, case, timeout)
 
-    def _send(self, case: Case, with_supports: bool) -> None:
+    def _send(self, case: Case, with_supports: bool, then: str = "run") -> None:
+        """Send ``case`` with the op ``then`` (``run`` or ``backward``), after ``supports`` if asked."""
         assert self._pipe is not None
-        wire = "supports+run" if with_supports else "run"
+        wire = f"supports+{then}" if with_supports else then
         try:
             if self._sent is case:
                 self._pipe.send({"op": wire, "reuse": True})
@@ -692,7 +693,7 @@ class Worker:
                 self._sent = case
         except _WorkerDied:
             pass  # the reply tells how it died
-        self._expect.extend([("supports", case), ("run", case)] if with_supports else [("run", case)])
+        self._expect.extend([("supports", case), (then, case)] if with_supports else [(then, case)])
 
     def prefetch(self, case: Case, with_supports: bool) -> None:
         """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
