@@ -42,7 +42,7 @@ def test_regeneration_is_byte_identical(tmp_path, golden_copy):
 def test_committed_fixtures_are_current_and_small():
     assert check() == []
     size = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
-    assert size < 2_000_000
+    assert size <= 4_000_000  # forward and backward stages (issue 12: the golden folder stays <= 4 MB)
     assert len(GoldenSet()) == len(CATALOG)
 
 

@@ -202,7 +202,8 @@ def test_a_tensor_stored_with_the_wrong_dtype_is_named(tmp_path):
     n = int.from_bytes(data[:8], "little")
     header = data[8 : 8 + n].replace(b'"dtype":"F64"', b'"dtype":"I64"', 1)  # same length, same size
     _rewrite(folder, "gqa", data[:8] + header + data[8 + n :])
-    with pytest.raises(FixtureError, match=r"gqa.safetensors: tensor input.key is stored as I64, expected F64"):
+    # the first F64 tensor of the (name-sorted) header: grad.d_output, the backward's upstream gradient
+    with pytest.raises(FixtureError, match=r"gqa.safetensors: tensor grad.d_output is stored as I64, expected F64"):
         GoldenSet(folder).load("gqa")
 
 

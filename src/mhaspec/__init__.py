@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 def check(adapter: Any, dtypes: Any = None, cases: Any = None, **options: Any) -> Report:
     """Run the conformance suite against ``adapter`` (an object or a name) and return a Report.
 
+    ``backward=True`` also judges the adapter's ``backward(case)`` (docs/backward.md).
     See :func:`mhaspec.conformance.check`.
     """
     from .conformance import check as _check

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                      "and softmax in float32 or wider, as production kernels do (default); worst-case = anything a "
                      "correct algorithm accumulating in the dtype could produce (wider; stages it cannot resolve "
                      "are reported uninformative)")
+    run.add_argument("--backward", action="store_true",
+                     help="also judge the backward stages (d_concat … d_b_o) from the adapter's backward(case); "
+                          "see docs/backward.md")
     run.add_argument("-v", "--verbose", action="store_true", help="list every failing stage of every case (default: grouped by first failing stage) "
                      "and the stages the adapter does not expose")
 
@@ -230,7 +233,7 @@ def _run(args: argparse.Namespace) -> int:
         golden = OnTheFlyGolden(args.catalog)
 
     try:
-        session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision,
+        session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision, backward=args.backward,
                           isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework

@@ -12,6 +12,8 @@ Tensor names inside a file::
     input.query  input.key  input.value  [input.mask]      float64 / bool
     weight.w_q … weight.b_o                                float64
     stage.q_proj … stage.output                            float64
+    grad.d_output                                          float64 (B, T, d_out)
+    stage.d_concat … stage.d_b_o                           float64 (the case's backward stages)
     visible                                                bool (B, H, T, S)
 """
 
@@ -36,7 +38,17 @@ import pydantic
 from safetensors.numpy import load as st_load
 
 from .errors import FixtureError
-from .spec import MANIFEST_NAME, SPEC_VERSION, STAGES, Case, CaseSpec, Manifest, ManifestEntry
+from .spec import (
+    MANIFEST_NAME,
+    SPEC_VERSION,
+    BACKWARD_STAGES,
+    STAGES,
+    Case,
+    CaseSpec,
+    Manifest,
+    ManifestEntry,
+    backward_stage_shapes,
+)
 
 #: The package's own, committed golden folder.
 DEFAULT_GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -90,7 +102,8 @@ def decode_tensors(data: bytes, where: str) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class GoldenCase:
-    """One verified fixture: the spec, the inputs and weights, every golden stage."""
+    """One verified fixture: the spec, the inputs and weights, every golden stage
+    (forward and backward, by name) and the upstream gradient ``d_output``."""
 
     spec: CaseSpec
     inputs: dict[str, np.ndarray]
@@ -98,6 +111,7 @@ class GoldenCase:
     stages: dict[str, np.ndarray]
     visible: np.ndarray  # (B, H, T, S) bool: explicit mask AND causal
     path: Path
+    d_output: np.ndarray | None = None  # (B, T, d_out)
     #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
     reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
@@ -123,7 +137,7 @@ class GoldenCase:
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""
         if dtype not in self._cases:
-            self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights)
+            self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights, self.d_output)
         return self._cases[dtype]
 
 
@@ -140,6 +154,8 @@ def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
         shapes["input.mask"] = (B, 1, 1, S) if spec.mask.kind == "key_padding" else (B, 1, T, S)
     shapes.update({f"weight.{k}": v for k, v in cfg.weight_shapes().items()})
     shapes.update({f"stage.{k}": v for k, v in cfg.stage_shapes(B, T, S).items()})
+    shapes["grad.d_output"] = (B, T, cfg.d_out)
+    shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs).items()})
     return shapes
 
 
@@ -344,8 +360,9 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
             raise FixtureError(f"{path}: tensor {name} has shape {tensors[name].shape} and dtype {tensors[name].dtype}, expected {shape}")
     inputs = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("input.")}
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
-    stages = {s: tensors[f"stage.{s}"] for s in STAGES}
-    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path)
+    stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
+    stages = {s: stages[s] for s in STAGES + BACKWARD_STAGES if s in stages}  # pipeline order
+    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"])
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:

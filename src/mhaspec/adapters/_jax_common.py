@@ -108,6 +108,44 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
     return y.astype(jax_dtype(dtype))
 
 
+def vjp_stages(
+    case: Any, output: Any, tap_shapes: Mapping[str, tuple[int, ...]], *, jit: bool = True
+) -> dict[str, np.ndarray]:
+    """The backward stages of ``case`` by ``jax.vjp`` (call inside :func:`computing_in`).
+
+    ``output(query, key, value, weights, taps) -> (B, T, d_out)`` is the layer, with a
+    zero tap added to each intermediate stage named in ``tap_shapes`` (canonical shapes):
+    the cotangent of a tap is that stage's gradient.  Self-attention differentiates
+    with respect to the one input tensor (``d_query`` is the sum of the three).
+    The forward and the pullback are compiled together (``jit``) or run eagerly.
+    """
+    dtype = case.dtype
+    weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
+    taps = {name: jnp.zeros(shape, dtype=jax_dtype(dtype)) for name, shape in tap_shapes.items()}
+    query, key, value = (to_jax(x, dtype) for x in (case.inputs.query, case.inputs.key, case.inputs.value))
+
+    def gradients(query, key, value, weights, taps, d_output):
+        if case.self_attention:
+            _, pullback = jax.vjp(lambda x, w, t: output(x, x, x, w, t), query, weights, taps)
+            d_query, d_weights, d_taps = pullback(d_output)
+            inputs = {"d_query": d_query}
+        elif case.key_is_value:  # one memory tensor: its gradient (d_key) is the sum of two
+            _, pullback = jax.vjp(lambda q, m, w, t: output(q, m, m, w, t), query, key, weights, taps)
+            d_query, d_key, d_weights, d_taps = pullback(d_output)
+            inputs = {"d_query": d_query, "d_key": d_key}
+        else:
+            _, pullback = jax.vjp(output, query, key, value, weights, taps)
+            d_query, d_key, d_value, d_weights, d_taps = pullback(d_output)
+            inputs = {"d_query": d_query, "d_key": d_key, "d_value": d_value}
+        grads = {f"d_{name}": g for name, g in d_taps.items()}
+        grads.update(inputs)
+        grads.update({f"d_{name}": g for name, g in d_weights.items()})
+        return grads
+
+    run = jax.jit(gradients) if jit else gradients
+    return to_numpy(run(query, key, value, weights, taps, to_jax(case.d_output, dtype)))
+
+
 # -- the Flax parameter layout --------------------------------------------
 
 

@@ -71,7 +71,7 @@ def canonical(weights: Weights | Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def as_float64(tensor: torch.Tensor) -> np.ndarray:
-    """A parameter as a float64 numpy array (exact for every floating dtype)."""
+    """A parameter (or its gradient) as a float64 numpy array (exact for every floating dtype)."""
     return tensor.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
 
 
@@ -133,3 +133,41 @@ def top_left_causal_only(case: Case) -> bool:
         and case.inputs.mask is None
         and (cfg.causal_alignment == "top_left" or case.tgt_len == case.src_len)
     )
+
+
+def autograd_backward(
+    case: Case,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    call: Any,
+    module: torch.nn.Module,
+    to_canonical: Any,
+) -> dict[str, np.ndarray]:
+    """The backward stages of ``case`` by ``torch.autograd``, in ``dtype``.
+
+    ``call(query, key, value)`` returns the forward's stage tensors by name
+    (``output`` required); each intermediate one is kept with ``retain_grad`` and
+    comes back as ``d_<stage>``.  The input gradients come from the leaf inputs
+    (one leaf per tensor: self-attention's ``d_query`` is the sum of the three,
+    shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from ``module``'s parameters through
+    ``to_canonical`` (the state_dict converter: a gradient has its parameter's layout).
+    """
+    query = to_tensor(case.inputs.query, dtype, device).requires_grad_()
+    key = query if case.self_attention else to_tensor(case.inputs.key, dtype, device).requires_grad_()
+    value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, device).requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        stages = call(query, key, value)
+        for name, tensor in stages.items():
+            if name != "output" and tensor.requires_grad:
+                tensor.retain_grad()
+        stages["output"].backward(to_tensor(case.d_output, dtype, device))
+    out = {f"d_{name}": to_numpy(t.grad) for name, t in stages.items() if name != "output" and t.grad is not None}
+    out["d_query"] = to_numpy(query.grad)
+    if not case.self_attention:  # one leaf per tensor: a shared one's gradient is the sum (d_key)
+        out["d_key"] = to_numpy(key.grad)
+        if not case.key_is_value:
+            out["d_value"] = to_numpy(value.grad)
+    grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+    out.update({f"d_{name}": value for name, value in to_canonical(grads).items()})
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import AdapterError
-from ..spec import DTYPES, STAGES, Case
+from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
 
 
 @runtime_checkable
@@ -25,6 +25,9 @@ class Adapter(Protocol):
     def run(self, case: Case) -> Mapping[str, Any]:
         """Compute ``case`` in ``case.dtype``; return ``{"output": …}`` plus any other stages."""
         ...
+
+    # Optional (docs/backward.md): def backward(self, case) -> Mapping[str, Any] — the gradients of
+    # L = Σ case.d_output ⊙ output, by backward stage name (d_concat … d_b_o), computed in case.dtype.
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,9 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
             raise AdapterError(f"{where}: deviation {dev.pattern}: rows must be one of {DEVIATION_ROWS}")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
-        if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES):
-            raise AdapterError(f"{where}: deviation {dev.pattern} matches no stage; stages are {', '.join(STAGES)}")
+        if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES + BACKWARD_STAGES):
+            raise AdapterError(f"{where}: deviation {dev.pattern} matches no stage; stages are "
+                               f"{', '.join(STAGES + BACKWARD_STAGES)}")
         if not any(fnmatch.fnmatchcase(d, dev.dtype) for d in DTYPES):
             raise AdapterError(f"{where}: deviation {dev.pattern} matches no dtype; dtypes are {', '.join(DTYPES)}")
     return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..spec import Case
 from .base import Deviation
-from ._jax_common import compiled, computing_in, linear, to_jax, to_numpy, use_fast_compile
+from ._jax_common import compiled, computing_in, linear, to_jax, to_numpy, use_fast_compile, vjp_stages
 
 _SOFTMAX_F32 = (
     "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
@@ -29,6 +29,46 @@ _FULLY_MASKED = (
     "masked logits are filled with -0.7·finfo.max rather than -inf, so a query row that sees no "
     "key attends uniformly to every key instead of giving zeros (spec: all-zero head outputs, output = b_o)"
 )
+
+#: Backward stages that go through the fused softmax (d_concat, d_head_outputs, d_b_o do not).
+_THROUGH_SOFTMAX = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_[qkv]")
+
+
+def mha(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict,
+    taps: dict | None = None,
+    *, heads: int, kv_heads: int, scale: float, is_causal: bool, dtype: str,
+) -> dict[str, jax.Array]:
+    """The stages around the fused call; ``taps``: zeros added to each (for ``jax.vjp``), None in the forward."""
+    w = weights
+
+    def tap(name: str, x: jax.Array) -> jax.Array:
+        return x if taps is None else x + taps[name]
+
+    q = tap("q_proj", linear(query, w["w_q"], w.get("b_q"), dtype))  # (B, T, H·D)
+    k = tap("k_proj", linear(key, w["w_k"], w.get("b_k"), dtype))  # (B, S, G·D)
+    v = tap("v_proj", linear(value, w["w_v"], w.get("b_v"), dtype))  # (B, S, G·E)
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    encoded = jax.nn.dot_product_attention(
+        query=q.reshape(B, T, heads, -1), key=k.reshape(B, S, kv_heads, -1), value=v.reshape(B, S, kv_heads, -1),
+        mask=mask, scale=scale, is_causal=is_causal,
+    )  # BTNH
+    if taps is not None:
+        encoded = encoded + taps["head_outputs"].transpose(0, 2, 1, 3)  # the stage is (B, H, T, E)
+    concat = tap("concat", encoded.reshape(B, T, -1))  # (B, T, H·E)
+    y = linear(concat, w["w_o"], w.get("b_o"), dtype)
+    return {
+        "q_proj": q, "k_proj": k, "v_proj": v,
+        "head_outputs": encoded.transpose(0, 2, 1, 3), "concat": concat, "output": y,
+    }
+
+
+#: :func:`mha` is jit-compiled with these static arguments.  float16 on CPU cannot be: the core
+#: asks dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
+#: try/except fallback to the default precision only catches that error outside jit.  There the
+#: forward compiles the projections (:func:`project`) and W^O (:func:`finish`) and calls
+#: :func:`attend` eagerly between them; the backward runs eagerly.
+STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
 
 
 def project(query: jax.Array, key: jax.Array, value: jax.Array, weights: dict, *, dtype: str) -> tuple[jax.Array, ...]:
@@ -50,29 +90,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
 
 def finish(q: jax.Array, k: jax.Array, v: jax.Array, encoded: jax.Array, weights: dict,
            *, dtype: str) -> dict[str, jax.Array]:
-    """Concat and the output projection; every stage."""
+    """Concat and the output projection after :func:`attend`; every stage :func:`mha` returns."""
     concat = encoded.reshape(encoded.shape[0], encoded.shape[1], -1)  # (B, T, H·E)
     y = linear(concat, weights["w_o"], weights.get("b_o"), dtype)
     return {
         "q_proj": q, "k_proj": k, "v_proj": v,
         "head_outputs": encoded.transpose(0, 2, 1, 3), "concat": concat, "output": y,
     }
-
-
-def mha(
-    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict,
-    *, heads: int, kv_heads: int, scale: float, is_causal: bool, dtype: str,
-) -> dict[str, jax.Array]:
-    q, k, v = project(query, key, value, weights, dtype=dtype)
-    encoded = attend(q, k, v, mask, heads=heads, kv_heads=kv_heads, scale=scale, is_causal=is_causal)
-    return finish(q, k, v, encoded, weights, dtype=dtype)
-
-
-#: :func:`mha` is jit-compiled with these static arguments.  float16 on CPU cannot be: the core
-#: asks dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
-#: try/except fallback to the default precision only catches that error outside jit.  There the
-#: projections and the output are compiled and :func:`attend` runs eagerly between them.
-STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
 
 
 def dpa_mask(case: Case) -> tuple[jax.Array | None, bool]:
@@ -96,6 +120,11 @@ class JaxDPAAdapter:
     known_deviations = [
         *(Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("head_outputs", "concat", "output")),
         *(Deviation(_SOFTMAX_F32, dtype="float64", stage=stage) for stage in ("head_outputs", "concat", "output")),
+        # backward: the same two, carried into every gradient that goes through the softmax or the head outputs
+        *(Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights give them gradients and "
+                    "pass gradient to every key", stage=stage, rows="fully_masked") for stage in _THROUGH_SOFTMAX),
+        *(Deviation(_SOFTMAX_F32 + "; backward: its gradient too", dtype="float64", stage=stage)
+          for stage in _THROUGH_SOFTMAX),
     ]
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
@@ -123,3 +152,19 @@ class JaxDPAAdapter:
             else:
                 stages = compiled(mha, STATIC, fast)(*inputs, mask, weights, **core, dtype=dtype)
             return to_numpy(stages)
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``jax.vjp`` through the fused call: the projections', head outputs'
+        and concat's gradients through zero taps (the fused call exposes no d_scores, d_attn_weights)."""
+        cfg, dtype = case.config, case.dtype
+        with computing_in(dtype, self.device):
+            mask, is_causal = dpa_mask(case)
+
+            def output(query, key, value, weights, taps):
+                return mha(query, key, value, mask, weights, taps, heads=cfg.H, kv_heads=cfg.H_kv,
+                           scale=cfg.scale, is_causal=is_causal, dtype=dtype)["output"]
+
+            shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
+            names = ("q_proj", "k_proj", "v_proj", "head_outputs", "concat")
+            eager = dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"  # see STATIC
+            return vjp_stages(case, output, {s: shapes[s] for s in names}, jit=not eager)

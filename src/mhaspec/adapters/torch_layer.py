@@ -33,6 +33,7 @@ from torch import nn
 
 from ..spec import Case, MHAConfig, Weights
 from ._torch_common import (
+    autograd_backward,
     causal_visible,
     check_device,
     linear_from_state_dict,
@@ -177,14 +178,16 @@ class TorchMHAAdapter:
     def __init__(self, device: str = "cpu") -> None:
         self.device = check_device(device)
 
-    def run(self, case: Case) -> dict[str, np.ndarray]:
-        dtype = torch_dtype(case.dtype)
+    def _module(self, case: Case) -> MultiHeadAttention:
         module = torch.nn.utils.skip_init(  # parameters made in the dtype, no random init
-            MultiHeadAttention, **case.config.model_dump(), device=self.device, dtype=dtype
+            MultiHeadAttention, **case.config.model_dump(), device=self.device, dtype=torch_dtype(case.dtype)
         )
         module.load_state_dict(canonical_to_state_dict(case.weights))
-        module.eval()
+        return module.eval()
 
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        dtype = torch_dtype(case.dtype)
+        module = self._module(case)
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
         value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
@@ -193,3 +196,13 @@ class TorchMHAAdapter:
         with torch.inference_mode():
             stages = module(query=query, key=key, value=value, mask=mask, return_stages=True)
         return {name: to_numpy(t) for name, t in stages.items()}
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """Every backward stage by ``torch.autograd``: intermediate stages through ``retain_grad``."""
+        module = self._module(case)
+        mask = None if case.inputs.mask is None else to_tensor(case.inputs.mask, torch.bool, self.device)
+
+        def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+            return module(query=query, key=key, value=value, mask=mask, return_stages=True)
+
+        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)

@@ -43,6 +43,7 @@ from ..spec import Case, Weights
 from .base import Deviation
 from ._torch_common import (
     as_float64,
+    autograd_backward,
     canonical,
     causal_visible,
     check_device,
@@ -133,6 +134,12 @@ class TorchMultiheadAttentionAdapter:
             stage=stage, rows="fully_masked",
         )
         for stage in ("attn_weights", "output")
+    ] + [
+        Deviation(
+            "backward: the NaN of a query row with no visible key flows into every gradient that sums over "
+            "query rows (d_key, d_value, weights, biases; self-attention: all of d_query); pytorch/pytorch#41508",
+            stage="d_*", rows="fully_masked",
+        )
     ]
 
     def __init__(self, device: str = "cpu") -> None:
@@ -152,14 +159,31 @@ class TorchMultiheadAttentionAdapter:
             return f"nn.MultiheadAttention has no scale argument: always 1/sqrt(head_dim), case has {cfg.scale:g}"
         return True
 
-    def run(self, case: Case) -> dict[str, np.ndarray]:
-        cfg, dtype = case.config, torch_dtype(case.dtype)
+    def _module(self, case: Case) -> nn.MultiheadAttention:
+        cfg = case.config
         module = torch.nn.utils.skip_init(
             nn.MultiheadAttention, embed_dim=cfg.d_model, num_heads=cfg.H, bias=cfg.bias,
-            kdim=cfg.kdim, vdim=cfg.vdim, batch_first=True, device=self.device, dtype=dtype,
+            kdim=cfg.kdim, vdim=cfg.vdim, batch_first=True, device=self.device, dtype=torch_dtype(case.dtype),
         )
         module.load_state_dict(canonical_to_state_dict(case.weights))
-        module.eval()
+        return module.eval()
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The input and weight gradients by ``torch.autograd``: the layer exposes no intermediate
+        stage to the backward (the attention weights it returns are a view made after their last
+        use, so no gradient reaches them).  With gradients enabled the native fast path is never taken."""
+        module, masks = self._module(case), torch_masks(case, self.device)
+
+        def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+            output, attn_weights = module(query=query, key=key, value=value, need_weights=self.need_weights,
+                                          average_attn_weights=False, **masks)
+            return {"output": output} if attn_weights is None else {"attn_weights": attn_weights, "output": output}
+
+        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        dtype = torch_dtype(case.dtype)
+        module = self._module(case)
 
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)

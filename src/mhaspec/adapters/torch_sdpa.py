@@ -27,6 +27,7 @@ from torch import nn
 
 from ..spec import Case, MHAConfig, Weights
 from ._torch_common import (
+    autograd_backward,
     check_device,
     linear_from_state_dict,
     linear_to_state_dict,
@@ -116,22 +117,34 @@ class TorchSDPAAdapter:
             return f"grouped-query attention needs SDPA's enable_gqa (torch >= 2.5; this is {torch.__version__})"
         return True
 
-    def run(self, case: Case) -> dict[str, np.ndarray]:
-        dtype = torch_dtype(case.dtype)
+    def _module(self, case: Case) -> SDPAMultiHeadAttention:
         module = torch.nn.utils.skip_init(  # parameters made in the dtype, no random init
-            SDPAMultiHeadAttention, config=case.config, device=self.device, dtype=dtype
+            SDPAMultiHeadAttention, config=case.config, device=self.device, dtype=torch_dtype(case.dtype)
         )
         module.load_state_dict(canonical_to_state_dict(case.weights))
-        module.eval()
+        return module.eval()
 
+    def _masks(self, case: Case) -> dict[str, Any]:
+        if top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
+            return {"attn_mask": None, "is_causal": True}
+        return {"attn_mask": visible(case, self.device), "is_causal": False}  # bool, True = take part
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        dtype = torch_dtype(case.dtype)
+        module = self._module(case)
         query = to_tensor(case.inputs.query, dtype, self.device)
         key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
         value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
-        if top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
-            attn_mask, is_causal = None, True
-        else:
-            attn_mask, is_causal = visible(case, self.device), False  # bool, True = take part
-
         with torch.inference_mode():
-            stages = module(query=query, key=key, value=value, attn_mask=attn_mask, is_causal=is_causal)
+            stages = module(query=query, key=key, value=value, **self._masks(case))
         return {name: to_numpy(t) for name, t in stages.items()}
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``torch.autograd`` through SDPA's own backward: the projections'
+        and the head outputs' gradients through ``retain_grad`` (SDPA exposes no d_scores, d_attn_weights)."""
+        module, masks = self._module(case), self._masks(case)
+
+        def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+            return module(query=query, key=key, value=value, **masks)
+
+        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)

@@ -69,7 +69,7 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
         spec=golden.spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
         inputs={k: _slice_input(k, v, b, t0, t1) for k, v in golden.inputs.items()},
         weights=golden.weights,
-        stages={k: _slice_stage(k, v, b, t0, t1) for k, v in golden.stages.items()},
+        stages={k: _slice_stage(k, v, b, t0, t1) for k, v in golden.stages.items() if k in ROW_AXIS},  # forward
         visible=golden.visible[b : b + 1, :, t0:t1],
         path=golden.path,
         reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},

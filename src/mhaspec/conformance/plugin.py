@@ -1,6 +1,6 @@
 """pytest plugin (registered through the ``pytest11`` entry point).
 
-    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--junitxml=out.xml]
+    pytest --pyargs mhaspec.conformance --mha-adapter=ADAPTER [--mha-dtype=float16] [--mha-backward] [--junitxml=out.xml]
 
 gives one test per case × dtype × stage, id ``CASE-DTYPE-STAGE``: ``pass``
 passes, ``fail`` fails with the figures, ``not exposed`` and ``unsupported``
@@ -9,7 +9,10 @@ reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
 reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
 CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
 or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
-runs it in the pytest process, for debugging).  Importing this plugin imports
+runs it in the pytest process, for debugging).  ``--mha-catalog FILE.json``
+judges your own cases, computed on the fly (as ``mhaspec run --catalog``).
+With pytest-xdist (``-n auto``) each xdist worker judges its share through its
+own session: the same verdicts, on every core.  Importing this plugin imports
 no framework.
 """
 
@@ -27,7 +30,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mha-dtype", action="append", default=None, metavar="DTYPE",
                     help="dtype(s) to run (repeat or comma-separate; default all four)")
     group.addoption("--mha-golden", default=None, metavar="DIR", help="golden folder (default: the shipped fixtures)")
+    group.addoption("--mha-catalog", default=None, metavar="FILE.json",
+                    help="your own cases, computed on the fly by the fast reference (as `mhaspec run --catalog`)")
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
+    group.addoption("--mha-backward", action="store_true", default=False,
+                    help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
     group.addoption("--mha-timeout", default=None,
                     help="per case × dtype timeout in seconds (default 60; 0 = none); the worker is killed")
     group.addoption("--mha-no-isolate", action="store_true", default=False,
@@ -51,11 +58,19 @@ def _session(config: pytest.Config) -> Any:
         dtypes = config.getoption("--mha-dtype")
         timeout = config.getoption("--mha-timeout")
         try:
+            golden = config.getoption("--mha-golden")
+            if config.getoption("--mha-catalog"):
+                if golden:
+                    raise MhaspecError("--mha-catalog and --mha-golden: give one of them")
+                from ..reference.onthefly import OnTheFlyGolden
+
+                golden = OnTheFlyGolden(config.getoption("--mha-catalog"))
             state.session = Session(
                 config.getoption("--mha-adapter") or "numpy",
-                golden=config.getoption("--mha-golden"),
+                golden=golden,
                 timeout=validate_timeout(DEFAULT_TIMEOUT if timeout is None else timeout, "--mha-timeout"),
                 isolate=not config.getoption("--mha-no-isolate"),
+                backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
                 precision=config.getoption("--mha-precision"),
             )
@@ -98,12 +113,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from ..spec import STAGES
 
     session = _session(metafunc.config)
-    params = [
-        (case_id, dtype, stage)
-        for case_id in session.golden.ids()
-        for dtype in _state(metafunc.config).dtypes
-        for stage in STAGES
-    ]
+    params = []
+    for case_id in session.golden.ids():
+        stages = list(STAGES)
+        if session.backward:
+            from .backward import case_backward_stages
+
+            stages += case_backward_stages(session.golden.load(case_id))
+        params += [(case_id, dtype, stage) for dtype in _state(metafunc.config).dtypes for stage in stages]
     metafunc.parametrize("mha_stage", params, ids=[f"{c}-{d}-{s}" for c, d, s in params])
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..spec import SPEC_VERSION, STAGES
+from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
 
 REPORT_VERSION = 1
@@ -109,6 +109,7 @@ class Report:
     results: list[CaseResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    backward: bool = False  # the backward stages were judged too (--backward)
     partial: bool = False  # the run was cut short (Ctrl-C, a fatal problem): not a verdict
     partial_reason: str = ""
     partial_exit_code: int = 2  # the exit code of a partial run (130 when interrupted)
@@ -331,7 +332,8 @@ class Report:
             },
             "golden": self.golden,
             "dtypes": list(self.dtypes),
-            "stages": list(STAGES),
+            "backward": self.backward,
+            "stages": list(STAGES) + (list(BACKWARD_STAGES) if self.backward else []),
             "ok": self.ok,
             "exit_code": self.exit_code,
             "partial": self.partial,

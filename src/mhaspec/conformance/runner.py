@@ -14,13 +14,15 @@ import numpy as np
 from ..adapters import Deviation, load_adapter
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
-from ..spec import DTYPES, STAGES
+from ..spec import BACKWARD_STAGES, DTYPES, STAGES
+from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
                         worst_case_tolerances)
+from .tolerance_backward import backward_tolerances
 from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
@@ -76,13 +78,17 @@ def _combine_local(res: StageResult, local: StageResult) -> None:
 
 def _outside_blind_rows(golden: GoldenCase, stage: str):
     """Boolean selection (stage shape) of the elements *not* in a query row that sees no key,
-    or None for a stage without a query-row axis (the projections of key and value)."""
+    or None for a stage without a query-row axis (the projections of key and value); none
+    (all False) for a gradient without a query-row axis, to which every query row contributes."""
     blind = ~golden.visible.any(axis=-1)  # (B, H, T)
     shape = golden.stages[stage].shape
-    if stage in ("scores", "attn_weights", "head_outputs"):  # (B, H, T, ·)
-        return np.broadcast_to(~blind[..., None], shape)
-    if stage in ("concat", "output"):  # (B, T, ·)
+    if stage in ("scores", "attn_weights", "head_outputs", "d_head_outputs", "d_attn_weights", "d_scores"):
+        return np.broadcast_to(~blind[..., None], shape)  # (B, H, T, ·)
+    if stage in ("concat", "output", "d_concat", "d_q_proj") or (stage == "d_query" and golden.spec.inputs != "self"):
+        # (B, T, ·)
         return np.broadcast_to(~blind.any(axis=1)[..., None], shape)
+    if stage in BACKWARD_STAGES:  # every element of the other gradients sums over those rows
+        return np.zeros(shape, dtype=bool)
     return None
 
 
@@ -99,6 +105,7 @@ class Session:
         golden: str | Path | GoldenSet | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         precision: str = "standard",
+        backward: bool = False,
         *,
         isolate: bool = True,
         **options: Any,
@@ -106,6 +113,7 @@ class Session:
         if precision not in PRECISIONS:
             raise MhaspecError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         self.precision = precision
+        self.backward = backward  # also judge the adapter's backward(case) stages
         self.timeout = validate_timeout(timeout)
         self.isolate = bool(isolate)
         #: The adapter object, when it lives in this process (given as an object, or isolate=False).
@@ -129,7 +137,10 @@ class Session:
         self.deviations = [Deviation(**d) for d in info["deviations"]]
         self.dtypes = tuple(info["dtypes"])
         self._has_supports = bool(info["has_supports"])
+        self._has_backward = bool(info.get("has_backward"))
         self._timeouts = 0
+        self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
+        self._current: tuple[str, str] | None = None
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()
         self._results: dict[tuple[str, str], CaseResult] = {}
@@ -144,9 +155,30 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def plan(self, keys: Iterable[tuple[str, str]]) -> None:
+        """The (case, dtype) order in which :meth:`result` will be asked: the worker then computes the
+        next case while this process judges the current one.  Optional; any other order still works."""
+        keys = list(keys)
+        self._next = dict(zip(keys, [*keys[1:], None]))
+        if isinstance(self._worker, Worker):
+            self._worker.on_idle = self._send_ahead
+
+    def _send_ahead(self) -> None:
+        key = self._next.get(self._current) if self._current is not None else None
+        while key is not None and (key in self._results or key[1] not in self.dtypes):
+            key = self._next.get(key)
+        if key is None or self._timeouts >= MAX_TIMEOUTS or not isinstance(self._worker, Worker):
+            return
+        try:
+            golden = self.golden.load(key[0])
+        except FixtureError:
+            return  # reported when its turn comes
+        self._worker.prefetch(golden.case(key[1]), with_supports=self._has_supports)
+
     def result(self, case_id: str, dtype: str) -> CaseResult:
         """The (cached) verdict on one case in one dtype; a broken fixture is an error of that case only."""
         key = (case_id, dtype)
+        self._current = key
         if key not in self._results:
             try:
                 golden = self.golden.load(case_id)
@@ -199,6 +231,12 @@ class Session:
 
         # large cases are judged in blocks of query rows (memory-bounded); small ones in one block
         stages = judge_in_blocks(golden, returned, lambda g, r: self.judge_stages(g, dtype, r))
+        if self.backward:
+            more, error, backward_s = self._judge_backward(golden, case, dtype, returned)
+            adapter_s += backward_s
+            if error:
+                return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)
+            stages += more
         verdicts = {st.verdict for st in stages}
         if FAIL in verdicts:
             verdict = FAIL
@@ -278,6 +316,36 @@ class Session:
             f"for that bound to see; " + res.message
         )
 
+    def _judge_backward(
+        self, golden: GoldenCase, case: Any, dtype: str, forward: Mapping[str, Any]
+    ) -> tuple[list[StageResult], str, float]:
+        """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
+        if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
+            return judge_backward(None, golden, dtype), "", 0.0
+        start = time.perf_counter()
+        try:
+            returned, seconds = self._worker.backward(case, self.timeout)
+        except CaseTimeout as exc:
+            self._timeouts += 1
+            return [], str(exc), time.perf_counter() - start
+        except AdapterCrash as exc:
+            return [], str(exc), time.perf_counter() - start
+        error = contract_error(returned, golden)
+        if error:
+            return [], error, seconds
+        bounds = backward_tolerances(golden, dtype, precision=self.precision)
+        results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
+        for res in results:
+            if res.verdict == NOT_EXPOSED:
+                continue
+
+            def judge(selected: np.ndarray | None, stage: str = res.stage) -> StageResult:
+                return compare_stage(stage, returned[stage], golden.stages[stage], bounds[stage], dtype, selected)
+
+            visible = golden.visible if res.stage == "d_attn_weights" else None
+            self._apply_deviations(res, golden, dtype, visible, judge)
+        return results, "", seconds
+
     def _apply_deviations(
         self,
         res: StageResult,
@@ -307,7 +375,9 @@ class Session:
                 rest = judge(outside if visible is None else outside & visible)
                 if rest.verdict == FAIL:
                     continue  # it fails outside those rows too: a real failure
-                if rest.worst_ratio is None:  # every row sees no key: nothing outside them to compare
+                if rest.worst_ratio is None and rest.compared == 0 and res.stage in BACKWARD_STAGES:
+                    res.message += "; every element of this gradient sums over the query rows that see no key"
+                elif rest.worst_ratio is None:  # every row sees no key: nothing outside them to compare
                     res.message += "; every query row here sees no key"
                 else:
                     res.message += (f"; outside the query rows that see no key every element passes "
@@ -330,6 +400,9 @@ class Session:
     def report(self, results: list[CaseResult], dtypes: list[str], duration: float, **partial: Any) -> Report:
         """The report of ``results``; ``partial=True, partial_reason=...`` for a run cut short."""
         framework, version = self.framework
+        warnings = self.deviation_warnings()
+        if self.backward and not self._has_backward:
+            warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         return Report(
             adapter=self.name,
             framework=framework,
@@ -337,8 +410,9 @@ class Session:
             golden=str(self.golden.folder),
             dtypes=dtypes,
             results=results,
-            warnings=self.deviation_warnings(),
+            warnings=warnings,
             duration_s=duration,
+            backward=self.backward,
             **partial,
         )
 
@@ -375,6 +449,7 @@ def check(
     isolate: bool = True,
     progress: Callable[[CaseResult], None] | None = None,
     precision: str = "standard",
+    backward: bool = False,
     **options: Any,
 ) -> Report:
     """Run the conformance suite: every selected case × dtype × stage.
@@ -382,7 +457,8 @@ def check(
     ``adapter`` is an adapter object, a class, a built-in name, ``module:attr``,
     ``file.py:attr`` or a :class:`Session`; ``dtypes`` defaults to all four (those the adapter does
     not declare are reported unsupported); ``cases`` are exact case ids and
-    ``pattern`` a -k style filter.  Options such as ``device="cuda"`` go to the
+    ``pattern`` a -k style filter; ``backward=True`` also judges the adapter's
+    ``backward(case)`` stages (docs/backward.md).  Options such as ``device="cuda"`` go to the
     adapter's constructor.  The adapter runs in a worker process
     (``isolate=False``: in this process, for debugging); ``timeout`` is per
     case × dtype in seconds (None or 0: none).  Raises
@@ -394,12 +470,15 @@ def check(
     """
     start = time.perf_counter()
     own = not isinstance(adapter, Session)
-    session = (Session(adapter, golden=golden, timeout=timeout, precision=precision, isolate=isolate, **options)
+    session = (Session(adapter, golden=golden, timeout=timeout, precision=precision, backward=backward,
+                       isolate=isolate, **options)
                if own else adapter)
     try:
         wanted = resolve_dtypes(dtypes)
+        ids = select_cases(session.golden, cases, pattern)
+        session.plan((case_id, dtype) for case_id in ids for dtype in wanted)
         results = []
-        for case_id in select_cases(session.golden, cases, pattern):
+        for case_id in ids:
             for dtype in wanted:
                 res = session.result(case_id, dtype)
                 results.append(res)

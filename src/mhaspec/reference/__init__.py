@@ -1,5 +1,6 @@
 """The float64 reference that turns the spec into golden fixtures (imports ``spec`` only)."""
 
+from .backward import backward
 from .mha import (
     forward,
     merge_heads,
@@ -14,6 +15,7 @@ from .mha import (
 )
 
 __all__ = [
+    "backward",
     "forward",
     "merge_heads",
     "output_projection",

@@ -20,18 +20,25 @@ from ..fixtures import (
     write_folder_atomically,
 )
 from ..spec import CATALOG, MANIFEST_NAME, SPEC_VERSION, STAGES, Catalog, CaseSpec, Manifest, ManifestEntry
+from .backward import backward
 from .mha import forward, visibility
 
 
 def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
-    """Inputs, weights, every stage and the visibility of one case, by fixture tensor name."""
+    """Inputs, weights, every stage (forward and backward), ``d_output`` and the visibility
+    of one case, by fixture tensor name."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
     stages = forward(spec.config, inputs, weights)
+    visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
+    d_output = spec.make_d_output()
+    grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs)
     tensors = {f"input.{k}": v for k, v in inputs.items()}
     tensors.update({f"weight.{k}": v for k, v in weights.items()})
     tensors.update({f"stage.{k}": stages[k] for k in STAGES})
-    tensors["visible"] = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
+    tensors["grad.d_output"] = d_output
+    tensors.update({f"stage.{k}": v for k, v in grads.items()})
+    tensors["visible"] = visible
     return tensors
 
 

@@ -3,12 +3,24 @@
 Imports only numpy and pydantic.
 """
 
+from .backward import (
+    BACKWARD_STAGES,
+    FOLDED_IN_SELF_ATTENTION,
+    INPUT_GRADIENTS,
+    backward_stage_shapes,
+    make_d_output,
+)
 from .case import Case, CaseSpec, Dtype, Inputs, MaskSpec, Weights
 from .catalog import CATALOG, Catalog, load_catalog_file
 from .config import DTYPES, INPUT_NAMES, STAGES, WEIGHT_NAMES, MHAConfig
 from .manifest import MANIFEST_NAME, SPEC_VERSION, Manifest, ManifestEntry
 
 __all__ = [
+    "BACKWARD_STAGES",
+    "FOLDED_IN_SELF_ATTENTION",
+    "INPUT_GRADIENTS",
+    "backward_stage_shapes",
+    "make_d_output",
     "CATALOG",
     "DTYPES",
     "INPUT_NAMES",

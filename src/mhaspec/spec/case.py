@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .backward import make_d_output
 from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
 
@@ -139,6 +140,10 @@ class CaseSpec(BaseModel):
             out[name] = dyadic_tensor(f"{self.seed}/{name}", shape, exponent)
         return out
 
+    def make_d_output(self) -> np.ndarray:
+        """The upstream gradient for the backward stages: (B, T, d_out), dyadic like the inputs."""
+        return make_d_output(self.seed, self.batch, self.tgt_len, self.config)
+
     def case(self, dtype: str = "float64") -> Case:
         """The adapter-facing case for ``dtype``."""
         return Case.build(self, dtype)
@@ -190,7 +195,9 @@ class Case(BaseModel):
     ``config`` has every size resolved; ``dtype`` is the precision to compute
     in.  ``self_attention``: query, key and value are one tensor;
     ``key_is_value``: key and value are one tensor (true also in self-attention).
-    There is no way to reach the golden stages from here.
+    ``d_output`` (B, T, d_out) is the upstream gradient for an adapter's
+    ``backward(case)`` (docs/backward.md).  There is no way to reach the
+    golden stages from here.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -205,6 +212,7 @@ class Case(BaseModel):
     key_is_value: bool = False
     inputs: Inputs
     weights: Weights
+    d_output: np.ndarray | None = None
 
     @property
     def B(self) -> int:
@@ -230,6 +238,11 @@ class Case(BaseModel):
             got = getattr(self.inputs, name).shape
             if got != shape:
                 raise ValueError(f"inputs.{name}: expected shape (B, L, F) = {shape}, got {got}")
+        if self.d_output is not None and self.d_output.shape != (self.batch, self.tgt_len, cfg.d_out):
+            raise ValueError(
+                f"d_output: expected shape (B, T, d_out) = {(self.batch, self.tgt_len, cfg.d_out)}, "
+                f"got {self.d_output.shape}"
+            )
         mask = self.inputs.mask
         if mask is not None:
             full = (self.batch, cfg.H, self.tgt_len, self.src_len)
@@ -264,6 +277,7 @@ class Case(BaseModel):
         weights: dict[str, Any],
         self_attention: bool = False,
         key_is_value: bool = False,
+        d_output: Any = None,
     ) -> Case:
         """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``).
 
@@ -291,6 +305,7 @@ class Case(BaseModel):
             key_is_value=self_attention or key_is_value,
             inputs=Inputs(query=query, key=key, value=value, mask=mask),
             weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
+            d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
         )
 
     @classmethod
@@ -300,10 +315,12 @@ class Case(BaseModel):
 
     @classmethod
     def from_spec(
-        cls, spec: CaseSpec, dtype: str, inputs: dict[str, Any], weights: dict[str, Any]
+        cls, spec: CaseSpec, dtype: str, inputs: dict[str, Any], weights: dict[str, Any], d_output: Any = None
     ) -> Case:
-        """The case of a catalog entry from its (already made or loaded) arrays."""
+        """The case of a catalog entry from its (already made or loaded) arrays; ``d_output``
+        defaults to the one the spec makes."""
         return cls.from_arrays(
             spec.id, spec.config, dtype, inputs, weights,
             self_attention=spec.inputs == "self", key_is_value=spec.inputs == "shared_kv",
+            d_output=spec.make_d_output() if d_output is None else d_output,
         )

@@ -10,7 +10,7 @@ from .case import CaseSpec
 
 #: Version of the specification the fixtures encode.  Bump it when the
 #: semantics, the catalog or the fixture layout change.
-SPEC_VERSION = "1.0"
+SPEC_VERSION = "1.1"
 
 MANIFEST_NAME = "manifest.json"
 

@@ -1,0 +1,144 @@
+"""Judging an adapter's backward stages (``mhaspec run ADAPTER --backward``).
+
+An adapter opts in with ``backward(case) -> {stage: array}``; ``case.d_output``
+is the upstream gradient.  The runner calls it after ``run(case)`` and judges
+the returned stages here, in :data:`mhaspec.spec.BACKWARD_STAGES` order, after
+the forward stages — so the first failing stage of a case may be a backward
+stage.  The contract is in docs/backward.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..fixtures import GoldenCase
+from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES
+from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
+from .tolerance_backward import backward_tolerances, local_checks
+
+NO_BACKWARD = "the adapter has no backward(case) method"
+
+SELF_ATTENTION_NOTE = (
+    "in a self-attention case d_query is the gradient with respect to the one input tensor: "
+    "the sum of the query, key and value gradients"
+)
+SHARED_KV_NOTE = "with key and value one tensor, d_key is its gradient: the sum of the key and value gradients"
+
+
+def case_backward_stages(golden: GoldenCase) -> list[str]:
+    """The backward stages this case has (no d_b_* without bias; no d_key/d_value in self-attention)."""
+    return [s for s in BACKWARD_STAGES if s in golden.stages]
+
+
+def contract_error(returned: Any, golden: GoldenCase) -> str:
+    """Why ``returned`` breaks the backward contract ("" when it does not)."""
+    if not isinstance(returned, Mapping):
+        return f"backward() returned {type(returned).__name__}, expected a mapping of stage name to array"
+    names = [str(k) for k in returned]
+    forward = [n for n in names if n in STAGES]
+    if forward:
+        return f"backward() returned forward stage(s) {', '.join(forward)}; return them from run()"
+    unknown = [n for n in names if n not in BACKWARD_STAGES]
+    if unknown:
+        return f"backward() returned unknown stage(s) {', '.join(unknown)}; backward stages are {', '.join(BACKWARD_STAGES)}"
+    folded = [n for n in names if n in ("d_key", "d_value") and n not in INPUT_GRADIENTS[golden.spec.inputs]]
+    if folded and golden.spec.inputs == "self":
+        return (f"backward() returned {', '.join(folded)} for self-attention case {golden.id}: "
+                f"{SELF_ATTENTION_NOTE}, reported as d_query alone")
+    if folded:
+        return (f"backward() returned d_value for case {golden.id}, whose key and value are one tensor: "
+                f"{SHARED_KV_NOTE}, reported as d_key alone")
+    absent = [n for n in names if n not in golden.stages]
+    if absent:
+        return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have (no bias)"
+    if not names:
+        return "backward() returned no stage"
+    return ""
+
+
+def judge_backward(
+    returned: Mapping[str, Any] | None,
+    golden: GoldenCase,
+    dtype: str,
+    tolerances: dict[str, np.ndarray] | None = None,
+    why_not: str = NO_BACKWARD,
+    forward: Mapping[str, Any] | None = None,
+    precision: str = "standard",
+) -> list[StageResult]:
+    """One verdict per backward stage of the case; ``returned`` None: every stage not exposed (``why_not``).
+
+    ``tolerances``: the backward bounds (default: :func:`backward_tolerances` under ``precision``).
+    Each stage is judged against the golden and, where the adapter returned
+    what it is computed from (``forward``: the stages ``run`` returned), locally
+    against the float64 recomputation from the adapter's own stages; either
+    failing fails the stage.  A stage the golden check cannot resolve (a zero
+    result would pass) is ``uninformative`` unless its local check passes.
+    """
+    names = case_backward_stages(golden)
+    if returned is None:
+        return [StageResult(s, NOT_EXPOSED, message=why_not) for s in names]
+    if tolerances is None:
+        tolerances = backward_tolerances(golden, dtype, precision=precision)
+    checks = local_checks(golden, dtype, own_stages(golden, forward or {}, returned), precision=precision)
+    out = []
+    for stage in names:
+        if stage not in returned:
+            out.append(StageResult(stage, NOT_EXPOSED))
+            continue
+        visible = golden.visible if stage == "d_attn_weights" else None  # masked dP is not compared
+        res = _resolved(compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, visible),
+                        golden, tolerances[stage])
+        local = checks.get(stage)
+        if local is not None:
+            lres = compare_stage(stage, returned[stage], local[0], local[1], dtype, visible, value_checks=False)
+            _merge_local(res, _resolved(lres, golden, local[1]), local[2])
+        if res.verdict == FAIL and not res.failed_check:
+            res.failed_check = "golden"
+        if res.verdict == FAIL and stage == "d_query" and golden.spec.inputs == "self":
+            res.message += f" ({SELF_ATTENTION_NOTE})"
+        if res.verdict == FAIL and stage == "d_key" and golden.spec.inputs == "shared_kv":
+            res.message += f" ({SHARED_KV_NOTE})"
+        out.append(res)
+    return out
+
+
+def _resolved(res: StageResult, golden: GoldenCase, tolerance: np.ndarray) -> StageResult:
+    """``d_b_k`` is exactly 0 (a key bias shifts a whole score row, which softmax ignores), so a zero
+    result always "passes": it is informative when it would catch the column sums of |d_k_proj|
+    that a bug in the reduction leaves."""
+    if res.stage == "d_b_k" and res.verdict == UNINFORMATIVE:
+        if np.any(np.abs(golden.stages["d_k_proj"]).sum(axis=(0, 1)) > tolerance):
+            res.verdict, res.message = PASS, ""
+    return res
+
+
+def own_stages(golden: GoldenCase, *returned: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The adapter's returned stages as float64 arrays, those with the canonical shape and finite values only."""
+    out = {}
+    for mapping in returned:
+        for name, value in mapping.items():
+            ref = golden.stages.get(name)
+            arr, _ = as_float_array(value)
+            if ref is not None and arr is not None and arr.shape == ref.shape and np.isfinite(arr).all():
+                out[name] = arr
+    return out
+
+
+def _merge_local(res: StageResult, local: StageResult, sources: tuple[str, ...]) -> None:
+    """Fold the local check into the golden check's result: the stage fails if either fails."""
+    res.local_worst_ratio = local.worst_ratio
+    golden_failed = res.verdict == FAIL
+    if local.verdict == FAIL:
+        text = f"local check (recomputed from its own {' and '.join(sources)}): {local.message}"
+        res.message = f"{res.message}; {text}" if golden_failed else text
+        res.failed_check = "golden+local" if golden_failed else "local"
+        res.verdict = FAIL
+    elif golden_failed:
+        res.failed_check = "golden"
+    elif res.verdict == UNINFORMATIVE and local.verdict == PASS:
+        res.verdict = PASS
+        res.message = ("the golden check cannot resolve this stage in this dtype (a zero result would pass); "
+                       f"the local check from its own {' and '.join(sources)} passes")

@@ -1,0 +1,320 @@
+"""Element-wise tolerances of the backward stages: the forward's running error
+bound, carried on through the backward pass (docs/backward.md derives it).
+
+Each backward stage's bound = **propagated** (its inputs — forward stages and
+earlier backward stages, computed in the same dtype — are already off by
+their own bounds, taken at their full size) + **own rounding** ``ρ(n)·Σ|aᵢ·bᵢ|``
+for a length-n sum of products, which holds for every summation order and
+blocking, and for sums split over a GQA group or over self-attention's three
+input gradients.  Under the two precision contracts of docs/tolerances.md:
+
+* ``"standard"``: results stored in the dtype, sums in float32 or wider:
+  ``ρ(n) = γ_acc(n + k) + 3u`` (the accumulation, the storage of both operands —
+  an implementation may have used them unrounded — and of the result);
+* ``"worst-case"``: accumulation in the dtype itself: ``ρ(n) = γ_u(n + k)``.
+
+The forward bounds come from :mod:`mhaspec.conformance.tolerance` (the same contract).
+
+Where a correct implementation may take one of two routes, the bound is the
+larger of the two: the softmax-Jacobian row term δ = Σ_S P ⊙ dP may be computed
+as written, or FlashAttention's way as Σ_E dO ⊙ O (equal in exact arithmetic).
+
+Masked ``d_scores`` entries get no tolerance: they must be exactly 0.
+Shapes as in :mod:`mhaspec.spec.backward`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from typing import NamedTuple
+
+from ..fixtures import GoldenCase
+from ..spec import INPUT_GRADIENTS
+from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .tolerance import PRECISIONS, gamma, stage_tolerances, worst_case_tolerances
+
+
+class _Rounding(NamedTuple):
+    """Rounding facts of one dtype under one precision contract."""
+
+    u: float  # unit roundoff of the dtype: one stored result
+    acc: float  # of the accumulator (float32 for 16-bit dtypes under the standard contract)
+    store: float  # storage roundings counted on top of the accumulation (3 standard, 0 worst-case)
+    k: int  # extra roundings inside a sum (bias add, scale, golden's own)
+
+    def rel(self, n: int | np.ndarray) -> np.ndarray:
+        """ρ(n): relative bound of a length-n sum of products, its storage included."""
+        return gamma(np.asarray(n) + self.k, self.acc) + self.store * self.u
+
+
+def _rounding(dtype: str, precision: str, table: ToleranceTable) -> _Rounding:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    u = table.dtypes[dtype].unit_roundoff
+    if precision == "worst-case":
+        return _Rounding(u, u, 0.0, table.extra_ops)
+    return _Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops)
+
+
+def _heads(x: np.ndarray, heads: int, group: int = 1) -> np.ndarray:
+    """(B, L, heads·F) -> (B, heads·group, L, F), each head repeated ``group`` times (GQA)."""
+    B, L, F = x.shape
+    return np.repeat(x.reshape(B, L, heads, F // heads).transpose(0, 2, 1, 3), group, axis=1)
+
+
+def _merge(x: np.ndarray) -> np.ndarray:
+    """(B, heads, L, F) -> (B, L, heads·F)."""
+    B, n, L, F = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, n * F)
+
+
+def _grouped_t(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, F, group·T): a group's query heads stacked along the summed axis."""
+    B, H, T, F = x.shape
+    return np.swapaxes(x.reshape(B, kv_heads, (H // kv_heads) * T, F), -1, -2)
+
+
+def _grouped(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, group·T, F)."""
+    B, H, T, F = x.shape
+    return x.reshape(B, kv_heads, (H // kv_heads) * T, F)
+
+
+def _product_bound(a: np.ndarray, e_a: np.ndarray, b: np.ndarray, e_b: np.ndarray,
+                   n: int, r: _Rounding) -> np.ndarray:
+    """Bound of ``a @ b`` when |a|, |b| are off by e_a, e_b: propagated + ρ(n)·(|a|+e_a)(|b|+e_b)."""
+    hi = (a + e_a) @ (b + e_b)
+    return (hi - a @ b) + r.rel(n) * hi
+
+
+def _sum_bound(d: np.ndarray, e_d: np.ndarray, r: _Rounding) -> np.ndarray:
+    """Bound of Σ over B and L of ``d`` (B, L, N) off by e_d: Σ e_d + ρ(B·L)·Σ(|d| + e_d)."""
+    rows = d.shape[0] * d.shape[1]
+    return e_d.sum(axis=(0, 1)) + r.rel(rows) * (d + e_d).sum(axis=(0, 1))
+
+
+def backward_tolerances(
+    golden: GoldenCase,
+    dtype: str,
+    forward: dict[str, np.ndarray] | None = None,
+    table: ToleranceTable = DEFAULT_TOLERANCES,
+    precision: str = "standard",
+) -> dict[str, np.ndarray]:
+    """The allowed absolute error of every element of every backward stage of ``golden`` in ``dtype``.
+
+    ``forward`` are the forward stages' element-wise bounds under the same ``precision``
+    contract (default: computed here).
+    """
+    rule = table.dtypes[dtype]
+    r = _rounding(dtype, precision, table)
+    if forward is None:
+        forward = (worst_case_tolerances(golden, dtype, table) if precision == "worst-case"
+                   else stage_tolerances(golden, dtype, table, precision))
+    fw = forward
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    visible = golden.visible
+    S, D, E = golden.spec.src_len, cfg.D_k, cfg.D_v
+    A = np.abs
+    assert golden.d_output is not None
+    dY = A(golden.d_output)  # exact in every dtype
+
+    # 1. d_concat = d_output @ w_oᵀ: exact operands, only local rounding; d_head_outputs is a relabelling.
+    e_dc = r.rel(cfg.d_out) * (dY @ A(w["w_o"]).T)
+    e_dO = _heads(e_dc, H)
+    dO = A(g["d_head_outputs"])
+
+    # 2. d_attn_weights = dO Vᵀ (V off by the forward's E_v).
+    V, e_V = A(_heads(g["v_proj"], G, group)), _heads(fw["v_proj"], G, group)
+    e_dP = _product_bound(dO, e_dO, np.swapaxes(V, -1, -2), np.swapaxes(e_V, -1, -2), E, r)
+
+    # 3. d_scores = P ⊙ (dP − δ).  δ either as Σ_S P·dP or as Σ_E dO·O: the larger bound.
+    P, e_P = g["attn_weights"], np.where(visible, fw["attn_weights"], 0.0)
+    dP = A(g["d_attn_weights"])
+    O, e_O = A(g["head_outputs"]), fw["head_outputs"]
+    e_delta_p = (e_P * dP + (P + e_P) * e_dP).sum(-1, keepdims=True) \
+        + r.rel(S) * ((P + e_P) * (dP + e_dP)).sum(-1, keepdims=True)
+    e_delta_o = (e_dO * O + (dO + e_dO) * e_O).sum(-1, keepdims=True) \
+        + r.rel(E) * ((dO + e_dO) * (O + e_O)).sum(-1, keepdims=True)
+    e_delta = np.maximum(e_delta_p, e_delta_o)  # (B, H, T, 1)
+    delta = A((P * g["d_attn_weights"]).sum(-1, keepdims=True))
+    diff = A(g["d_attn_weights"] - (P * g["d_attn_weights"]).sum(-1, keepdims=True))
+    e_diff = e_dP + e_delta
+    # product P·(dP − δ), or P·dP − P·δ expanded: local rounding on the larger magnitudes
+    e_dS = e_P * (diff + e_diff) + P * e_diff + r.rel(0) * (P + e_P) * (dP + e_dP + delta + e_delta)
+    e_dS = np.where(visible, e_dS, 0.0)
+
+    # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
+    dS = A(g["d_scores"])
+    K, e_K = A(_heads(g["k_proj"], G, group)), _heads(fw["k_proj"], G, group)
+    Q, e_Q = A(_heads(g["q_proj"], H)), _heads(fw["q_proj"], H)
+    n_group = group * golden.spec.tgt_len
+    e_dq = _merge(scale * _product_bound(dS, e_dS, K, e_K, S, r))
+    e_dk = _merge(scale * _product_bound(_grouped_t(dS, G), _grouped_t(e_dS, G), _grouped(Q, G), _grouped(e_Q, G),
+                                         n_group, r))
+    e_dv = _merge(_product_bound(_grouped_t(P, G), _grouped_t(e_P, G), _grouped(dO, G), _grouped(e_dO, G),
+                                 n_group, r))
+    bounds = {
+        "d_concat": e_dc, "d_head_outputs": e_dO, "d_attn_weights": e_dP, "d_scores": e_dS,
+        "d_q_proj": e_dq, "d_k_proj": e_dk, "d_v_proj": e_dv,
+    }
+
+    # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
+    d_y = {"q": A(g["d_q_proj"]), "k": A(g["d_k_proj"]), "v": A(g["d_v_proj"]), "o": dY}
+    e_y = {"q": e_dq, "k": e_dk, "v": e_dv, "o": np.zeros_like(dY)}
+
+    def input_bound(names: str) -> np.ndarray:
+        n = sum(w[f"w_{x}"].shape[1] for x in names)
+        prop = sum(e_y[x] @ A(w[f"w_{x}"]).T for x in names)
+        hi = sum((d_y[x] + e_y[x]) @ A(w[f"w_{x}"]).T for x in names)
+        return prop + r.rel(n) * hi
+
+    for name, sums in INPUT_GRADIENTS[golden.spec.inputs].items():
+        bounds[name] = input_bound(sums)
+
+    # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, is off by the forward's E_c),
+    #    bias gradients Σ d_y.
+    x = {"q": A(golden.inputs["query"]), "k": A(golden.inputs["key"]), "v": A(golden.inputs["value"]),
+         "o": A(g["concat"])}
+    e_x = {"q": 0.0, "k": 0.0, "v": 0.0, "o": fw["concat"]}
+    for n in "qkvo":
+        rows = x[n].shape[0] * x[n].shape[1]
+        ex = np.broadcast_to(e_x[n], x[n].shape).reshape(rows, -1)
+        xf = x[n].reshape(rows, -1)
+        dyf, eyf = d_y[n].reshape(rows, -1), e_y[n].reshape(rows, -1)
+        bounds[f"d_w_{n}"] = _product_bound(xf.T, ex.T, dyf, eyf, rows, r)
+        if cfg.bias:
+            bounds[f"d_b_{n}"] = _sum_bound(d_y[n], e_y[n], r)
+
+    floor = rule.floor
+    out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in bounds.items() if name in g}
+    out["d_scores"] = np.where(visible, out["d_scores"], 0.0)  # masked: exactly 0
+    return out
+
+
+# -- local checks -----------------------------------------------------------------------------------
+#
+# Each backward stage is also judged against the float64 recomputation from the adapter's *own*
+# previous stages (forward and backward), with only that stage's own rounding as tolerance: in
+# float16 and bfloat16 the propagated golden bound grows wide, the local one does not, so a wrong
+# formula is caught at its own stage in every dtype.
+
+
+def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: _Rounding) -> np.ndarray:
+    """How far a correct backward's P may be from the forward's returned P, element-wise.
+
+    A backward may reuse the returned weights or recompute them (FlashAttention:
+    exp(s − logsumexp)); each is within the softmax's own rounding of the exact
+    softmax of the scores — γ_acc(S + k) + u_acc·(|s_j| + max|s|) relative
+    (docs/tolerances.md) — so the two are within twice that; under the standard
+    contract, plus the storage of P and of the scores it came from (u·(2 + |s_j| + max|s|)).
+    """
+    S = P.shape[-1]
+    row_max = np.max(np.where(visible, s_abs, 0.0), axis=-1, keepdims=True)
+    rel = 2 * (gamma(S + r.k, r.acc) + r.acc * (s_abs + row_max))
+    if r.store:
+        rel = rel + r.u * (2 + s_abs + row_max)
+    return np.where(visible, P * rel, 0.0)
+
+
+def local_checks(
+    golden: GoldenCase,
+    dtype: str,
+    own: dict[str, np.ndarray],
+    table: ToleranceTable = DEFAULT_TOLERANCES,
+    precision: str = "standard",
+) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
+    """``{stage: (float64 recomputation, tolerance, the adapter's stages it came from)}``.
+
+    ``own`` holds the adapter's returned stages (forward and backward) as float64
+    arrays of the canonical shapes; a check whose sources are not all there is left out.
+    """
+    floor = table.dtypes[dtype].floor
+    r = _rounding(dtype, precision, table)
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    S, E, T = golden.spec.src_len, cfg.D_v, golden.spec.tgt_len
+    visible = golden.visible
+    A = np.abs
+    assert golden.d_output is not None
+    dY = golden.d_output
+
+    def has(*names: str) -> bool:
+        return all(n in own for n in names)
+
+    out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
+    if has("d_concat"):
+        x = _heads(own["d_concat"], H)
+        out["d_head_outputs"] = (x, r.rel(0) * A(x) + floor, ("d_concat",))
+    if has("d_head_outputs", "v_proj"):
+        dO, V = own["d_head_outputs"], _heads(own["v_proj"], G, group)
+        Vt = np.swapaxes(V, -1, -2)
+        out["d_attn_weights"] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor, ("d_head_outputs", "v_proj"))
+    s_abs = A(own["scores"]) if "scores" in own else A(g["scores"])  # magnitudes only
+    if has("attn_weights", "d_attn_weights"):
+        P, dP = np.where(visible, own["attn_weights"], 0.0), np.where(visible, own["d_attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        dO = A(own["d_head_outputs"]) if "d_head_outputs" in own else A(g["d_head_outputs"])
+        V = A(_heads(own["v_proj"] if "v_proj" in own else g["v_proj"], G, group))
+        O = A(own["head_outputs"]) if "head_outputs" in own else A(P) @ V
+        delta = (P * dP).sum(-1, keepdims=True)
+        e_route_p = (e_P * A(dP)).sum(-1, keepdims=True) + r.rel(S) * ((A(P) + e_P) * A(dP)).sum(-1, keepdims=True)
+        e_route_o = (dO * (r.rel(S) * ((A(P) + e_P) @ V))).sum(-1, keepdims=True) \
+            + (A(P) * (r.rel(E) * (dO @ np.swapaxes(V, -1, -2)))).sum(-1, keepdims=True) \
+            + r.rel(E) * (dO * O).sum(-1, keepdims=True) + e_route_p
+        e_delta = np.maximum(e_route_p, e_route_o)
+        dS = P * (dP - delta)
+        tol = e_P * (A(dP - delta) + e_delta) + A(P) * e_delta \
+            + r.rel(0) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
+        out["d_scores"] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
+                           ("attn_weights", "d_attn_weights"))
+    if has("d_scores", "k_proj"):
+        dS, K = own["d_scores"], _heads(own["k_proj"], G, group)
+        out["d_q_proj"] = (_merge(scale * (dS @ K)), _merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
+                           ("d_scores", "k_proj"))
+    n_group = group * T
+    if has("d_scores", "q_proj"):
+        dSg, Qg = _grouped_t(own["d_scores"], G), _grouped(_heads(own["q_proj"], H), G)
+        out["d_k_proj"] = (_merge(scale * (dSg @ Qg)), _merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor,
+                           ("d_scores", "q_proj"))
+    if has("attn_weights", "d_head_outputs"):
+        P = np.where(visible, own["attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        Pg, ePg, dOg = _grouped_t(P, G), _grouped_t(e_P, G), _grouped(own["d_head_outputs"], G)
+        tol = ePg @ A(dOg) + r.rel(n_group) * ((A(Pg) + ePg) @ A(dOg))
+        out["d_v_proj"] = (_merge(Pg @ dOg), _merge(tol) + floor, ("attn_weights", "d_head_outputs"))
+
+    def input_check(names: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
+        srcs = tuple(f"d_{x}_proj" for x in names)
+        if not has(*srcs):
+            return None
+        n = sum(w[f"w_{x}"].shape[1] for x in names)
+        val = sum(own[f"d_{x}_proj"] @ w[f"w_{x}"].T for x in names)
+        mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
+        return val, r.rel(n) * mag + floor, srcs
+
+    targets = INPUT_GRADIENTS[golden.spec.inputs]
+    for stage, names in targets.items():
+        check = input_check(names)
+        if check is not None:
+            out[stage] = check
+    x = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"]}
+    for n in "qkvo":
+        src = "concat" if n == "o" else f"d_{n}_proj"
+        if n == "o":
+            if not has("concat"):
+                continue
+            xs, dy = own["concat"], dY
+        else:
+            if not has(src):
+                continue
+            xs, dy = x[n], own[src]
+        rows = xs.shape[0] * xs.shape[1]
+        xf, df = xs.reshape(rows, -1), dy.reshape(rows, -1)
+        out[f"d_w_{n}"] = (xf.T @ df, r.rel(rows) * (A(xf).T @ A(df)) + floor, (src,))
+        if cfg.bias and n != "o":
+            out[f"d_b_{n}"] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
+    return {s: v for s, v in out.items() if s in g}

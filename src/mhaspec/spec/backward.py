@@ -1,0 +1,105 @@
+"""The backward pass: the upstream gradient ``d_output`` and the backward stages
+(DESIGN.md §8; the contract is written up in docs/backward.md).
+
+The loss is ``L = Σ d_output ⊙ output``, so every stage ``d_X`` is ∂L/∂X.
+Stages in reverse pipeline order, then the gradients a framework gives the
+user (inputs, then weights, then biases)::
+
+    d_concat        (B, T, H·E)       d_output @ w_oᵀ
+    d_head_outputs  (B, H, T, E)      d_concat split into heads
+    d_attn_weights  (B, H, T, S)      d_head_outputs @ V_g(h)ᵀ          (masked entries: not compared)
+    d_scores        (B, H, T, S)      P ⊙ (d_attn_weights − Σ_S P ⊙ d_attn_weights)   (masked: exactly 0)
+    d_q_proj        (B, T, H·D)       scale · d_scores @ K_g(h), heads merged
+    d_k_proj        (B, S, G·D)       scale · Σ_{h in group g} d_scoresᵀ @ Q_h
+    d_v_proj        (B, S, G·E)       Σ_{h in group g} attn_weightsᵀ @ d_head_outputs
+    d_query         (B, T, d_model)   d_q_proj @ w_qᵀ   (self-attention: + d_k_proj @ w_kᵀ + d_v_proj @ w_vᵀ)
+    d_key           (B, S, kdim)      d_k_proj @ w_kᵀ   (absent in self-attention cases)
+    d_value         (B, S, vdim)      d_v_proj @ w_vᵀ   (absent in self-attention cases)
+    d_w_q … d_w_o   weight shapes     xᵀ @ d_y summed over B and L
+    d_b_q … d_b_o   bias shapes       d_y summed over B and L  (absent without bias)
+
+Self-attention (``inputs="self"``): query, key and value are one tensor, so the
+gradient a framework gives is the sum of the three input gradients; the spec
+calls that sum ``d_query`` and has no ``d_key``/``d_value`` for such a case.
+Likewise ``inputs="shared_kv"`` (key = value, one memory tensor): ``d_key`` is
+the sum of the key and value gradients and there is no ``d_value``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import MHAConfig
+from .data import dyadic_tensor
+
+#: Backward stages in the order they are judged (the first failing one is where the bug is).
+BACKWARD_STAGES: tuple[str, ...] = (
+    "d_concat",
+    "d_head_outputs",
+    "d_attn_weights",
+    "d_scores",
+    "d_q_proj",
+    "d_k_proj",
+    "d_v_proj",
+    "d_query",
+    "d_key",
+    "d_value",
+    "d_w_q",
+    "d_w_k",
+    "d_w_v",
+    "d_w_o",
+    "d_b_q",
+    "d_b_k",
+    "d_b_v",
+    "d_b_o",
+)
+
+#: Input gradients that self-attention folds into ``d_query``.
+FOLDED_IN_SELF_ATTENTION: tuple[str, ...] = ("d_key", "d_value")
+
+#: For each kind of case inputs (``CaseSpec.inputs``): the input gradients it has, and the
+#: projections (q, k, v) whose gradients each one sums (one tensor passed twice gets the sum).
+INPUT_GRADIENTS: dict[str, dict[str, str]] = {
+    "distinct": {"d_query": "q", "d_key": "k", "d_value": "v"},
+    "shared_kv": {"d_query": "q", "d_key": "kv"},
+    "self": {"d_query": "qkv"},
+}
+
+#: ``d_output`` is ``k · 2^-D_OUTPUT_EXPONENT`` with |k| <= 64, like the inputs: exact in every dtype.
+D_OUTPUT_EXPONENT = 5
+
+
+def make_d_output(seed: int, batch: int, tgt_len: int, config: MHAConfig) -> np.ndarray:
+    """The upstream gradient of a case: (B, T, d_out), dyadic, from SHAKE-256 of ``"<seed>/d_output"``."""
+    return dyadic_tensor(f"{seed}/d_output", (batch, tgt_len, config.d_out), D_OUTPUT_EXPONENT)
+
+
+def backward_stage_shapes(
+    config: MHAConfig, batch: int, tgt_len: int, src_len: int, inputs: str = "distinct"
+) -> dict[str, tuple[int, ...]]:
+    """Canonical shape of every backward stage a case has, in :data:`BACKWARD_STAGES` order.
+
+    ``inputs`` is the case's kind of inputs (``"distinct"``, ``"shared_kv"``, ``"self"``).
+    Without bias there are no ``d_b_*``; a tensor passed as several inputs has one
+    gradient (:data:`INPUT_GRADIENTS`): self-attention has no ``d_key``/``d_value``,
+    shared key/value no ``d_value``.
+    """
+    B, T, S, H, G = batch, tgt_len, src_len, config.H, config.H_kv
+    D, E = config.D_k, config.D_v
+    shapes: dict[str, tuple[int, ...]] = {
+        "d_concat": (B, T, H * E),
+        "d_head_outputs": (B, H, T, E),
+        "d_attn_weights": (B, H, T, S),
+        "d_scores": (B, H, T, S),
+        "d_q_proj": (B, T, H * D),
+        "d_k_proj": (B, S, G * D),
+        "d_v_proj": (B, S, G * E),
+        "d_query": (B, T, config.d_model),
+        "d_key": (B, S, int(config.kdim)),  # type: ignore[arg-type]
+        "d_value": (B, S, int(config.vdim)),  # type: ignore[arg-type]
+    }
+    shapes.update({f"d_{name}": shape for name, shape in config.weight_shapes().items()})
+    for name in ("d_query", "d_key", "d_value"):
+        if name not in INPUT_GRADIENTS[inputs]:
+            del shapes[name]
+    return {name: shapes[name] for name in BACKWARD_STAGES if name in shapes}

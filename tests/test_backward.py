@@ -1,0 +1,309 @@
+"""Backward conformance: the spec's stages, the float64 reference against numerical
+differentiation, the contract (CLI, check, pytest plugin, JSON report), and the
+two-sided proof of the backward tolerances (correct variants pass, a kill list of
+realistic backward bugs fails at the right first stage in every dtype)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mhaspec
+from mhaspec.cli import main
+from mhaspec.conformance import ERROR, FAIL, NOT_EXPOSED, PASS
+from mhaspec.conformance.compare import UNINFORMATIVE
+from mhaspec.fixtures import GoldenSet
+from mhaspec.reference import backward as reference_backward
+from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, STAGES, MHAConfig, backward_stage_shapes
+
+from .backward_variants import BUGS, CORRECT, BackwardVariant
+
+GOLDEN = GoldenSet()
+
+
+# -- the spec -----------------------------------------------------------------------------------
+
+
+def test_backward_stage_shapes_follow_the_config():
+    cfg = MHAConfig(d_model=12, num_heads=4, num_kv_heads=2, kdim=5, vdim=7, head_dim=3, value_head_dim=11, out_dim=13)
+    shapes = backward_stage_shapes(cfg, batch=2, tgt_len=17, src_len=19)
+    assert list(shapes) == list(BACKWARD_STAGES)
+    assert shapes["d_concat"] == (2, 17, 44) and shapes["d_head_outputs"] == (2, 4, 17, 11)
+    assert shapes["d_attn_weights"] == shapes["d_scores"] == (2, 4, 17, 19)
+    assert shapes["d_q_proj"] == (2, 17, 12) and shapes["d_k_proj"] == (2, 19, 6) and shapes["d_v_proj"] == (2, 19, 22)
+    assert shapes["d_query"] == (2, 17, 12) and shapes["d_key"] == (2, 19, 5) and shapes["d_value"] == (2, 19, 7)
+    assert shapes["d_w_q"] == (12, 12) and shapes["d_w_k"] == (5, 6) and shapes["d_w_v"] == (7, 22)
+    assert shapes["d_w_o"] == (44, 13) and shapes["d_b_v"] == (22,) and shapes["d_b_o"] == (13,)
+
+
+def test_self_attention_folds_key_and_value_into_d_query_and_no_bias_has_no_bias_grads():
+    cfg = MHAConfig(d_model=6, num_heads=2, bias=False)
+    shapes = backward_stage_shapes(cfg, 1, 3, 3, inputs="self")
+    assert "d_key" not in shapes and "d_value" not in shapes and "d_query" in shapes
+    assert not [s for s in shapes if s.startswith("d_b_")]
+    shared = backward_stage_shapes(cfg, 1, 3, 4, inputs="shared_kv")
+    assert "d_key" in shared and "d_value" not in shared
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_d_output_is_exact_in_every_dtype(dtype):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cast = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    for spec in CATALOG:
+        d = spec.make_d_output()
+        assert d.shape == (spec.batch, spec.tgt_len, spec.config.d_out)
+        assert np.array_equal(d.astype(cast).astype(np.float64), d), spec.id
+        assert np.abs(d).max() > 0
+
+
+def test_case_carries_d_output_and_fixtures_the_backward_stages():
+    for golden in GOLDEN:
+        case = golden.case("float32")
+        assert np.array_equal(case.d_output, golden.spec.make_d_output())
+        expected = backward_stage_shapes(golden.spec.config, golden.spec.batch, golden.spec.tgt_len,
+                                         golden.spec.src_len, golden.spec.inputs)
+        assert {s: golden.stages[s].shape for s in expected} == expected
+        assert [s for s in golden.stages if s not in STAGES] == list(expected)
+
+
+def test_masked_positions_get_zero_gradient_and_rows_that_see_no_key_contribute_nothing():
+    for case_id in ("key_padding", "causal_square"):
+        g = GOLDEN.load(case_id)
+        assert (~g.visible).any() and np.all(g.stages["d_scores"][~g.visible] == 0), case_id
+    for case_id in ("custom_mask", "self_masked_rows", "causal_bottom_right_t_gt_s"):
+        g = GOLDEN.load(case_id)
+        assert np.all(g.stages["d_scores"][~g.visible] == 0)
+        assert np.all(g.stages["d_attn_weights"][~g.visible] == 0)
+        blind = ~g.visible.any(-1)  # (B, H, T)
+        assert blind.any(), case_id
+        assert np.all(g.stages["d_scores"][blind] == 0)
+        B, H, T = blind.shape
+        d_q = g.stages["d_q_proj"].reshape(B, T, H, -1)
+        assert np.all(d_q[blind.transpose(0, 2, 1)] == 0)
+
+
+def test_d_b_k_is_zero_up_to_rounding():
+    # A key bias shifts every score of a query row by the same amount: softmax ignores it.
+    for golden in GOLDEN:
+        if "d_b_k" in golden.stages:
+            scale = np.abs(golden.stages["d_k_proj"]).sum() + 1
+            assert np.abs(golden.stages["d_b_k"]).max() <= 1e-14 * scale, golden.id
+
+
+# -- the reference against numerical differentiation --------------------------------------------
+
+
+def _forward_with_taps(cfg, x, w, visible, taps):
+    """An independent float64 forward (einsum, no fsum) with an additive tap on every stage."""
+    H, G = cfg.H, cfg.H_kv
+    R = H // G
+
+    def lin(a, n):
+        return a @ w[f"w_{n}"] + (w[f"b_{n}"] if f"b_{n}" in w else 0)
+
+    q = lin(x["query"], "q") + taps["q_proj"]
+    k = lin(x["key"], "k") + taps["k_proj"]
+    v = lin(x["value"], "v") + taps["v_proj"]
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    Q = q.reshape(B, T, H, -1)
+    K = np.repeat(k.reshape(B, S, G, -1), R, axis=2)
+    V = np.repeat(v.reshape(B, S, G, -1), R, axis=2)
+    s = np.einsum("bthd,bshd->bhts", Q, K) * cfg.scale + taps["scores"]
+    z = np.where(visible, s, -np.inf)
+    m = np.max(z, -1, keepdims=True)
+    e = np.exp(z - np.where(np.isfinite(m), m, 0))
+    tot = e.sum(-1, keepdims=True)
+    p = np.where(visible, e / np.where(tot > 0, tot, 1), 0) + taps["attn_weights"]
+    o = np.einsum("bhts,bshe->bhte", p, V) + taps["head_outputs"]
+    c = o.transpose(0, 2, 1, 3).reshape(B, T, -1) + taps["concat"]
+    return c @ w["w_o"] + (w["b_o"] if "b_o" in w else 0)
+
+
+@pytest.mark.parametrize("case_id", ["self_basic", "cross_attention", "cross_shared_kv", "gqa", "custom_mask",
+                                     "causal_bottom_right_t_gt_s"])
+def test_reference_backward_matches_central_differences(case_id):
+    g = GOLDEN.load(case_id)
+    cfg, spec = g.spec.config, g.spec
+    self_attention = spec.inputs == "self"
+    grads = reference_backward(cfg, g.inputs, g.weights, g.stages, g.visible, g.d_output, spec.inputs)
+    shapes = cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len)
+    rng = np.random.default_rng(0)
+    h = 2.0**-20
+
+    def loss(x, w, taps):
+        return float(np.sum(g.d_output * _forward_with_taps(cfg, x, w, g.visible, taps)))
+
+    zero_taps = {s: np.zeros(shapes[s]) for s in STAGES if s != "output"}
+    targets = [("tap", s) for s in zero_taps] + [("weight", n) for n in g.weights]
+    targets += [("input", n[2:]) for n in INPUT_GRADIENTS[spec.inputs]]
+    for kind, name in targets:
+        base = {"tap": zero_taps, "weight": g.weights, "input": g.inputs}[kind][name]
+        for flat in rng.choice(base.size, size=min(6, base.size), replace=False):
+            idx = np.unravel_index(flat, base.shape)
+            estimates = []
+            for sign in (1, -1):
+                taps = {s: t.copy() for s, t in zero_taps.items()}
+                w = dict(g.weights)
+                x = {k: v for k, v in g.inputs.items() if k != "mask"}
+                moved = base.copy()
+                moved[idx] += sign * h
+                if kind == "tap":
+                    taps[name] = moved
+                elif kind == "weight":
+                    w[name] = moved
+                elif self_attention:
+                    x = {"query": moved, "key": moved, "value": moved}
+                elif spec.inputs == "shared_kv" and name == "key":
+                    x["key"] = x["value"] = moved  # one memory tensor
+                else:
+                    x[name] = moved
+                estimates.append(loss(x, w, taps))
+            numeric = (estimates[0] - estimates[1]) / (2 * h)
+            stage = f"d_{name}"
+            got = grads[stage][idx]
+            if kind == "tap" and name == "attn_weights" and not g.visible[idx]:
+                got = numeric = 0.0  # a masked weight is a constant 0: not a variable of the spec
+            assert abs(got - numeric) <= 1e-6 * (1 + abs(numeric)), (case_id, stage, idx, got, numeric)
+
+
+def test_gqa_key_value_gradients_sum_over_their_group():
+    g = GOLDEN.load("gqa")
+    cfg = g.spec.config
+    B, T, S = g.spec.batch, g.spec.tgt_len, g.spec.src_len
+    R = cfg.group_size
+    dS = g.stages["d_scores"]  # (B, H, T, S)
+    Q = g.stages["q_proj"].reshape(B, T, cfg.H, -1)
+    per_head = np.einsum("bhts,bthd->bshd", dS, Q) * cfg.scale  # (B, S, H, D)
+    summed = per_head.reshape(B, S, cfg.H_kv, R, -1).sum(3).reshape(B, S, -1)
+    np.testing.assert_allclose(g.stages["d_k_proj"], summed, rtol=1e-12, atol=1e-15)
+
+
+# -- the contract -------------------------------------------------------------------------------
+
+
+def test_numpy_backward_conforms_and_reports_every_backward_stage(tmp_path):
+    path = tmp_path / "r.json"
+    assert main(["run", "numpy", "--backward", "--report", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["backward"] is True
+    assert report["stages"] == list(STAGES) + list(BACKWARD_STAGES)
+    for r in report["results"]:
+        names = [st["stage"] for st in r["stages"]]
+        golden = GOLDEN.load(r["case"])
+        assert names == list(STAGES) + [s for s in BACKWARD_STAGES if s in golden.stages]
+        assert all(st["verdict"] in (PASS, UNINFORMATIVE) for st in r["stages"]), r
+        if r["dtype"] in ("float64", "float32"):  # 16-bit dtypes cannot resolve some long sums (long_sequence)
+            assert all(st["verdict"] == PASS for st in r["stages"]), r
+
+
+def test_forward_only_run_is_unchanged_by_backward_fixtures():
+    report = mhaspec.check("numpy", dtypes=["float32"])
+    assert report.ok and not report.to_json()["backward"]
+    assert all([st.stage for st in r.stages] == list(STAGES) for r in report.results)
+
+
+class _ForwardOnly:
+    name = "forward-only"
+
+    def run(self, case):
+        return CORRECT["plain"][0].run(case)
+
+
+def test_an_adapter_without_backward_gets_not_exposed_and_a_warning():
+    report = mhaspec.check(_ForwardOnly(), dtypes=["float32"], cases=["gqa"], backward=True)
+    r = report.results[0]
+    assert r.verdict == PASS
+    assert {st.verdict for st in r.stages if st.stage.startswith("d_")} == {NOT_EXPOSED}
+    assert any("no backward" in w for w in report.warnings)
+
+
+class _Returns(BackwardVariant):
+    def __init__(self, patch):
+        super().__init__(name="patched")
+        self.patch = patch
+
+    def backward(self, case):
+        return self.patch(super().backward(case), case)
+
+
+@pytest.mark.parametrize(
+    "patch, words",
+    [
+        (lambda out, case: {**out, "d_key": out["d_query"]}, "self-attention"),
+        (lambda out, case: {**out, "d_bogus": out["d_query"]}, "unknown stage"),
+        (lambda out, case: {**out, "output": out["d_query"]}, "forward stage"),
+        (lambda out, case: [1, 2], "expected a mapping"),
+        (lambda out, case: {}, "no stage"),
+        (lambda out, case: 1 / 0, "ZeroDivisionError"),
+    ],
+)
+def test_backward_contract_errors_name_the_problem(patch, words):
+    report = mhaspec.check(_Returns(patch), dtypes=["float32"], cases=["self_basic"], backward=True, timeout=None)
+    r = report.results[0]
+    assert r.verdict == ERROR and words in r.message, r.message
+    assert report.exit_code == 2
+
+
+def test_partial_backward_is_judged_on_what_it_returns():
+    only = _Returns(lambda out, case: {"d_query": out["d_query"], "d_w_o": out["d_w_o"]})
+    report = mhaspec.check(only, dtypes=["float32", "bfloat16"], cases=["cross_attention"], backward=True)
+    verdicts = {st.stage: st.verdict for st in report.result("cross_attention", "float32").stages}
+    assert verdicts["d_query"] == verdicts["d_w_o"] == PASS
+    assert verdicts["d_scores"] == NOT_EXPOSED
+    # In bfloat16 the golden bound of d_query alone is too wide to resolve a bug: said, not passed;
+    # with d_q_proj exposed too, the local check d_query = d_q_proj @ w_qᵀ resolves it.
+    assert report.result("cross_attention", "bfloat16").stage("d_query").verdict == UNINFORMATIVE
+    more = _Returns(lambda out, case: {"d_query": out["d_query"], "d_q_proj": out["d_q_proj"]})
+    r = mhaspec.check(more, dtypes=["bfloat16"], cases=["cross_attention"], backward=True).results[0]
+    assert r.stage("d_query").verdict == PASS
+
+
+def test_self_attention_d_query_must_be_the_total():
+    partial = _Returns(lambda out, case: {**out, "d_query": BackwardVariant().backward(
+        case.model_copy(update={"self_attention": False}))["d_query"]})
+    r = mhaspec.check(partial, dtypes=["float64"], cases=["self_basic"], backward=True).results[0]
+    assert r.verdict == FAIL and r.first_failing_stage == "d_query"
+    assert "sum of the query, key and value gradients" in r.stage("d_query").message
+
+
+def test_pytest_plugin_collects_backward_stages(tmp_path):
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+
+    junit = tmp_path / "j.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "mhaspec.conformance",
+                    "--mha-adapter=numpy", "--mha-dtype=bfloat16", "--mha-backward", "-k", "gqa",
+                    f"--junitxml={junit}", "-q"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    names = [tc.get("name") for tc in ET.parse(junit).getroot().iter("testcase")]
+    assert "test_stage[gqa-bfloat16-d_k_proj]" in names and "test_stage[gqa-bfloat16-output]" in names
+    assert len([n for n in names if n.startswith("test_stage[gqa-bfloat16-")]) == len(STAGES) + len(BACKWARD_STAGES)
+
+
+# -- the two-sided proof ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_correct_backward_implementations_pass_every_case_and_dtype(name):
+    adapter, precision = CORRECT[name]
+    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
+    assert report.ok, report.table()
+    assert len(report.results) == len(DTYPES) * len(CATALOG)
+    judged = {st.stage for r in report.results for st in r.stages if st.verdict == PASS}
+    assert set(BACKWARD_STAGES) <= judged
+    margin = report.smallest_margin()
+    assert margin >= 2, f"{name}: smallest margin {margin:.3g}x"
+
+
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_backward_bugs_are_rejected_in_every_dtype_at_the_right_stage(name, precision):
+    adapter, stage = BUGS[name]
+    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
+    failing = [r for r in report.results if r.verdict == FAIL]
+    assert {r.dtype for r in failing} == set(DTYPES), f"bug {name} passes in some dtype"
+    wrong = {(r.case, r.dtype): r.first_failing_stage for r in failing if r.first_failing_stage != stage}
+    assert not wrong, f"bug {name}: first failing stage should be {stage}, got {wrong}"
+    assert not [r for r in report.results if r.verdict == ERROR]
