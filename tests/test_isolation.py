@@ -23,6 +23,7 @@ from mhaspec.cli import main
 from mhaspec.conformance import ERROR, PASS, UNSUPPORTED, Session
 from mhaspec.conformance import runner as runner_module
 from mhaspec.errors import MhaspecError
+from mhaspec.spec import CATALOG
 
 FAULTY = textwrap.dedent(
     '''
@@ -105,6 +106,23 @@ FAULTY = textwrap.dedent(
             return NumpyMHA().run(case)
 
 
+    class Identity:
+        """Fails unless the inputs that are one array in the runner are one array here too."""
+        name = "identity"
+
+        def run(self, case):
+            x = case.inputs
+            from mhaspec.spec import CATALOG
+
+            kind = CATALOG[case.id].inputs  # as the catalog says
+            self_attention, key_is_value = kind == "self", kind in ("self", "shared_kv")
+            assert (case.self_attention, case.key_is_value) == (self_attention, key_is_value), case.id
+            assert (x.query is x.key is x.value) == self_attention, case.id
+            assert (x.key is x.value) == key_is_value, case.id
+            assert not x.query.flags.writeable and not case.weights.w_q.flags.writeable
+            return NumpyMHA().run(case)
+
+
     class Cheat:
         """Looks for the golden stages in its own process, as an adapter that wants to pass would."""
         name = "cheat"
@@ -179,7 +197,7 @@ def test_every_process_fault_costs_one_case_through_the_cli(faulty, tmp_path, st
     assert rep["partial"] is False and rep["exit_code"] == 2 and rep["ok"] is False
     results = [mhaspec.conformance.CaseResult(r["case"], r["dtype"], r["verdict"], message=r["message"])
                for r in rep["results"]]
-    assert sorted(r.case for r in results) == sorted(CASES)
+    assert set(CASES) <= {r.case for r in results}  # -k matches substrings: e.g. gqa_self too
     _assert_faults(results)
     assert "faulty: ERROR" in proc.stdout
 
@@ -198,12 +216,51 @@ def test_sys_exit_is_an_error_also_in_process(faulty):
     assert report.result("batch_one", "float64").verdict == PASS
 
 
+def test_the_worker_gets_the_same_case(faulty):
+    cases = ["self_basic", "cross_shared_kv", "cross_attention", "key_padding"]
+    assert {CATALOG[c].inputs for c in cases} == {"self", "shared_kv", "distinct"}
+    report = mhaspec.check(f"{faulty}:Identity", cases=cases, dtypes=["float64", "bfloat16"])
+    assert [r.verdict for r in report.results] == [PASS] * 8, [r.message for r in report.results]
+
+
 def test_garbage_on_the_workers_pipe_costs_one_case(faulty, monkeypatch):
     monkeypatch.setenv("MHASPEC_WORKER_START", "spawn")  # a fresh process: its only pipes are the worker's
     report = mhaspec.check(f"{faulty}:Scribbler", dtypes=["float32"], cases=["gqa", "mqa", "batch_one"], timeout=5)
     gqa = report.result("gqa", "float32")
     assert gqa.verdict == ERROR and "the worker sent" in gqa.message, gqa.message
     assert [report.result(c, "float32").verdict for c in ("mqa", "batch_one")] == [PASS, PASS]
+
+
+def test_cases_with_the_same_id_are_never_confused():
+    """Two Case objects of one id in turn (fuzz names every case "fuzz"): each must reach the worker."""
+    import gc
+
+    import numpy as np
+
+    from mhaspec.conformance.worker import Worker
+    from mhaspec.spec import CaseSpec
+
+    class Echo:
+        name = "echo"
+
+        def run(self, case):
+            return {"output": np.full((case.batch, case.tgt_len, case.config.out_dim), case.weights.w_q[0, 0])}
+
+    worker = Worker(Echo())
+    try:
+        seen = []
+        for seed in range(6):
+            spec = CaseSpec.model_validate({"id": "same", "config": {"d_model": 4, "num_heads": 2}, "batch": 1,
+                                            "tgt_len": 2, "src_len": 2, "seed": seed})
+            case = spec.case("float64")
+            returned, _ = worker.run(case, timeout=30)
+            seen.append((float(returned["output"][0, 0, 0]), float(case.weights.w_q[0, 0])))
+            del case, returned
+            gc.collect()  # the next Case may get the freed one's id()
+        assert all(got == want for got, want in seen), seen
+        assert len({want for _, want in seen}) > 1
+    finally:
+        worker.close()
 
 
 def test_the_golden_is_not_reachable_from_the_worker(faulty):

@@ -161,3 +161,20 @@ def test_catalog_file_errors_name_file_and_field(tmp_path):
         load_catalog_file(bad_field)
     with pytest.raises(SpecError, match="not found"):
         load_catalog_file(tmp_path / "missing.json")
+
+
+def test_shared_kv_survives_the_worker_message():
+    from mhaspec.conformance.worker import _case_from_message, _case_message
+
+    case = CATALOG["cross_shared_kv"].case("float16")
+    again = _case_from_message(*_case_message(case))
+    assert again.key_is_value and not again.self_attention and again.inputs.key is again.inputs.value
+    assert np.array_equal(again.inputs.key, case.inputs.key)
+
+
+def test_committed_fixtures_stay_small():
+    """Cases worth more than 2 MB of fixtures belong in `mhaspec run --catalog`, not in the package."""
+    from mhaspec.fixtures import DEFAULT_GOLDEN
+
+    total = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
+    assert total <= 2_000_000, f"golden folder is {total / 1e6:.2f} MB"

@@ -18,7 +18,7 @@ the same examples.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -143,19 +143,24 @@ def fuzz(
     progress: Callable[[CaseSpec, list[Any]], None] | None = None,
     **options: Any,
 ) -> FuzzOutcome:
-    """Judge ``examples`` random cases; on a find, shrink it and return it (deterministic per ``seed``)."""
+    """Judge ``examples`` random cases; on a find, shrink it and return it (deterministic per ``seed``).
+
+    ``adapter`` is anything :class:`~mhaspec.conformance.Session` takes; one session (one
+    worker process) judges every example.
+    """
     hypothesis = _hypothesis()
-    from .adapters import load_adapter
     from .conformance import Session
     from .conformance.runner import resolve_dtypes
     from .reference.onthefly import OnTheFlyGolden
 
-    adapter = load_adapter(adapter, **options)
     wanted = resolve_dtypes(dtypes)
+    golden = OnTheFlyGolden(Catalog(), source="<fuzz>")
+    session = Session(adapter, golden=golden, timeout=timeout, **options)
     outcome = FuzzOutcome()
     last: dict[str, Any] = {}
-
-    supports = getattr(adapter, "supports", None)
+    counter = [0]
+    # An adapter living in this process answers supports() before the reference is computed.
+    supports = getattr(session.adapter, "supports", None)
 
     def refused(spec: CaseSpec) -> bool:
         """Whether supports() refuses ``spec`` in every dtype (checked before computing a golden)."""
@@ -167,9 +172,12 @@ def fuzz(
             return False  # the Session reports what supports() raised
 
     def judge(spec: CaseSpec) -> list[Any]:
-        session = Session(adapter, golden=OnTheFlyGolden(Catalog([spec]), source="<fuzz>"), timeout=timeout)
+        counter[0] += 1
+        unique = spec.model_copy(update={"id": f"{spec.id}_{counter[0]}"})  # the session caches by case id
+        golden.catalog = Catalog([unique])
         with np.errstate(all="ignore"):  # infinite bounds (bfloat16, long sums) are judged, not warned about
-            return [session.result(spec.id, dtype) for dtype in wanted]
+            results = [session.result(unique.id, dtype) for dtype in wanted]
+        return [replace(r, case=spec.id) for r in results]
 
     @hypothesis.settings(
         max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
@@ -202,5 +210,7 @@ def fuzz(
             raise
         outcome.spec, outcome.results = last["spec"], last["results"]
     except hypothesis.errors.Unsatisfiable:
-        raise MhaspecError(f"adapter {adapter.name}: supports() refused every drawn case") from None
+        raise MhaspecError(f"adapter {session.name}: supports() refused every drawn case") from None
+    finally:
+        session.close()
     return outcome

@@ -158,6 +158,9 @@ class TorchOnnxAdapter:
     def __init__(self, *, opset: int = EXPORT_OPSET, optimize: bool = False, threads: int = 1) -> None:
         """``optimize=True`` exports as ``torch.onnx.export`` does by default (onnxscript's optimizer
         folds the weight transposes), once per case with its weights: slower, the same stages."""
+        import onnxruntime  # noqa: F401  (imported here, not in the first case's time budget)
+        import onnxscript  # noqa: F401  (what torch.onnx.export translates with)
+
         self.opset, self.optimize, self.threads = opset, optimize, threads
         self._exported: dict[tuple, onnx.ModelProto] = {}
 

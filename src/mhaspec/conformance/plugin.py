@@ -9,7 +9,10 @@ reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
 reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
 CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
 or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
-runs it in the pytest process, for debugging).  Importing this plugin imports
+runs it in the pytest process, for debugging).  ``--mha-catalog FILE.json``
+judges your own cases, computed on the fly (as ``mhaspec run --catalog``).
+With pytest-xdist (``-n auto``) each xdist worker judges its share through its
+own session: the same verdicts, on every core.  Importing this plugin imports
 no framework.
 """
 
@@ -27,6 +30,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mha-dtype", action="append", default=None, metavar="DTYPE",
                     help="dtype(s) to run (repeat or comma-separate; default all four)")
     group.addoption("--mha-golden", default=None, metavar="DIR", help="golden folder (default: the shipped fixtures)")
+    group.addoption("--mha-catalog", default=None, metavar="FILE.json",
+                    help="your own cases, computed on the fly by the fast reference (as `mhaspec run --catalog`)")
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
     group.addoption("--mha-backward", action="store_true", default=False,
                     help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")
@@ -53,9 +58,16 @@ def _session(config: pytest.Config) -> Any:
         dtypes = config.getoption("--mha-dtype")
         timeout = config.getoption("--mha-timeout")
         try:
+            golden = config.getoption("--mha-golden")
+            if config.getoption("--mha-catalog"):
+                if golden:
+                    raise MhaspecError("--mha-catalog and --mha-golden: give one of them")
+                from ..reference.onthefly import OnTheFlyGolden
+
+                golden = OnTheFlyGolden(config.getoption("--mha-catalog"))
             state.session = Session(
                 config.getoption("--mha-adapter") or "numpy",
-                golden=config.getoption("--mha-golden"),
+                golden=golden,
                 timeout=validate_timeout(DEFAULT_TIMEOUT if timeout is None else timeout, "--mha-timeout"),
                 isolate=not config.getoption("--mha-no-isolate"),
                 backward=config.getoption("--mha-backward"),

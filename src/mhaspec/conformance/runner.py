@@ -138,6 +138,8 @@ class Session:
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
         self._timeouts = 0
+        self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
+        self._current: tuple[str, str] | None = None
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()
         self._results: dict[tuple[str, str], CaseResult] = {}
@@ -152,9 +154,30 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def plan(self, keys: Iterable[tuple[str, str]]) -> None:
+        """The (case, dtype) order in which :meth:`result` will be asked: the worker then computes the
+        next case while this process judges the current one.  Optional; any other order still works."""
+        keys = list(keys)
+        self._next = dict(zip(keys, [*keys[1:], None]))
+        if isinstance(self._worker, Worker):
+            self._worker.on_idle = self._send_ahead
+
+    def _send_ahead(self) -> None:
+        key = self._next.get(self._current) if self._current is not None else None
+        while key is not None and (key in self._results or key[1] not in self.dtypes):
+            key = self._next.get(key)
+        if key is None or self._timeouts >= MAX_TIMEOUTS or not isinstance(self._worker, Worker):
+            return
+        try:
+            golden = self.golden.load(key[0])
+        except FixtureError:
+            return  # reported when its turn comes
+        self._worker.prefetch(golden.case(key[1]), with_supports=self._has_supports)
+
     def result(self, case_id: str, dtype: str) -> CaseResult:
         """The (cached) verdict on one case in one dtype; a broken fixture is an error of that case only."""
         key = (case_id, dtype)
+        self._current = key
         if key not in self._results:
             try:
                 golden = self.golden.load(case_id)
@@ -449,8 +472,10 @@ def check(
                if own else adapter)
     try:
         wanted = resolve_dtypes(dtypes)
+        ids = select_cases(session.golden, cases, pattern)
+        session.plan((case_id, dtype) for case_id in ids for dtype in wanted)
         results = []
-        for case_id in select_cases(session.golden, cases, pattern):
+        for case_id in ids:
             for dtype in wanted:
                 res = session.result(case_id, dtype)
                 results.append(res)

@@ -31,6 +31,7 @@ bfloat16 (ml_dtypes) and float8 arrays travel as safetensors' BF16/F8 types.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -53,6 +54,7 @@ import numpy as np
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
 from ..errors import AdapterError, MhaspecError
 from ..spec import BACKWARD_STAGES, STAGES, Case, MHAConfig
+from ..spec.case import Inputs, Weights
 
 #: Seconds a spawned worker may take to import and construct the adapter.
 LOAD_TIMEOUT = 120.0
@@ -140,23 +142,41 @@ def decode_arrays(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]
 
 
 def _case_message(case: Case) -> tuple[dict[str, Any], bytes]:
-    names = ("query", "mask") if case.self_attention else ("query", "key", "value", "mask")  # self: key = value = query
-    arrays = {f"input.{k}": getattr(case.inputs, k) for k in names if getattr(case.inputs, k) is not None}
+    """A Case as a JSON header (its scalar fields, its config, which inputs are one array) and bytes.
+
+    Generic over the Case's fields, so a field added to the spec travels too;
+    an input that is the same array as another (self-attention, key = value)
+    travels once and is the same array again on the other side.
+    """
+    scalars = {name: getattr(case, name) for name in type(case).model_fields
+               if name not in ("config", "inputs", "weights", "d_output")}
+    arrays: dict[str, np.ndarray] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name in type(case.inputs).model_fields:
+        array = getattr(case.inputs, name)
+        if array is None:
+            continue
+        if id(array) in first:
+            aliases[name] = first[id(array)]
+            continue
+        first[id(array)] = name
+        arrays[f"input.{name}"] = array
     arrays.update({f"weight.{k}": v for k, v in case.weights.as_dict().items()})
     if case.d_output is not None:
         arrays["grad.d_output"] = case.d_output
-    header = {"id": case.id, "config": case.config.model_dump(mode="json"), "dtype": case.dtype,
-              "self_attention": case.self_attention, "key_is_value": case.key_is_value}
+    header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
     return header, encode_arrays(arrays)
 
 
 def _case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
-    arrays = decode_arrays(payload)
+    arrays = decode_arrays(payload)  # read-only views of the payload
     inputs = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("input.")}
+    for name, same_as in header["aliases"].items():
+        inputs[name] = inputs[same_as]
     weights = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("weight.")}
-    return Case.from_arrays(header["id"], MHAConfig.model_validate(header["config"]), header["dtype"],
-                            inputs, weights, header["self_attention"],
-                            key_is_value=bool(header.get("key_is_value")), d_output=arrays.get("grad.d_output"))
+    return Case(config=MHAConfig.model_validate(header["config"]), inputs=Inputs(**inputs), weights=Weights(**weights),
+                d_output=arrays.get("grad.d_output"), **header["scalars"])
 
 
 def _pack_returned(returned: Any) -> tuple[dict[str, Any], bytes]:
@@ -381,19 +401,12 @@ def _forget_golden() -> None:
     import gc
 
     for obj in gc.get_objects():
-        if isinstance(obj, fixtures.GoldenSet):
-            loaded = getattr(obj, "_loaded", None)  # a golden folder's cache
-            if loaded is not None:
-                loaded.clear()
-            if hasattr(obj, "_current"):  # a catalog computed on the fly keeps its last case
-                obj._current = None
-        elif isinstance(obj, fixtures.GoldenCase):
-            obj.stages.clear()
-            obj.inputs.clear()
-            obj.weights.clear()
-            obj._cases.clear()
-            object.__setattr__(obj, "visible", None)
-    gc.collect()
+        if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, dict):
+                    value.clear()  # GoldenSet._loaded, GoldenCase.stages/inputs/weights, caches
+                elif isinstance(value, np.ndarray):
+                    object.__setattr__(obj, name, None)  # GoldenCase.visible
 
 
 def _finish(code: int) -> None:
@@ -537,12 +550,16 @@ class Worker:
             raise AdapterError("isolation of an adapter object needs fork(); pass the adapter by name or use isolate=False")
         self._process: _Process | None = None
         self._pipe: _Pipe | None = None
-        self._sent: tuple[str, str, int] | None = None  # the case the current worker already holds
-        self._pending: tuple[str, tuple[str, str, int]] | None = None  # a reply on its way (run after supports)
+        # The Case the current worker already holds, and the replies on their way, by the Case *object*
+        # (held here, so that its id() cannot be reused by another Case: case ids repeat, e.g. in fuzz).
+        self._sent: Case | None = None
+        self._expect: collections.deque[tuple[str, Case]] = collections.deque()
         self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
         self._finalizer: weakref.finalize | None = None
         self._ready = False
         self.restarts = 0
+        #: Called after each run() reply is read (the runner sends the next case ahead).
+        self.on_idle: Callable[[], None] | None = None
 
     # -- lifecycle --
     def start(self) -> None:
@@ -592,6 +609,7 @@ class Worker:
         os.close(to_parent_w)
         self._process, self._pipe = process, _Pipe(to_parent_r, to_child_w)
         self._sent = None
+        self._expect.clear()
         self._ready = False
         self._finalizer = weakref.finalize(self, _reap, process, self._pipe)
         if spawn:
@@ -629,7 +647,7 @@ class Worker:
             self._finalizer()
         self._process = self._pipe = None
         self._sent = None
-        self._pending = None
+        self._expect.clear()
         self._ready = False
 
     def close(self) -> None:
@@ -645,36 +663,50 @@ class Worker:
 
     # -- requests --
     def _request(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
-        """Send ``op`` for ``case`` (unless its reply is already on the way) and read one reply."""
-        key = (case.id, case.dtype, id(case))
-        pending, self._pending = self._pending, None
-        if pending == (op, key):  # run() after supports+run: the reply follows the supports answer
-            return self._reply(op, timeout)
-        if pending is not None or (self._process is not None and self._process.poll() is not None):
-            self._discard()  # a reply nobody will read, or a worker that died between cases
+        """Read the reply of ``op`` for ``case``, sending the request first unless it is already on its way
+        (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
+        if self._expect and self._expect[0][0] == op and self._expect[0][1] is case:
+            self._expect.popleft()
+            return self._reply(op, case, timeout)
+        if self._expect or (self._process is not None and self._process.poll() is not None):
+            self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
             self.restarts += self.info is not None
             try:
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
+        self._send(case, with_supports=op == "supports", then="backward" if op == "backward" else "run")
+        self._expect.popleft()
+        return self._reply(op, case, timeout)
+
+    def _send(self, case: Case, with_supports: bool, then: str = "run") -> None:
+        """Send ``case`` with the op ``then`` (``run`` or ``backward``), after ``supports`` if asked."""
         assert self._pipe is not None
-        wire = "supports+run" if op == "supports" else op
+        wire = f"supports+{then}" if with_supports else then
         try:
-            if self._sent == key:
+            if self._sent is case:
                 self._pipe.send({"op": wire, "reuse": True})
             else:
                 header, payload = _case_message(case)
                 self._pipe.send({"op": wire, "case": header}, payload)
-                self._sent = key
+                self._sent = case
         except _WorkerDied:
             pass  # the reply tells how it died
-        reply = self._reply(op, timeout)
-        if op == "supports" and reply[0]["answer"] is True:
-            self._pending = ("run", key)
-        return reply
+        self._expect.extend([("supports", case), (then, case)] if with_supports else [(then, case)])
 
-    def _reply(self, op: str, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+    def prefetch(self, case: Case, with_supports: bool) -> None:
+        """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
+
+        Only when every reply has been read: at most one request is in flight, so
+        neither side can block the other on a full pipe.  Its timeout starts when
+        the runner asks for the reply (so it is never shorter than asked).
+        """
+        if self._expect or not self._ready or self._process is None or self._process.poll() is not None:
+            return
+        self._send(case, with_supports)
+
+    def _reply(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
         try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
@@ -692,6 +724,9 @@ class Worker:
             self._discard()
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
+        if op == "supports" and not (reply.get("ok") is True and reply.get("answer") is True):
+            if self._expect and self._expect[0][0] == "run" and self._expect[0][1] is case:
+                self._expect.popleft()  # the worker does not run a case it does not support
         if reply.get("ok") is not True:
             raise AdapterCrash(str(reply.get("error", f"the worker sent a malformed reply during {op}()")))
         return reply, data
@@ -711,6 +746,8 @@ class Worker:
 
     def _returned(self, op: str, case: Case, timeout: float | None) -> tuple[Any, float]:
         reply, data = self._request(op, case, timeout)
+        if op == "run" and self.on_idle is not None:
+            self.on_idle()  # e.g. send the next case ahead: the worker computes it while this one is judged
         try:
             return _unpack_returned(reply, data), float(reply["seconds"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:

@@ -36,7 +36,7 @@ class OnTheFlyGolden(GoldenSet):
             catalog = load_catalog_file(catalog)
         self.catalog = catalog
         self.folder = Path(source) if source is not None else Path("<catalog>")
-        self._current: GoldenCase | None = None  # the last case: the runner judges case-major
+        self._loaded: dict[str, GoldenCase] = {}  # the last case only: the runner judges case-major
 
     def ids(self) -> list[str]:
         return self.catalog.ids()
@@ -49,17 +49,17 @@ class OnTheFlyGolden(GoldenSet):
             yield self.load(case_id)
 
     def load(self, case_id: str) -> GoldenCase:
-        if self._current is None or self._current.id != case_id:
+        if case_id not in self._loaded:
             if case_id not in self.catalog:
                 raise FixtureError(f"{self.folder}: no case {case_id!r}; known: {', '.join(self.catalog.ids())}")
-            self._current = None  # free the previous case before computing the next
+            self._loaded.clear()  # free the previous case before computing the next
             spec = self.catalog[case_id]
             try:
-                self._current = golden_case(spec, self.folder)
+                self._loaded[case_id] = golden_case(spec, self.folder)
             except MemoryError:
                 cells = spec.batch * spec.config.H * spec.tgt_len * spec.src_len
                 raise FixtureError(
                     f"{self.folder}: case {case_id}: not enough memory for the fast reference (it holds three "
                     f"(B, H, T, S) float64 arrays: {3 * 8 * cells / 2**30:.1f} GiB)"
                 ) from None
-        return self._current
+        return self._loaded[case_id]

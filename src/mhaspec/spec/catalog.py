@@ -261,7 +261,7 @@ def load_catalog_file(path: str | Path) -> Catalog:
         except ValidationError as exc:
             name = item.get("id", "?") if isinstance(item, dict) else "?"
             problems = [
-                f"cases.{i}." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}" for err in exc.errors()
+                ".".join([f"cases.{i}", *(str(p) for p in err["loc"])]) + f": {err['msg']}" for err in exc.errors()
             ]
             raise SpecError(f"{path}: case {i} ({name}) is invalid: " + "; ".join(problems)) from None
     try:
