@@ -338,9 +338,11 @@ def test_nothing_judged_is_never_a_pass(faulty, tmp_path, capsys):
     assert "does not support any of the 2 selected" in report.nothing_judged
     assert main(["run", f"{faulty}:Declines", "-k", "gqa"]) == 2
     assert "NOTHING JUDGED" in capsys.readouterr().out
+    from mhaspec.spec import SPEC_VERSION
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "manifest.json").write_text(json.dumps({"format": "mhaspec-golden", "spec_version": "1.0", "cases": []}))
+    (empty / "manifest.json").write_text(json.dumps({"format": "mhaspec-golden", "spec_version": SPEC_VERSION, "cases": []}))
     assert main(["run", "--golden", str(empty)]) == 2
     assert "nothing was judged" in capsys.readouterr().out
     assert not mhaspec.check("numpy", golden=empty).ok
