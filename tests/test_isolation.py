@@ -23,7 +23,7 @@ from mhaspec.cli import main
 from mhaspec.conformance import ERROR, PASS, UNSUPPORTED, Session
 from mhaspec.conformance import runner as runner_module
 from mhaspec.errors import MhaspecError
-from mhaspec.spec import CATALOG
+from mhaspec.spec import CATALOG, SPEC_VERSION
 
 FAULTY = textwrap.dedent(
     '''
@@ -136,9 +136,9 @@ FAULTY = textwrap.dedent(
                 except Exception:
                     continue
                 if isinstance(stages, dict) and "output" in stages and found == case.id:
-                    from mhaspec.spec import STAGES  # the forward ones (fixtures hold the backward too)
+                    from mhaspec.spec import STAGES  # the forward stages (a golden also holds gradients)
 
-                    return {k: v.astype(case.dtype) for k, v in stages.items() if k in STAGES}
+                    return {k: stages[k].astype(case.dtype) for k in STAGES}
             raise LookupError("the golden stages are not in this process")
     '''
 )
@@ -338,9 +338,11 @@ def test_nothing_judged_is_never_a_pass(faulty, tmp_path, capsys):
     assert "does not support any of the 2 selected" in report.nothing_judged
     assert main(["run", f"{faulty}:Declines", "-k", "gqa"]) == 2
     assert "NOTHING JUDGED" in capsys.readouterr().out
+    from mhaspec.spec import SPEC_VERSION
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "manifest.json").write_text(json.dumps({"format": "mhaspec-golden", "spec_version": "1.0", "cases": []}))
+    (empty / "manifest.json").write_text(json.dumps({"format": "mhaspec-golden", "spec_version": SPEC_VERSION, "cases": []}))
     assert main(["run", "--golden", str(empty)]) == 2
     assert "nothing was judged" in capsys.readouterr().out
     assert not mhaspec.check("numpy", golden=empty).ok

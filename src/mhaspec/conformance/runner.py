@@ -169,6 +169,8 @@ class Session:
             key = self._next.get(key)
         if key is None or self._timeouts >= MAX_TIMEOUTS or not isinstance(self._worker, Worker):
             return
+        if self.backward:  # the worker is not idle: backward(case) of this case comes next
+            return
         try:
             golden = self.golden.load(key[0])
         except FixtureError:
