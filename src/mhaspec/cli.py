@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {
+        code = {
             "run": _run,
             "generate": _generate,
             "fuzz": _fuzz,
@@ -155,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "adapters": _adapters,
             "matrix": _matrix,
         }[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return code
     except MhaspecError as exc:
         print(f"mhaspec: error: {exc}", file=sys.stderr)
         return 2
