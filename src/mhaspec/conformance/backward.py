@@ -16,7 +16,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES
-from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
+from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance_backward import backward_tolerances, local_checks
 
 NO_BACKWARD = "the adapter has no backward(case) method"
@@ -94,7 +94,7 @@ def judge_backward(
         local = checks.get(stage)
         if local is not None:
             lres = compare_stage(stage, returned[stage], local[0], local[1], dtype, visible, value_checks=False)
-            _merge_local(res, _resolved(lres, golden, local[1]), local[2])
+            fold_local(res, _resolved(lres, golden, local[1]), local[2])
         if res.verdict == FAIL and not res.failed_check:
             res.failed_check = "golden"
         if res.verdict == FAIL and stage == "d_query" and golden.spec.inputs == "self":
@@ -125,20 +125,3 @@ def own_stages(golden: GoldenCase, *returned: Mapping[str, Any]) -> dict[str, np
             if ref is not None and arr is not None and arr.shape == ref.shape and np.isfinite(arr).all():
                 out[name] = arr
     return out
-
-
-def _merge_local(res: StageResult, local: StageResult, sources: tuple[str, ...]) -> None:
-    """Fold the local check into the golden check's result: the stage fails if either fails."""
-    res.local_worst_ratio = local.worst_ratio
-    golden_failed = res.verdict == FAIL
-    if local.verdict == FAIL:
-        text = f"local check (recomputed from its own {' and '.join(sources)}): {local.message}"
-        res.message = f"{res.message}; {text}" if golden_failed else text
-        res.failed_check = "golden+local" if golden_failed else "local"
-        res.verdict = FAIL
-    elif golden_failed:
-        res.failed_check = "golden"
-    elif res.verdict == UNINFORMATIVE and local.verdict == PASS:
-        res.verdict = PASS
-        res.message = ("the golden check cannot resolve this stage in this dtype (a zero result would pass); "
-                       f"the local check from its own {' and '.join(sources)} passes")

@@ -259,3 +259,22 @@ def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarr
                 if float(np.sqrt(np.mean(np.square(z)))) > rms_limit:
                     return False
     return True
+
+
+def fold_local(res: StageResult, local: StageResult, sources: tuple[str, ...]) -> None:
+    """Fold a stage's local check (recomputed from the adapter's own ``sources``) into its golden
+    check's result, in place: the stage fails if either fails; an uninformative golden check
+    with a passing local check is a pass."""
+    res.local_worst_ratio = local.worst_ratio
+    golden_failed = res.verdict == FAIL
+    if local.verdict == FAIL:
+        text = f"local check (recomputed from its own {' and '.join(sources)}): {local.message}"
+        res.message = f"{res.message}; {text}" if golden_failed else text
+        res.failed_check = "golden+local" if golden_failed else "local"
+        res.verdict = FAIL
+    elif golden_failed:
+        res.failed_check = "golden"
+    elif res.verdict == UNINFORMATIVE and local.verdict == PASS:
+        res.verdict = PASS
+        res.message = ("the golden check cannot resolve this stage in this dtype (a zero result would pass); "
+                       f"the local check from its own {' and '.join(sources)} passes")

@@ -18,7 +18,7 @@ from ..spec import BACKWARD_STAGES, DTYPES, STAGES
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
                         worst_case_tolerances)
@@ -57,23 +57,6 @@ def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern:
         if not ids:
             raise MhaspecError(f"no case matches -k {pattern!r}; cases: {', '.join(golden.ids())}")
     return ids
-
-
-def _combine_local(res: StageResult, local: StageResult) -> None:
-    """Fold the local check into the golden check's result (in place)."""
-    res.local_worst_ratio = local.worst_ratio
-    golden_failed = res.verdict == FAIL
-    if local.verdict == FAIL:
-        text = f"local check (recomputed from its own {' and '.join(LOCAL_INPUTS[res.stage])}): {local.message}"
-        res.message = f"{res.message}; {text}" if golden_failed else text
-        res.failed_check = "golden+local" if golden_failed else "local"
-        res.verdict = FAIL
-    elif golden_failed:
-        res.failed_check = "golden"
-    elif res.verdict == UNINFORMATIVE and local.verdict == PASS:
-        res.verdict = PASS
-        res.message = ("the golden check cannot resolve this stage in this dtype (a zero result would pass); "
-                       f"the local check from its own {' and '.join(LOCAL_INPUTS[res.stage])} passes")
 
 
 def _outside_blind_rows(golden: GoldenCase, stage: str):
@@ -278,9 +261,10 @@ class Session:
                                     noise=bounds[stage], rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS)
                 if stage in local:
                     ref, bound = local[stage]
-                    _combine_local(res, compare_stage(stage, returned[stage], ref, bound.tolerance(LAMBDA), dtype,
+                    fold_local(res, compare_stage(stage, returned[stage], ref, bound.tolerance(LAMBDA), dtype,
                                                       selected, noise=bound, rms_limit=rms_limit,
-                                                      rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False))
+                                                      rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False),
+                               LOCAL_INPUTS[stage])
                 if res.verdict == FAIL and not res.failed_check:
                     res.failed_check = "golden"
                 if res.verdict == FAIL and self.precision == "standard":

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .tolerance import heads as _heads, merge as _merge
+
 from typing import NamedTuple
 
 from ..fixtures import GoldenCase
@@ -55,18 +57,6 @@ def _rounding(dtype: str, precision: str, table: ToleranceTable) -> _Rounding:
     if precision == "worst-case":
         return _Rounding(u, u, 0.0, table.extra_ops)
     return _Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops)
-
-
-def _heads(x: np.ndarray, heads: int, group: int = 1) -> np.ndarray:
-    """(B, L, heads·F) -> (B, heads·group, L, F), each head repeated ``group`` times (GQA)."""
-    B, L, F = x.shape
-    return np.repeat(x.reshape(B, L, heads, F // heads).transpose(0, 2, 1, 3), group, axis=1)
-
-
-def _merge(x: np.ndarray) -> np.ndarray:
-    """(B, heads, L, F) -> (B, L, heads·F)."""
-    B, n, L, F = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(B, L, n * F)
 
 
 def _grouped_t(x: np.ndarray, kv_heads: int) -> np.ndarray:
