@@ -13,10 +13,21 @@ thread of the process for good, so it is never used here.
 Compiling, not running, is what a catalog run costs: the arrays are tiny and
 every case × dtype has its own shapes, so each is one XLA compilation.
 :func:`compiled` jit-compiles with :data:`FAST_COMPILE` on the CPU (XLA's
-backend optimisation level 0 and its classic loop emitters), about five
-times cheaper to compile; the numerics are XLA:CPU's own (no fast-math
-either way), differing from the default pipeline by an ulp or so in ``exp``.
-Pass ``fast_compile=False`` to an adapter to judge XLA's default pipeline.
+backend optimisation level 0, its classic loop emitters, the module emitted
+as one piece), about ten times cheaper to compile; the numerics are
+XLA:CPU's own (no fast-math either way), differing from the default pipeline
+by an ulp or so in ``exp``.  Pass ``fast_compile=False`` to an adapter to
+judge XLA's default pipeline.  Everything else a case needs stays out of
+XLA: inputs are cast by numpy and handed over with ``jax.device_put``
+(:func:`to_jax`), masks are built inside the compiled function, reshapes of
+the results happen in numpy.  An eager ``jnp`` call on a new shape would be
+one more compilation (about 30 ms each).
+
+``jax.nn.dot_product_attention`` asks for the dot algorithm ``F16_F16_F32``
+in float16, which XLA:CPU rejects when it compiles; the library catches that
+and falls back to the default precision, but only outside ``jax.jit``.
+:func:`with_fallback_precision` applies the same fallback to a traced
+function, so it can be jit-compiled (see its doc).
 
 Flax layout (``flax.linen.MultiHeadDotProductAttention`` params and
 ``flax.nnx.MultiHeadAttention`` state share it)::
@@ -73,9 +84,12 @@ def computing_in(dtype: str, device: str) -> Iterator[None]:
         yield
 
 
-#: XLA:CPU compile options that cut compile time about fivefold on the catalog's graphs
-#: (0.06 s instead of 0.3 s per case × dtype): no LLVM optimisation, classic loop emitters.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+#: XLA:CPU compile options that cut compile time about tenfold on the catalog's graphs
+#: (0.03 s instead of 0.3 s per case × dtype): no LLVM optimisation, classic loop emitters, and
+#: the LLVM module emitted in one piece (XLA splits it in 32 to compile them in parallel, which
+#: for these tiny graphs costs twice the CPU time).  None of them changes the arithmetic.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
+                "xla_cpu_parallel_codegen_split_count": 1}
 
 
 def use_fast_compile(device: str, wanted: bool = True) -> bool:
@@ -89,14 +103,88 @@ def compiled(fun: Callable, static_argnames: tuple[str, ...], fast: bool) -> Cal
     return jax.jit(fun, static_argnames=static_argnames, compiler_options=FAST_COMPILE if fast else None)
 
 
-def to_jax(x: np.ndarray | None, dtype: str) -> jax.Array | None:
-    """A float64 case array in ``dtype`` (exact: case inputs are representable in every dtype)."""
-    return None if x is None else jnp.asarray(x, dtype=jax_dtype(dtype))
+def to_jax(x: np.ndarray | None, dtype: str | None = None) -> jax.Array | None:
+    """A case array in ``dtype`` (exact: case inputs are representable in every dtype), or as it
+    is (a boolean mask) when ``dtype`` is None.  Cast by numpy, moved by ``jax.device_put`` to the
+    default device: no XLA compilation (an eager ``jnp.asarray(x, dtype)`` compiles a convert)."""
+    if x is None:
+        return None
+    return jax.device_put(np.asarray(x) if dtype is None else np.asarray(x, dtype=jax_dtype(dtype)))
 
 
-def to_numpy(stages: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Stages back as numpy arrays in their own dtype (bfloat16 as ml_dtypes.bfloat16)."""
-    return {name: np.asarray(jax.device_get(value)) for name, value in stages.items()}
+def to_numpy(stages: Any) -> Any:
+    """Stages (any pytree of arrays) back as numpy arrays in their own dtype (bfloat16 as ml_dtypes.bfloat16)."""
+    return jax.tree.map(np.asarray, jax.device_get(stages))
+
+
+def _fallback_dots(jaxpr: Any, rejected: frozenset) -> Any:
+    """``jaxpr`` (a ``Jaxpr``, recursively) with ``precision=None`` on each ``dot_general``
+    whose precision is one of the ``rejected`` algorithm presets."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, ClosedJaxpr):
+            return value.replace(jaxpr=_fallback_dots(value.jaxpr, rejected))
+        if isinstance(value, Jaxpr):
+            return _fallback_dots(value, rejected)
+        if isinstance(value, tuple) and any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+            return tuple(fix(v) for v in value)
+        return value
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {name: fix(value) for name, value in eqn.params.items()}
+        if eqn.primitive.name == "dot_general" and params.get("precision") in rejected:
+            params["precision"] = None
+        eqns.append(eqn.replace(params=params))
+    return jaxpr.replace(eqns=eqns)
+
+
+#: The dot algorithm ``jax.nn.dot_product_attention`` asks for in each low-precision dtype.
+DPA_ALGORITHMS = {"float16": "F16_F16_F32", "bfloat16": "BF16_BF16_F32"}
+
+
+@functools.cache
+def rejected_algorithm(device: str, dtype: str) -> Any:
+    """The dot algorithm preset ``jax.nn.dot_product_attention`` asks for in ``dtype`` if the
+    ``device``'s compiler rejects it (XLA:CPU in float16), else None: found by compiling a 1×1 dot."""
+    name = DPA_ALGORITHMS.get(dtype)
+    if name is None:
+        return None
+    preset = getattr(jax.lax.DotAlgorithmPreset, name)
+    x = jax.ShapeDtypeStruct((1, 1), jax_dtype(dtype), sharding=jax.sharding.SingleDeviceSharding(jax.devices(device)[0]))
+    try:
+        jax.jit(lambda a, b: jax.lax.dot(a, b, precision=preset, preferred_element_type=jnp.float32)).lower(x, x).compile()
+    except Exception:  # noqa: BLE001  whatever XLA raises for an algorithm it does not support
+        return preset
+    return None
+
+
+@functools.cache
+def with_fallback_precision(fun: Callable, preset: Any) -> Callable:
+    """``fun`` with the fallback ``jax.nn.dot_product_attention`` applies outside jit, so that it
+    can be jit-compiled where the compiler rejects the dot algorithm ``preset``.
+
+    The library computes its logits with ``einsum(..., precision=F16_F16_F32)`` in float16, and
+    if that raises (XLA:CPU rejects the algorithm when it compiles the einsum eagerly) it runs the
+    same einsum with ``precision=None``.  Under ``jax.jit`` nothing raises while tracing, and the
+    whole function fails to compile.  The wrapper traces ``fun`` to a jaxpr, sets
+    ``precision=None`` on every ``dot_general`` that asks for ``preset`` (the algorithm
+    :func:`rejected_algorithm` found rejected), and evaluates the result: exactly the eager
+    fallback, compiled.  With ``preset`` None it is ``fun`` itself.
+    """
+    if preset is None:
+        return fun
+    rejected = frozenset([preset])
+    from jax.extend.core import jaxpr_as_fun
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        closed, shape = jax.make_jaxpr(functools.partial(fun, **kwargs), return_shape=True)(*args)
+        closed = closed.replace(jaxpr=_fallback_dots(closed.jaxpr, rejected))
+        return jax.tree.unflatten(jax.tree.structure(shape), jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
+
+    return wrapped
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.Array:

@@ -73,10 +73,21 @@ def linen_params_to_canonical(params: Mapping[str, Any]) -> dict[str, np.ndarray
 
 def causal_mask(case: Case) -> jax.Array | None:
     """(1, 1, T, S) bool, True where query i may see key j (j <= i + shift), or None if not causal."""
-    cfg, T, S = case.config, case.tgt_len, case.src_len
+    return causal_matrix(case.tgt_len, case.src_len, causal_shift(case))
+
+
+def causal_shift(case: Case) -> int | None:
+    """None when not causal; else how far the diagonal moves right: 0 (top-left) or S - T."""
+    cfg = case.config
     if not cfg.causal:
         return None
-    shift = 0 if cfg.causal_alignment == "top_left" else S - T
+    return 0 if cfg.causal_alignment == "top_left" else case.src_len - case.tgt_len
+
+
+def causal_matrix(T: int, S: int, shift: int | None) -> jax.Array | None:
+    """(1, 1, T, S) bool by ``nn.make_attention_mask``: query i + ``shift`` >= key j; None for no shift."""
+    if shift is None:
+        return None
     return nn.make_attention_mask(
         query_input=jnp.arange(T)[None] + shift, key_input=jnp.arange(S)[None],
         pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
@@ -84,8 +95,11 @@ def causal_mask(case: Case) -> jax.Array | None:
 
 
 def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, value: jax.Array,
-          mask: jax.Array | None) -> dict[str, jax.Array]:
-    """Call the layer once; return its output and what it exposes on the way (jit-compiled, ``layer`` static)."""
+          mask: jax.Array | None, causal_shift: int | None = None) -> dict[str, jax.Array]:
+    """Call the layer once; return its output and what it exposes on the way (jit-compiled,
+    ``layer`` and ``causal_shift`` static).  ``mask``: the case's (True = may attend), ANDed here
+    by ``nn.combine_masks`` with the causal mask of ``causal_shift`` (:func:`causal_matrix`)."""
+    mask = nn.combine_masks(mask, causal_matrix(query.shape[1], key.shape[1], causal_shift), dtype=jnp.bool_)
     out_inputs = []
 
     def read_out_input(next_fun, args, kwargs, context):  # the (B, T, H, D) array fed to W^O
@@ -99,15 +113,12 @@ def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, valu
             sow_weights=True, capture_intermediates=True, mutable=["intermediates"],
         )
     inter = state["intermediates"]
-    x = out_inputs[0]
-    B, T = x.shape[:2]
     return {
-        "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
-        "k_proj": inter["key"]["__call__"][0].reshape(B, key.shape[1], -1),
-        "v_proj": inter["value"]["__call__"][0].reshape(B, value.shape[1], -1),
+        "q_proj": inter["query"]["__call__"][0],  # (B, T, H, D): the heads merged by the caller (numpy)
+        "k_proj": inter["key"]["__call__"][0],
+        "v_proj": inter["value"]["__call__"][0],
         "attn_weights": inter["attention_weights"][0],
-        "head_outputs": x.transpose(0, 2, 1, 3),
-        "concat": x.reshape(B, T, -1),
+        "head_outputs": out_inputs[0],  # (B, T, H, D)
         "output": y,
     }
 
@@ -140,10 +151,13 @@ class FlaxLinenAdapter:
                 dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), deterministic=True,
             )
             params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
-            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
-            mask = nn.combine_masks(mask, causal_mask(case), dtype=jnp.bool_)
-            stages = compiled(apply, ("layer",), use_fast_compile(self.device, self.fast_compile))(
+            stages = to_numpy(compiled(apply, ("layer", "causal_shift"), use_fast_compile(self.device, self.fast_compile))(
                 layer, params, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
-                to_jax(case.inputs.value, dtype), mask,
-            )
-            return to_numpy(stages)
+                to_jax(case.inputs.value, dtype), to_jax(case.inputs.mask), causal_shift=causal_shift(case),
+            ))
+        B, T = case.batch, case.tgt_len  # the heads merged here, in numpy: reshapes cost no compilation
+        for name in ("q_proj", "k_proj", "v_proj"):
+            stages[name] = stages[name].reshape(*stages[name].shape[:2], -1)
+        heads = stages.pop("head_outputs")  # (B, T, H, D), the input of W^O
+        stages["head_outputs"], stages["concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
+        return stages

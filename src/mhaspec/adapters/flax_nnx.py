@@ -49,9 +49,11 @@ from ._jax_common import (
     flax_layer_limits,
     flax_to_canonical,
     jax_dtype,
+    rejected_algorithm,
     to_jax,
     to_numpy,
     use_fast_compile,
+    with_fallback_precision,
 )
 
 _FULLY_MASKED = (
@@ -90,10 +92,17 @@ def nnx_state_to_canonical(state: Any) -> dict[str, np.ndarray]:
 
 def nnx_mask(case: Case) -> tuple[jax.Array | None, bool]:
     """(boolean mask of shape (B, 1, T, S) or None, is_causal); True = may attend."""
-    cfg, B, T, S = case.config, case.batch, case.tgt_len, case.src_len
+    cfg = case.config
     mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # (B, 1, 1|T, S)
-    is_causal = cfg.causal and cfg.causal_alignment == "top_left"
-    if cfg.causal and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
+    return layer_mask(mask, case.batch, case.tgt_len, case.src_len, cfg.causal, cfg.causal_alignment)
+
+
+def layer_mask(mask: jax.Array | None, B: int, T: int, S: int, causal: bool,
+               alignment: str) -> tuple[jax.Array | None, bool]:
+    """:func:`nnx_mask` from the case's mask (B, 1, 1|T, S) or None, its shape and causal flags
+    (traced inside the compiled forward, so that no eager op compiles for each case's shape)."""
+    is_causal = causal and alignment == "top_left"
+    if causal and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
         bottom_right = nnx.make_attention_mask(
             query_input=jnp.arange(T)[None] + (S - T), key_input=jnp.arange(S)[None],
             pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
@@ -115,10 +124,19 @@ def forward(layer: nnx.MultiHeadAttention, query: jax.Array, key: jax.Array, val
 def forward_split(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, value: jax.Array,
                   mask: jax.Array | None, is_causal: bool, sow_weights: bool) -> tuple[jax.Array, dict]:
     """:func:`forward` on ``nnx.merge(graphdef, state)``: the functional form ``jax.jit`` compiles
-    (``graphdef`` static).  The fast path in float16 on CPU runs :func:`forward` eagerly instead:
-    jax.nn.dot_product_attention asks for precision F16_F16_F32, which XLA:CPU rejects when
-    compiling; its fallback to the default precision only catches that error outside jit."""
+    (``graphdef`` static)."""
     return forward(nnx.merge(graphdef, state), query, key, value, mask, is_causal, sow_weights)
+
+
+def forward_case(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, value: jax.Array,
+                 mask: jax.Array | None, *, causal: bool, alignment: str, sow_weights: bool) -> tuple[jax.Array, dict]:
+    """:func:`forward_split` with the case's mask made into the layer's (:func:`layer_mask`) inside
+    the trace; what :meth:`FlaxNNXAdapter.run` compiles (everything but the arrays static).  In
+    float16 on CPU the fast path goes through :func:`~._jax_common.with_fallback_precision`:
+    jax.nn.dot_product_attention asks for the dot algorithm F16_F16_F32, which XLA:CPU rejects
+    when compiling, and its fallback to the default precision only catches that error outside jit."""
+    mask, is_causal = layer_mask(mask, query.shape[0], query.shape[1], key.shape[1], causal, alignment)
+    return forward_split(graphdef, state, query, key, value, mask, is_causal, sow_weights)
 
 
 class FlaxNNXAdapter:
@@ -155,25 +173,24 @@ class FlaxNNXAdapter:
             nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype), params))
             nnx.update(layer, state)
 
-            mask, is_causal = nnx_mask(case)
             inputs = (to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype), to_jax(case.inputs.value, dtype))
-            if not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu":
-                y, inter = forward(layer, *inputs, mask, is_causal, self.sow_weights)  # eager: see forward_split
-            else:
-                jitted = compiled(forward_split, ("graphdef", "is_causal", "sow_weights"),
-                                  use_fast_compile(self.device, self.fast_compile))
-                graphdef, params = nnx.split(layer)
-                y, inter = jitted(graphdef, params, *inputs, mask, is_causal=is_causal, sow_weights=self.sow_weights)
-            B, T, S = case.batch, case.tgt_len, case.src_len
-            stages = {
-                "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
-                "k_proj": inter["key"]["__call__"][0].reshape(B, S, -1),
-                "v_proj": inter["value"]["__call__"][0].reshape(B, S, -1),
-                "output": y,
-            }
-            if self.sow_weights:
-                stages["attn_weights"] = inter["attention_weights"][0]
-            return to_numpy(stages)
+            fun = forward_case if self.sow_weights else with_fallback_precision(
+                forward_case, rejected_algorithm(self.device, dtype))  # the fast path calls dot_product_attention
+            jitted = compiled(fun, ("graphdef", "causal", "alignment", "sow_weights"),
+                              use_fast_compile(self.device, self.fast_compile))
+            graphdef, params = nnx.split(layer)
+            y, inter = to_numpy(jitted(graphdef, params, *inputs, to_jax(case.inputs.mask), causal=cfg.causal,
+                                       alignment=cfg.causal_alignment, sow_weights=self.sow_weights))
+        B, T, S = case.batch, case.tgt_len, case.src_len  # the heads merged here, in numpy
+        stages = {
+            "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
+            "k_proj": inter["key"]["__call__"][0].reshape(B, S, -1),
+            "v_proj": inter["value"]["__call__"][0].reshape(B, S, -1),
+            "output": y,
+        }
+        if self.sow_weights:
+            stages["attn_weights"] = inter["attention_weights"][0]
+        return stages
 
 
 class FlaxNNXFastAdapter(FlaxNNXAdapter):

@@ -14,12 +14,12 @@ a boolean mask instead.  The fused call exposes neither scores nor weights.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case
 from .base import Deviation
-from ._jax_common import compiled, computing_in, linear, to_jax, to_numpy, use_fast_compile, vjp_stages
+from ._jax_common import (compiled, computing_in, linear, rejected_algorithm, to_jax, to_numpy, use_fast_compile,
+                          vjp_stages, with_fallback_precision)
 
 _SOFTMAX_F32 = (
     "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
@@ -63,52 +63,25 @@ def mha(
     }
 
 
-#: :func:`mha` is jit-compiled with these static arguments.  float16 on CPU cannot be: the core
-#: asks dot_general for precision F16_F16_F32, which XLA:CPU rejects when compiling, and its
-#: try/except fallback to the default precision only catches that error outside jit.  There the
-#: forward compiles the projections (:func:`project`) and W^O (:func:`finish`) and calls
-#: :func:`attend` eagerly between them; the backward runs eagerly.
+#: :func:`mha` is jit-compiled with these static arguments.  In float16 on CPU through
+#: :func:`~._jax_common.with_fallback_precision`: the core asks dot_general for the algorithm
+#: F16_F16_F32, which XLA:CPU rejects when compiling, and the library's fallback to the default
+#: precision only catches that error outside jit; the wrapper applies that same fallback to the
+#: traced function.  The backward runs eagerly there.
 STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
 
 
-def project(query: jax.Array, key: jax.Array, value: jax.Array, weights: dict, *, dtype: str) -> tuple[jax.Array, ...]:
-    """The jnp projections: (q (B, T, H·D), k (B, S, G·D), v (B, S, G·E))."""
-    w = weights
-    return (linear(query, w["w_q"], w.get("b_q"), dtype), linear(key, w["w_k"], w.get("b_k"), dtype),
-            linear(value, w["w_v"], w.get("b_v"), dtype))
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-           *, heads: int, kv_heads: int, scale: float, is_causal: bool) -> jax.Array:
-    """``jax.nn.dot_product_attention`` on the projections: encoded (B, T, H, E)."""
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    return jax.nn.dot_product_attention(
-        query=q.reshape(B, T, heads, -1), key=k.reshape(B, S, kv_heads, -1), value=v.reshape(B, S, kv_heads, -1),
-        mask=mask, scale=scale, is_causal=is_causal,
-    )  # BTNH
-
-
-def finish(q: jax.Array, k: jax.Array, v: jax.Array, encoded: jax.Array, weights: dict,
-           *, dtype: str) -> dict[str, jax.Array]:
-    """Concat and the output projection after :func:`attend`; every stage :func:`mha` returns."""
-    concat = encoded.reshape(encoded.shape[0], encoded.shape[1], -1)  # (B, T, H·E)
-    y = linear(concat, weights["w_o"], weights.get("b_o"), dtype)
-    return {
-        "q_proj": q, "k_proj": k, "v_proj": v,
-        "head_outputs": encoded.transpose(0, 2, 1, 3), "concat": concat, "output": y,
-    }
-
-
-def dpa_mask(case: Case) -> tuple[jax.Array | None, bool]:
+def dpa_mask(case: Case) -> tuple[np.ndarray | None, bool]:
     """(boolean mask, is_causal) for jax.nn.dot_product_attention; True = take part, as in the spec.
 
     Top-left causal uses its ``is_causal``; bottom-right (j <= i + S - T) is ANDed into the mask.
+    Built in numpy: an eager jnp op on each case's new shape would cost one XLA compilation.
     """
     cfg, T, S = case.config, case.tgt_len, case.src_len
-    mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # (B, 1, 1|T, S)
+    mask = case.inputs.mask  # (B, 1, 1|T, S)
     if not cfg.causal or cfg.causal_alignment == "top_left":
         return mask, cfg.causal
-    bottom_right = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None, None]  # (1, 1, T, S)
+    bottom_right = (np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T))[None, None]  # (1, 1, T, S)
     return (bottom_right if mask is None else mask & bottom_right), False
 
 
@@ -142,15 +115,12 @@ class JaxDPAAdapter:
         with computing_in(dtype, self.device):
             weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
             mask, is_causal = dpa_mask(case)
-            fast = use_fast_compile(self.device, self.fast_compile)
             inputs = (to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype), to_jax(case.inputs.value, dtype))
-            core = {"heads": cfg.H, "kv_heads": cfg.H_kv, "scale": cfg.scale, "is_causal": is_causal}
-            if dtype == "float16" and jax.devices(self.device)[0].platform == "cpu":
-                q, k, v = compiled(project, ("dtype",), fast)(*inputs, weights, dtype=dtype)
-                encoded = attend(q, k, v, mask, **core)  # eager: see STATIC
-                stages = compiled(finish, ("dtype",), fast)(q, k, v, encoded, weights, dtype=dtype)
-            else:
-                stages = compiled(mha, STATIC, fast)(*inputs, mask, weights, **core, dtype=dtype)
+            layer = with_fallback_precision(mha, rejected_algorithm(self.device, dtype))  # see STATIC
+            stages = compiled(layer, STATIC, use_fast_compile(self.device, self.fast_compile))(
+                *inputs, to_jax(mask), weights, heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, is_causal=is_causal,
+                dtype=dtype,
+            )
             return to_numpy(stages)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:

@@ -100,7 +100,7 @@ class JaxMHAAdapter:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
             weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
-            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # True = may attend
+            mask = to_jax(case.inputs.mask)  # True = may attend
             jitted = compiled(mha, STATIC, use_fast_compile(self.device, self.fast_compile))
             stages = jitted(
                 to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
