@@ -175,4 +175,8 @@ def test_generate_announces_a_large_case_before_computing(tmp_path, capsys, monk
     assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("computing 2 cases with the exact float64 reference; the largest, big (B·H·T·S = 8)")
-    assert out[1].startswith("wrote 2 cases to")
+    assert out[1].startswith("  case 1/2: big (B·H·T·S = 8) …")  # one line as each large case starts; none for small
+    assert out[2].startswith("wrote 2 cases to")
+    assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g"), "--check"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("  case 1/2: big") and out[2].startswith("golden fixtures are current (2 cases")

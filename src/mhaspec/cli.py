@@ -311,9 +311,10 @@ def _generate(args: argparse.Namespace) -> int:
         )
     catalog = load_catalog_file(args.catalog) if args.catalog else CATALOG
     _announce_large(catalog)
+    progress = _large_case_progress(catalog)
     if args.check:
         start = time.perf_counter()
-        drifts = check(args.out, catalog)
+        drifts = check(args.out, catalog, progress)
         if drifts:
             for d in drifts:
                 print(f"drift: {d}")
@@ -322,7 +323,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"golden fixtures are current ({_plural(len(catalog), 'case')}, {time.perf_counter() - start:.2f} s)")
         return 0
     start = time.perf_counter()
-    folder = generate(args.out, catalog)
+    folder = generate(args.out, catalog, progress)
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(f"wrote {_plural(len(catalog), 'case')} to {folder} ({size / 1e6:.2f} MB, {time.perf_counter() - start:.2f} s)")
     return 0
@@ -339,6 +340,21 @@ def _announce_large(catalog) -> None:
     if biggest is not None and size(biggest) >= LARGE_CASE:
         print(f"computing {_plural(len(catalog), 'case')} with the exact float64 reference; the largest, "
               f"{biggest.id} (B·H·T·S = {size(biggest):,}), takes a while …", flush=True)
+
+
+def _large_case_progress(catalog):
+    """A ``progress(spec)`` for generate/check that prints one line before each large case (with
+    its position and the time so far), so a log shows which case a long computation is on."""
+    size = lambda s: s.batch * s.config.H * s.tgt_len * s.src_len  # noqa: E731
+    position = {spec.id: i for i, spec in enumerate(catalog, 1)}
+    start = time.perf_counter()
+
+    def progress(spec) -> None:
+        if size(spec) >= LARGE_CASE:
+            print(f"  case {position[spec.id]}/{len(catalog)}: {spec.id} (B·H·T·S = {size(spec):,}) "
+                  f"… [{time.perf_counter() - start:.1f} s so far]", flush=True)
+
+    return progress
 
 
 def _plural(n: int, noun: str) -> str:

@@ -26,7 +26,7 @@ one more compilation (about 30 ms each).
 ``jax.nn.dot_product_attention`` asks for the dot algorithm ``F16_F16_F32``
 in float16, which XLA:CPU rejects when it compiles; the library catches that
 and falls back to the default precision, but only outside ``jax.jit``.
-:func:`with_fallback_precision` applies the same fallback to a traced
+:func:`fallback_precision` applies the same fallback to a traced
 function, so it can be jit-compiled (see its doc).
 
 Flax layout (``flax.linen.MultiHeadDotProductAttention`` params and
@@ -160,8 +160,7 @@ def rejected_algorithm(device: str, dtype: str) -> Any:
     return None
 
 
-@functools.cache
-def with_fallback_precision(fun: Callable, preset: Any) -> Callable:
+def fallback_precision(fun: Callable, preset: Any) -> Callable:
     """``fun`` with the fallback ``jax.nn.dot_product_attention`` applies outside jit, so that it
     can be jit-compiled where the compiler rejects the dot algorithm ``preset``.
 
@@ -185,6 +184,11 @@ def with_fallback_precision(fun: Callable, preset: Any) -> Callable:
         return jax.tree.unflatten(jax.tree.structure(shape), jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
 
     return wrapped
+
+
+#: :func:`fallback_precision`, one wrapper per function: what ``compiled`` (whose cache is keyed
+#: on the function) is given for a module-level function.
+with_fallback_precision = functools.cache(fallback_precision)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.Array:

@@ -163,10 +163,11 @@ class FlaxNNXAdapter:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
             kv_heads = {"num_kv_heads": cfg.H_kv} if HAS_KV_HEADS else {}
-            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(  # abstract: no random init to compute
+            zeros = nnx.initializers.zeros_init()  # every parameter is replaced: the cheapest initializer to trace
+            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(  # abstract: no init to compute
                 num_heads=cfg.H, in_features=cfg.d_model, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out,
                 in_kv_features=cfg.kdim, use_bias=cfg.bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype),
-                decode=False, rngs=nnx.Rngs(0), **kv_heads,
+                decode=False, kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0), **kv_heads,
             ))
             state = nnx.state(layer, nnx.Param)
             params = canonical_to_nnx_state(case.weights, cfg)

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..spec import Case
 from .base import Deviation
-from ._jax_common import (compiled, computing_in, linear, rejected_algorithm, to_jax, to_numpy, use_fast_compile,
-                          vjp_stages, with_fallback_precision)
+from ._jax_common import (compiled, computing_in, fallback_precision, linear, rejected_algorithm, to_jax, to_numpy,
+                          use_fast_compile, vjp_stages, with_fallback_precision)
 
 _SOFTMAX_F32 = (
     "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
@@ -67,7 +67,7 @@ def mha(
 #: :func:`~._jax_common.with_fallback_precision`: the core asks dot_general for the algorithm
 #: F16_F16_F32, which XLA:CPU rejects when compiling, and the library's fallback to the default
 #: precision only catches that error outside jit; the wrapper applies that same fallback to the
-#: traced function.  The backward runs eagerly there.
+#: traced function (in the forward and, differentiated, in the backward).
 STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
 
 
@@ -136,5 +136,5 @@ class JaxDPAAdapter:
 
             shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
             names = ("q_proj", "k_proj", "v_proj", "head_outputs", "concat")
-            eager = dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"  # see STATIC
-            return vjp_stages(case, output, {s: shapes[s] for s in names}, jit=not eager)
+            output = fallback_precision(output, rejected_algorithm(self.device, dtype))  # see STATIC
+            return vjp_stages(case, output, {s: shapes[s] for s in names})

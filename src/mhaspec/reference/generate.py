@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,14 @@ def checked_case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     return tensors
 
 
-def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
-    """Every file of a golden folder, in memory: ``<case>.safetensors`` and ``manifest.json``."""
+def build_files(catalog: Catalog = CATALOG, progress: Callable[[CaseSpec], None] | None = None) -> dict[str, bytes]:
+    """Every file of a golden folder, in memory: ``<case>.safetensors`` and ``manifest.json``;
+    ``progress(spec)`` is called before each case is computed."""
     files: dict[str, bytes] = {}
     entries: list[ManifestEntry] = []
     for spec in catalog:
+        if progress is not None:
+            progress(spec)
         data = encode_case(spec, checked_case_tensors(spec))
         name = f"{spec.id}.safetensors"
         files[name] = data
@@ -88,11 +92,12 @@ def build_files(catalog: Catalog = CATALOG) -> dict[str, bytes]:
     return files
 
 
-def generate(out: Path | str | None = None, catalog: Catalog = CATALOG) -> Path:
+def generate(out: Path | str | None = None, catalog: Catalog = CATALOG,
+             progress: Callable[[CaseSpec], None] | None = None) -> Path:
     """Write the golden folder for ``catalog`` into ``out`` (default: the package's own).
 
     The package's shipped fixtures come only from the built-in catalog: another
-    catalog needs an ``out`` folder of its own.
+    catalog needs an ``out`` folder of its own.  ``progress(spec)``: before each case is computed.
     """
     folder = Path(out) if out is not None else DEFAULT_GOLDEN
     if catalog is not CATALOG and folder.absolute().resolve() == DEFAULT_GOLDEN.resolve():
@@ -101,7 +106,7 @@ def generate(out: Path | str | None = None, catalog: Catalog = CATALOG) -> Path:
             "(they come only from the built-in catalog); give --out DIR"
         )
     check_replaceable(folder.absolute())  # fail before computing; checked again under the lock
-    write_folder_atomically(folder, build_files(catalog))
+    write_folder_atomically(folder, build_files(catalog, progress))
     return folder
 
 
@@ -116,15 +121,17 @@ class Drift:
         return f"{self.case}: {self.detail}"
 
 
-def check(folder: Path | str | None = None, catalog: Catalog = CATALOG) -> list[Drift]:
+def check(folder: Path | str | None = None, catalog: Catalog = CATALOG,
+          progress: Callable[[CaseSpec], None] | None = None) -> list[Drift]:
     """Recompute everything in memory and compare with ``folder``; write nothing.
 
     Returns one :class:`Drift` per case and tensor that differs (empty: current).
+    ``progress(spec)``: before each case is computed.
     """
     folder = Path(folder) if folder is not None else DEFAULT_GOLDEN
     if not folder.is_dir():
         raise FixtureError(f"{folder}: golden folder does not exist")
-    fresh = build_files(catalog)
+    fresh = build_files(catalog, progress)
     drifts: list[Drift] = []
     on_disk = {p.name for p in folder.iterdir() if p.is_file()}
     for name in sorted(on_disk - set(fresh)):
