@@ -248,3 +248,49 @@ def test_user_example_adapter_conforms() -> None:
                            dtypes=["float64", "float32"], cases=["self_basic", "key_padding", "gqa"])
     assert report.ok, str(report)
     assert report.result("gqa", "float32").verdict == "unsupported"
+
+
+# -- speed: one compilation per case × dtype, float16 dot_product_attention compiled ------------
+
+
+def test_float16_dot_product_attention_compiles_through_the_librarys_own_fallback() -> None:
+    """Plain jit of jax.nn.dot_product_attention fails in float16 on CPU exactly when
+    rejected_algorithm says so, and fallback_precision's compiled result is the eager one, bit for bit."""
+    from mhaspec.adapters._jax_common import FAST_COMPILE, fallback_precision, rejected_algorithm
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.integers(-8, 9, (2, 5, 2, 4)) / 8, dtype=jnp.float16) for _ in range(3))
+    preset = rejected_algorithm("cpu", "float16")
+    try:
+        jax.jit(jax.nn.dot_product_attention).lower(q, k, v).compile()
+        plain = True
+    except ValueError:
+        plain = False
+    assert plain == (preset is None)
+    assert rejected_algorithm("cpu", "bfloat16") is None and rejected_algorithm("cpu", "float32") is None
+    eager = np.asarray(jax.nn.dot_product_attention(q, k, v))  # the library's try/except falls back here
+    for options in (None, FAST_COMPILE):
+        compiled = jax.jit(fallback_precision(jax.nn.dot_product_attention, preset), compiler_options=options)
+        np.testing.assert_array_equal(np.asarray(compiled(q, k, v)), eager)
+
+
+@pytest.mark.parametrize("name", [*ADAPTERS, "flax-nnx-fast"])
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_one_compilation_per_case(name: str, dtype: str) -> None:
+    """A case of new shapes costs one XLA compilation, its layer's: no eager jnp op compiles for
+    its shapes (inputs, masks and reshapes stay out of XLA)."""
+    adapter = load_adapter(name)
+    adapter.run(masked_case(dtype, T=2, S=3, causal="bottom_right"))  # first-call compilations (once per process)
+    compiles = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = adapter.run(masked_case(dtype, T=7, S=11, causal="bottom_right"))  # shapes no other test uses
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert out["output"].shape == (2, 7, 6)
+    assert len(compiles) == 1

@@ -24,7 +24,7 @@ the results happen in numpy.  An eager ``jnp`` call on a new shape would be
 one more compilation (about 30 ms each).
 
 ``jax.nn.dot_product_attention`` asks for the dot algorithm ``F16_F16_F32``
-in float16, which XLA:CPU rejects when it compiles; the library catches that
+in float16, which JAX refuses to lower for CPU; the library catches that
 and falls back to the default precision, but only outside ``jax.jit``.
 :func:`fallback_precision` applies the same fallback to a traced
 function, so it can be jit-compiled (see its doc).
@@ -146,26 +146,32 @@ DPA_ALGORITHMS = {"float16": "F16_F16_F32", "bfloat16": "BF16_BF16_F32"}
 
 @functools.cache
 def rejected_algorithm(device: str, dtype: str) -> Any:
-    """The dot algorithm preset ``jax.nn.dot_product_attention`` asks for in ``dtype`` if the
-    ``device``'s compiler rejects it (XLA:CPU in float16), else None: found by compiling a 1×1 dot."""
+    """The dot algorithm preset ``jax.nn.dot_product_attention`` asks for in ``dtype`` if JAX
+    refuses to lower it for ``device``'s platform, else None.
+
+    Found by lowering a 1×1 dot with it (no compilation): JAX's lowering of ``dot_general``
+    (``_handle_dot_precision`` in jax/_src/lax/lax.py) raises ValueError on CPU for any preset
+    but DEFAULT, F16_F16_F16, F32_F32_F32, F64_F64_F64 and BF16_BF16_F32(_X3/_X6): float16's
+    F16_F16_F32 is refused, bfloat16's BF16_BF16_F32 is not.
+    """
     name = DPA_ALGORITHMS.get(dtype)
     if name is None:
         return None
     preset = getattr(jax.lax.DotAlgorithmPreset, name)
     x = jax.ShapeDtypeStruct((1, 1), jax_dtype(dtype), sharding=jax.sharding.SingleDeviceSharding(jax.devices(device)[0]))
     try:
-        jax.jit(lambda a, b: jax.lax.dot(a, b, precision=preset, preferred_element_type=jnp.float32)).lower(x, x).compile()
-    except Exception:  # noqa: BLE001  whatever XLA raises for an algorithm it does not support
+        jax.jit(lambda a, b: jax.lax.dot(a, b, precision=preset, preferred_element_type=jnp.float32)).lower(x, x)
+    except ValueError:
         return preset
     return None
 
 
 def fallback_precision(fun: Callable, preset: Any) -> Callable:
     """``fun`` with the fallback ``jax.nn.dot_product_attention`` applies outside jit, so that it
-    can be jit-compiled where the compiler rejects the dot algorithm ``preset``.
+    can be jit-compiled where JAX refuses to lower the dot algorithm ``preset``.
 
     The library computes its logits with ``einsum(..., precision=F16_F16_F32)`` in float16, and
-    if that raises (XLA:CPU rejects the algorithm when it compiles the einsum eagerly) it runs the
+    if that raises (on CPU, JAX refuses to lower that algorithm when the eager einsum compiles) it runs the
     same einsum with ``precision=None``.  Under ``jax.jit`` nothing raises while tracing, and the
     whole function fails to compile.  The wrapper traces ``fun`` to a jaxpr, sets
     ``precision=None`` on every ``dot_general`` that asks for ``preset`` (the algorithm

@@ -133,8 +133,8 @@ def forward_case(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, va
     """:func:`forward_split` with the case's mask made into the layer's (:func:`layer_mask`) inside
     the trace; what :meth:`FlaxNNXAdapter.run` compiles (everything but the arrays static).  In
     float16 on CPU the fast path goes through :func:`~._jax_common.with_fallback_precision`:
-    jax.nn.dot_product_attention asks for the dot algorithm F16_F16_F32, which XLA:CPU rejects
-    when compiling, and its fallback to the default precision only catches that error outside jit."""
+    jax.nn.dot_product_attention asks for the dot algorithm F16_F16_F32, which JAX refuses to lower
+    for CPU, and its fallback to the default precision only catches that error outside jit."""
     mask, is_causal = layer_mask(mask, query.shape[0], query.shape[1], key.shape[1], causal, alignment)
     return forward_split(graphdef, state, query, key, value, mask, is_causal, sow_weights)
 

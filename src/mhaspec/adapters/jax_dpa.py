@@ -65,7 +65,7 @@ def mha(
 
 #: :func:`mha` is jit-compiled with these static arguments.  In float16 on CPU through
 #: :func:`~._jax_common.with_fallback_precision`: the core asks dot_general for the algorithm
-#: F16_F16_F32, which XLA:CPU rejects when compiling, and the library's fallback to the default
+#: F16_F16_F32, which JAX refuses to lower for CPU, and the library's fallback to the default
 #: precision only catches that error outside jit; the wrapper applies that same fallback to the
 #: traced function (in the forward and, differentiated, in the backward).
 STATIC = ("heads", "kv_heads", "scale", "is_causal", "dtype")
