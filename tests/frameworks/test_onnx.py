@@ -385,3 +385,29 @@ def test_torch_onnx_conforms_on_a_few_cases(torch_onnx) -> None:
     for case_id in cases:
         assert all(st.verdict == "pass" for st in report.result(case_id, "float32").stages), case_id
         assert report.result(case_id, "bfloat16").verdict == "unsupported"
+
+
+def test_torch_onnx_legacy_conforms_without_deviations(torch_onnx) -> None:
+    # The TorchScript exporter keeps the float64 scale a double: the dynamo exporter's
+    # deviation is not there.
+    cases = ["large_logits", "causal_bottom_right_t_gt_s", "custom_mask", "gqa"]
+    report = mhaspec.check("torch-onnx-legacy", cases=cases)
+    assert report.ok, str(report)
+    for case_id in cases:
+        for dtype in ("float64", "float32", "float16"):
+            assert report.result(case_id, dtype).verdict == "pass", (case_id, dtype)
+        assert report.result(case_id, "bfloat16").verdict == "unsupported"
+    dynamo = mhaspec.check("torch-onnx", dtypes=["float64"], cases=["large_logits"])
+    assert dynamo.result("large_logits", "float64").verdict == "known deviation"
+
+
+@pytest.mark.parametrize("case_id", ["custom_head_dims", "gqa", "cross_attention", "no_bias"])
+def test_torch_onnx_legacy_weights_read_back_from_the_export(torch_onnx, case_id: str) -> None:
+    case = golden_case(case_id)
+    model = torch_onnx.export_model_legacy(case.config, "float64", case.weights, batch=1, tgt_len=2, src_len=3)
+    assert_same_weights(torch_onnx.legacy_initializers_to_canonical(model), case.weights.as_dict())
+    ops = {n.op_type for n in model.graph.node}
+    assert "Attention" not in ops and {"MatMul", "Mul", "Softmax"} <= ops
+    scale = [n for n in model.graph.node if n.op_type == "Constant"
+             and n.attribute[0].t.data_type == TensorProto.DOUBLE and not n.attribute[0].t.dims]
+    assert any(numpy_helper.to_array(n.attribute[0].t) == case.config.scale for n in scale), "a double scale"

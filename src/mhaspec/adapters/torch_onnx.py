@@ -13,10 +13,14 @@ takes to deploy.
         ▼
     onnxruntime InferenceSession (CPU) ──► all eight stages, named as the spec names them
 
-The graph is exported once per structure (config, dtype, B, T, S, mask shape)
-with zero weights and kept; each case's weights are written into its
-initializers by :func:`canonical_to_initializers` (the ``nn.Linear`` layout:
-``q_proj.weight = w_q.T`` …), so a wrong converter fails the run.
+The graph is exported once per structure (config, B, T, S, mask shape) with
+zero weights and kept: the float64, float32 and float16 modules side by side in
+one ``torch.onnx.export`` (:func:`export_models`; most of an export's time does
+not grow with the module), cut into one graph per dtype — each, node for node,
+the export of that dtype's module alone (tested) — and the torchlib registry
+built once per process (:func:`_registry_reused`).  Each case's weights are
+written into its initializers by :func:`canonical_to_initializers` (the
+``nn.Linear`` layout: ``q_proj.weight = w_q.T`` …), so a wrong converter fails the run.
 ``optimize=False`` keeps the initializers under the module's parameter names
 (the default optimizer folds the weight transposes into new initializers
 named ``val_N``); onnxruntime folds those Transpose nodes itself when it loads
@@ -25,11 +29,17 @@ computes bit-identical stages.
 
 The mask is the spec's (True = may attend), ``(B|1, 1, T, S)``; the module
 ANDs the causal mask in, in the config's alignment.
+
+``torch-onnx-legacy`` (:class:`TorchOnnxLegacyAdapter`) exports the same module
+with the TorchScript-based exporter (``dynamo=False``, deprecated since torch
+2.9), once per case × dtype with the case's weights; it keeps the float64 scale
+a double.  docs/onnx.md describes both graphs and their run times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -102,9 +112,10 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _module(config: MHAConfig, dtype: str, weights: Weights | Mapping[str, Any] | None) -> MultiHeadAttention:
+def _module(config: MHAConfig, dtype: str, weights: Weights | Mapping[str, Any] | None,
+            cls: type[MultiHeadAttention] = MultiHeadAttention) -> MultiHeadAttention:
     """:class:`MultiHeadAttention` for ``config`` in ``dtype`` with ``weights`` (default: zeros), in eval mode."""
-    module = torch.nn.utils.skip_init(MultiHeadAttention, **config.model_dump(), dtype=torch_dtype(dtype))
+    module = torch.nn.utils.skip_init(cls, **config.model_dump(), dtype=torch_dtype(dtype))
     if weights is None:
         module.load_state_dict({k: torch.zeros_like(v) for k, v in module.state_dict().items()})
     else:
@@ -231,12 +242,13 @@ def export_models(
 ) -> dict[str, onnx.ModelProto]:
     """:func:`export_model` for each of ``dtypes`` (zero weights), from ONE ``torch.onnx.export``.
 
-    The modules of every dtype are exported side by side in one graph (about 1.2 s here
-    instead of about 1 s per dtype: most of an export's time does not grow with the
-    module), then the graph is cut into one model per dtype with
+    The modules of every dtype are exported side by side in one graph (about 1.0 s of CPU
+    here for three, against 0.5 s for one: most of an export's time does not grow with
+    the module), then the graph is cut into one model per dtype with
     :func:`split_side_by_side`: the exporter's nodes for that dtype, untouched, with the
-    ``{dtype}.`` (parameters: ``by_dtype.{dtype}.``) prefix taken off the names.  tests/frameworks/test_onnx.py checks that each
-    is, node for node, the graph :func:`export_model` gives for that dtype alone.
+    ``{dtype}.`` (parameters: ``by_dtype.{dtype}.``) prefix taken off the names.
+    tests/frameworks/test_onnx.py checks that each is, node for node, the graph
+    :func:`export_model` gives for that dtype alone.
     """
     masked = mask_shape is not None
     modules = {dtype: _module(config, dtype, None) for dtype in dtypes}
@@ -303,6 +315,19 @@ def case_mask(case: Case) -> np.ndarray | None:
     return np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (case.tgt_len, case.src_len)), dtype=bool)
 
 
+def _feed(case: Case, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The graph's inputs for ``case``: ``query, key, value`` in the case's dtype[, ``mask``]."""
+    query = to_dtype(case.inputs.query, case.dtype)
+    feed = {
+        "query": query,
+        "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
+        "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
+    }
+    if mask is not None:
+        feed["mask"] = mask
+    return feed
+
+
 class TorchOnnxAdapter:
     """The ``torch-onnx`` adapter: the exported ``torch`` module on onnxruntime's CPU provider."""
 
@@ -346,18 +371,99 @@ class TorchOnnxAdapter:
                     self.exports += 1
                     exported[case.dtype] = export_model(case.config, case.dtype, **shape)
             model = replace_initializers(exported[case.dtype], canonical_to_initializers(case.weights, case.dtype))
-        query = to_dtype(case.inputs.query, case.dtype)
-        feed = {
-            "query": query,
-            "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
-            "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
-        }
-        if mask is not None:
-            feed["mask"] = mask
-        return model, feed
+        return model, _feed(case, mask)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         model, feed = self.model(case)
         self.sessions += 1
         results = ort_session(model, self.threads).run(list(STAGES), feed)
         return dict(zip(STAGES, results))
+
+
+# -- the TorchScript exporter (torch-onnx-legacy) --------------------------------------
+
+
+class _StagesTuple(MultiHeadAttention):
+    """:class:`MultiHeadAttention` whose ``forward(query, key, value[, mask])`` returns the eight
+    stages as a tuple (the TorchScript exporter takes positional inputs and flat outputs)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        stages = super().forward(query, key, value, mask, return_stages=True)
+        return tuple(stages[s] for s in STAGES)  # type: ignore[index]
+
+
+def export_model_legacy(
+    config: MHAConfig,
+    dtype: str,
+    weights: Weights | Mapping[str, Any],
+    *,
+    batch: int,
+    tgt_len: int,
+    src_len: int,
+    mask_shape: tuple[int, ...] | None = None,
+    opset: int = EXPORT_OPSET,
+) -> onnx.ModelProto:
+    """:class:`MultiHeadAttention` for ``config`` in ``dtype`` with ``weights``, exported by the
+    TorchScript-based exporter, ``torch.onnx.export(..., dynamo=False)`` (deprecated since
+    torch 2.9, still there in 2.13); inputs ``query, key, value[, mask]``, outputs the eight stages.
+
+    The exporter folds constants: each weight's transpose becomes an initializer of its
+    own (``onnx::MatMul_N``, canonical layout ``(in, out)``); the biases keep their
+    parameter names.  :func:`legacy_initializers_to_canonical` reads them back.
+    """
+    module = _module(config, dtype, weights, _StagesTuple)
+    args = _example(config, dtype, batch, tgt_len, src_len, mask_shape)
+    buffer = io.BytesIO()
+    with _quiet():
+        torch.onnx.export(module, tuple(args), buffer, dynamo=False, opset_version=opset,
+                          input_names=list(_INPUTS[: len(args)]), output_names=list(STAGES))
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def legacy_initializers_to_canonical(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """A TorchScript export's weights -> canonical float64 weights.
+
+    The folded weight of a projection is the second input of the ``MatMul`` that reads the
+    graph input ``query`` (``w_q``), ``key`` (``w_k``), ``value`` (``w_v``), or anything else
+    (``w_o``, which reads the concatenated heads); it is already ``(in, out)``.  Biases are
+    ``q_proj.bias`` … by name.
+    """
+    graph = model.graph
+    arrays = initializer_arrays(graph)
+    by_input = {"query": "w_q", "key": "w_k", "value": "w_v"}
+    out: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in arrays:
+            name = by_input.get(node.input[0], "w_o")
+            if name in out:
+                raise ValueError(f"legacy export: two MatMul weights read as {name!r} ({node.input[1]!r})")
+            out[name] = arrays[node.input[1]]
+    for (_, b_name), prefix in LINEAR_NAMES.items():
+        if f"{prefix}.bias" in arrays:
+            out[b_name] = arrays[f"{prefix}.bias"]
+    return out
+
+
+class TorchOnnxLegacyAdapter(TorchOnnxAdapter):
+    """The ``torch-onnx-legacy`` adapter: the same module exported by the TorchScript-based
+    exporter (``dynamo=False``), once per case × dtype with the case's weights, run by
+    onnxruntime's CPU provider.  The float64 scale stays a double here: no deviation."""
+
+    name = "torch-onnx-legacy"
+    known_deviations: list[Deviation] = []
+
+    def __init__(self, *, opset: int = EXPORT_OPSET, threads: int = 1) -> None:
+        import onnxruntime  # noqa: F401  (imported here, not in the first case's time budget)
+
+        self.opset, self.optimize, self.threads = opset, False, threads
+        self.exports = self.sessions = 0
+
+    def model(self, case: Case) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The exported graph (with the case's weights), and its input feed."""
+        mask = case_mask(case)
+        self.exports += 1
+        model = export_model_legacy(case.config, case.dtype, case.weights, batch=case.batch, tgt_len=case.tgt_len,
+                                    src_len=case.src_len, mask_shape=None if mask is None else mask.shape,
+                                    opset=self.opset)
+        return model, _feed(case, mask)
