@@ -14,6 +14,12 @@ torch exporters) and onnxruntime sessions made.
 
     python benchmarks/bench_onnx.py                       # all four ONNX adapters
     python benchmarks/bench_onnx.py torch-onnx --reports DIR   # some, keeping their JSON reports
+    python benchmarks/bench_onnx.py --side-by-side        # and check every catalog structure's cut
+
+``--side-by-side`` also checks, for every structure of the catalog, that each
+dtype's cut of the side-by-side export (what ``torch-onnx`` runs) is node for
+node the export of that dtype's module alone (tests/frameworks/test_onnx.py
+checks two structures; this checks all, at four exports each).
 """
 
 from __future__ import annotations
@@ -77,10 +83,38 @@ def measure(name: str, report: str = "") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_side_by_side() -> None:
+    from mhaspec.adapters import torch_onnx
+    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.fixtures import GoldenSet
+
+    seen: set[tuple] = set()
+    same = 0
+    golden = GoldenSet()
+    for case_id in golden.ids():
+        case = golden.load(case_id).case("float32")
+        mask = torch_onnx.case_mask(case)
+        shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
+                     mask_shape=None if mask is None else mask.shape)
+        key = (case.config.model_dump_json(), *shape.values())
+        if key in seen:
+            continue
+        seen.add(key)
+        cuts = torch_onnx.export_models(case.config, **shape)
+        for dtype, cut in cuts.items():
+            alone = torch_onnx.export_model(case.config, dtype, **shape)
+            if graph_structure(cut) != graph_structure(alone):
+                sys.exit(f"{case_id} {dtype}: the side-by-side cut differs from the export of the module alone")
+            same += 1
+    print(f"side by side: {len(seen)} structures, {same} structure × dtype cuts identical to their own export")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="*", default=ADAPTERS, help=f"default: {' '.join(ADAPTERS)}")
     parser.add_argument("--reports", metavar="DIR", help="write each run's JSON report to DIR/ADAPTER.json")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="check every catalog structure's side-by-side export against its own exports")
     args = parser.parse_args()
     for name in args.adapters:
         if name not in ADAPTERS:
@@ -97,6 +131,8 @@ def main() -> None:
               f"{r['graphs']} graphs built/exported, {r['sessions']} onnxruntime sessions; "
               f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}; "
               f"{'ok' if r['ok'] else 'NOT OK'} ({verdicts})", flush=True)
+    if args.side_by_side:
+        check_side_by_side()
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ def export_model(
 class _SideBySide(torch.nn.Module):
     """One :class:`MultiHeadAttention` per dtype, called one after the other with its own
     inputs: one ``torch.onnx.export`` traces them all.  Parameters are named
-    ``float32.q_proj.weight`` …, inputs ``float32.query`` …, outputs ``float32.scores`` …"""
+    ``by_dtype.float32.q_proj.weight`` …, inputs ``float32.query`` …, outputs ``float32.scores`` …"""
 
     def __init__(self, modules: Mapping[str, MultiHeadAttention], masked: bool) -> None:
         super().__init__()
@@ -382,11 +382,10 @@ class TorchOnnxAdapter:
             key = (case.config.model_dump_json(), *shape.values())
             exported = self._exported.setdefault(key, {})
             if case.dtype not in exported:
+                self.exports += 1
                 if case.dtype in EXPORT_DTYPES:  # every dtype of this structure, from one export
-                    self.exports += 1
                     exported.update(export_models(case.config, EXPORT_DTYPES, **shape))
                 else:
-                    self.exports += 1
                     exported[case.dtype] = export_model(case.config, case.dtype, **shape)
             model = replace_initializers(exported[case.dtype], canonical_to_initializers(case.weights, case.dtype))
         return model, _feed(case, mask)
