@@ -15,14 +15,14 @@ from ..adapters import Deviation, load_adapter
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES
-from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward
+from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
                         worst_case_tolerances)
-from .tolerance_backward import backward_tolerances
+from .tolerance_backward import backward_bounds
 from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
@@ -334,14 +334,14 @@ class Session:
         error = contract_error(returned, golden)
         if error:
             return [], error, seconds
-        bounds = backward_tolerances(golden, dtype, precision=self.precision)
+        bounds = backward_bounds(golden, dtype, precision=self.precision)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
         for res in results:
             if res.verdict == NOT_EXPOSED:
                 continue
 
             def judge(selected: np.ndarray | None, stage: str = res.stage) -> StageResult:
-                return compare_stage(stage, returned[stage], golden.stages[stage], bounds[stage], dtype, selected)
+                return judge_stage(stage, returned[stage], golden, bounds[stage], dtype, self.precision, selected)
 
             visible = golden.visible if res.stage == "d_attn_weights" else None
             self._apply_deviations(res, golden, dtype, visible, judge)
