@@ -25,7 +25,7 @@ reports case × dtype × stage: verdicts, first failing stages, and the largest 
 other in the current interpreter's environment, which has every framework installed: the
 time a warm env spends in its commands, without tox's own packaging.  It prints each
 command's wall and CPU time, each env's total, the sum, and the `tox -p` estimate on
-2 cores: the larger of the longest env and half the total CPU time.  `--tox` runs the
+2 quiet cores: the larger of the env with the most CPU time and half the total.  `--tox` runs the
 real `tox -p` (its envs must exist already: warm) and prints tox's per-env times.
 """
 
@@ -224,11 +224,13 @@ def bench_tox_commands() -> None:
         print(f"  {name:<11} {env_wall:>7.1f} s wall {env_cpu:>7.1f} s CPU  (env total)", flush=True)
     wall = sum(w for w, _ in totals.values())
     cpu = sum(c for _, c in totals.values())
-    longest = max(totals, key=lambda n: totals[n][0])
-    estimate = max(totals[longest][0], cpu / 2)
-    print(f"all envs: {wall:.1f} s wall one after the other, {cpu:.1f} s CPU; longest env {longest} "
-          f"{totals[longest][0]:.1f} s; `tox -p` on 2 quiet cores >= {estimate:.1f} s "
-          f"(+ tox's packaging) (target <= {TARGET_TOX_S:g} s)")
+    longest = max(totals, key=lambda n: totals[n][1])
+    estimate = max(totals[longest][1], cpu / 2)
+    print(f"all envs: {wall:.1f} s wall one after the other, {cpu:.1f} s CPU; most CPU: {longest} "
+          f"{totals[longest][1]:.1f} s; `tox -p` on 2 quiet cores >= {estimate:.1f} s, the larger of that env's "
+          f"and half the total CPU time (+ tox's packaging) (target <= {TARGET_TOX_S:g} s)")
+    for name, (w, c) in sorted(totals.items(), key=lambda item: -item[1][1]):
+        print(f"  {name:<11} {c:>7.1f} s CPU  {100 * c / cpu:>5.1f} %")
 
 
 def bench_tox() -> None:

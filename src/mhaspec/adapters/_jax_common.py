@@ -207,7 +207,8 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
 
 
 def vjp_stages(
-    case: Any, output: Any, tap_shapes: Mapping[str, tuple[int, ...]], *, jit: bool = True
+    case: Any, output: Any, tap_shapes: Mapping[str, tuple[int, ...]], *, jit: bool = True,
+    fast_compile: bool = False,
 ) -> dict[str, np.ndarray]:
     """The backward stages of ``case`` by ``jax.vjp`` (call inside :func:`computing_in`).
 
@@ -216,10 +217,11 @@ def vjp_stages(
     the cotangent of a tap is that stage's gradient.  Self-attention differentiates
     with respect to the one input tensor (``d_query`` is the sum of the three).
     The forward and the pullback are compiled together (``jit``) or run eagerly.
+    ``fast_compile``: jit with :data:`FAST_COMPILE` (check :func:`use_fast_compile` first).
     """
     dtype = case.dtype
     weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
-    taps = {name: jnp.zeros(shape, dtype=jax_dtype(dtype)) for name, shape in tap_shapes.items()}
+    taps = {name: jax.device_put(np.zeros(shape, dtype=jax_dtype(dtype))) for name, shape in tap_shapes.items()}
     query, key, value = (to_jax(x, dtype) for x in (case.inputs.query, case.inputs.key, case.inputs.value))
 
     def gradients(query, key, value, weights, taps, d_output):
@@ -240,7 +242,7 @@ def vjp_stages(
         grads.update({f"d_{name}": g for name, g in d_weights.items()})
         return grads
 
-    run = jax.jit(gradients) if jit else gradients
+    run = jax.jit(gradients, compiler_options=FAST_COMPILE if fast_compile else None) if jit else gradients
     return to_numpy(run(query, key, value, weights, taps, to_jax(case.d_output, dtype)))
 
 

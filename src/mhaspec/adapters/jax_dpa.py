@@ -137,4 +137,5 @@ class JaxDPAAdapter:
             shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
             names = ("q_proj", "k_proj", "v_proj", "head_outputs", "concat")
             output = fallback_precision(output, rejected_algorithm(self.device, dtype))  # see STATIC
-            return vjp_stages(case, output, {s: shapes[s] for s in names})
+            return vjp_stages(case, output, {s: shapes[s] for s in names},
+                              fast_compile=use_fast_compile(self.device, self.fast_compile))

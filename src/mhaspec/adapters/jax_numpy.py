@@ -121,4 +121,5 @@ class JaxMHAAdapter:
                            causal_shift=causal_shift(case), dtype=dtype)["output"]
 
             shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
-            return vjp_stages(case, output, {s: shapes[s] for s in shapes if s != "output"})
+            return vjp_stages(case, output, {s: shapes[s] for s in shapes if s != "output"},
+                              fast_compile=use_fast_compile(self.device, self.fast_compile))
