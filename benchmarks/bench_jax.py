@@ -18,7 +18,7 @@ reports case × dtype × stage: verdicts, first failing stages, and the largest 
     python benchmarks/bench_jax.py                          # every JAX/Flax adapter
     python benchmarks/bench_jax.py jax flax-nnx --before main   # some, before (main) and after
     python benchmarks/bench_jax.py --reports DIR            # keep the reports (for `mhaspec matrix`)
-    python benchmarks/bench_jax.py --tox-commands           # time every tox env's commands in this venv
+    python benchmarks/bench_jax.py --no-adapters --tox-commands [--envs jax,core]   # time tox envs' commands here
     python benchmarks/bench_jax.py --tox                    # time a warm `tox -p` (run it on a quiet machine)
 
 `--tox-commands` runs each env's commands (from tox.ini, with its set_env) one after the
@@ -201,11 +201,13 @@ def tox_envs() -> dict[str, tuple[list[str], dict]]:
     return out
 
 
-def bench_tox_commands() -> None:
+def bench_tox_commands(only: list[str] | None = None) -> None:
     bin_dir = Path(sys.executable).parent
     totals = {}
     print(f"\nevery tox env's commands, one after the other, in this venv ({sys.prefix})")
     for name, (commands, extra) in tox_envs().items():
+        if only and name not in only:
+            continue
         env = environ(ROOT / "src")
         env.update(extra)
         env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--reports", metavar="DIR", help="keep each adapter's JSON report here (for `mhaspec matrix`)")
     parser.add_argument("--no-adapters", action="store_true", help="skip the adapter runs (with --tox or --tox-commands)")
     parser.add_argument("--tox-commands", action="store_true", help="time every tox env's commands in this venv")
+    parser.add_argument("--envs", help="with --tox-commands: only these envs (comma-separated)")
     parser.add_argument("--tox", action="store_true", help="time a warm `tox -p` (its envs must exist)")
     args = parser.parse_args()
 
@@ -258,7 +261,7 @@ def main() -> None:
         if not args.no_adapters:
             bench_adapters(args, Path(tmp))
     if args.tox_commands:
-        bench_tox_commands()
+        bench_tox_commands(args.envs.split(",") if args.envs else None)
     if args.tox:
         bench_tox()
 
