@@ -76,7 +76,7 @@ BACKWARD_ONEDNN_SOFTMAX = "; backward: d_scores = P ⊙ (d_attn_weights − δ) 
 
 #: TensorFlow's CPU reductions of float16 accumulate in float16 (bfloat16 gets a float32 accumulator).
 REDUCE_SUM_FLOAT16 = (
-    "backward: a bias gradient is tf.reduce_sum of the upstream gradient over batch and length, and "
+    "backward: a bias gradient is tf.reduce_sum of the upstream gradient over batch and length (here 21 rows), and "
     "TensorFlow's CPU Sum of float16 accumulates in float16 (reduction_ops.h gives only bfloat16 a float "
     "accumulator: tensorflow/tensorflow#123299, fix proposed in #124049), outside the standard contract's "
     "float32 accumulation; within --precision worst-case"

@@ -204,29 +204,32 @@ _SCALE_INEXACT_IN_FLOAT32 = [s.id for s in CATALOG if float(np.float32(s.config.
 
 
 _BIAS_ADD_GRAD_BF16 = (
-    "backward, bfloat16: Keras adds a bias that squeezes to a vector with tf.nn.bias_add (always b_o; b_q, b_k, b_v "
-    "with one head), whose gradient BiasAddGrad sums in bfloat16 on the CPU (tensorflow/core/kernels/bias_op.cc: "
-    "AccumulatorType gives only Eigen::half a float accumulator; tensorflow/tensorflow#86378), outside the standard "
-    "contract's float32 accumulation"
+    "backward, bfloat16: Keras adds a bias that squeezes to a vector with tf.nn.bias_add (b_o; b_q, b_k, b_v "
+    "with one head, as here: H = 1, 129 rows), whose gradient BiasAddGrad sums in bfloat16 on the CPU "
+    "(tensorflow/core/kernels/bias_op.cc: AccumulatorType gives only Eigen::half a float accumulator; "
+    "tensorflow/tensorflow#86378), outside the standard contract's float32 accumulation"
 )
-#: backward stages downstream of the softmax (d_concat, d_head_outputs, d_attn_weights, d_b_o are not).
-_THROUGH_SOFTMAX = ("d_scores", "d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_[qkv]")
+#: backward stages the float64 scale reaches (d_concat, d_head_outputs, d_attn_weights, d_b_o do not depend on
+#: the scores; nor does d_b_v, Σ_S of d_v_proj = Σ_T d_head_outputs as every row of P sums to 1; d_b_k is ~0);
+#: d_scores only where the layer exposes it (return_attention_scores=True).
+_THROUGH_SCALE = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_q")
+#: where the fused path's uniform rows reach the backward: through P to d_v_proj and what is made of it, through
+#: the forward's concat to d_w_o (its mask is applied with ``where``: no gradient reaches a masked logit).
+_FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
 
 
 def _deviations(stages: tuple[str, ...], fully_masked: bool, softmax: tuple[str, ...]) -> list[Deviation]:
-    """The forward ``stages`` the deviations show in, each carried into the backward stages after it."""
+    """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches."""
+    backward = ("d_scores", *_THROUGH_SCALE) if "attn_weights" in stages else _THROUGH_SCALE
     out = [Deviation(_FULLY_MASKED, stage=s, rows="fully_masked") for s in stages] if fully_masked else []
-    out += [Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights give them gradients and pass "
-                      "gradient to every key", stage=s, rows="fully_masked")
-            for s in _THROUGH_SOFTMAX] if fully_masked else []
+    out += [Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
+                      stage=s, rows="fully_masked") for s in _FULLY_MASKED_BACKWARD] if fully_masked else []
     out += [Deviation(ONEDNN_SOFTMAX, case=c, dtype="float32", stage="attn_weights") for c in softmax]
     out += [Deviation(ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX, case=c, dtype="float32", stage="d_scores")
             for c in softmax]
     out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s)
-            for c in _SCALE_INEXACT_IN_FLOAT32 for s in (*stages, *_THROUGH_SOFTMAX)]
-    out.append(Deviation(_BIAS_ADD_GRAD_BF16, dtype="bfloat16", stage="d_b_o"))
-    out += [Deviation(_BIAS_ADD_GRAD_BF16, case=s.id, dtype="bfloat16", stage=stage)
-            for s in CATALOG for stage, heads in (("d_b_q", s.config.H), ("d_b_[kv]", s.config.H_kv)) if heads == 1]
+            for c in _SCALE_INEXACT_IN_FLOAT32 for s in (*stages, *backward)]
+    out.append(Deviation(_BIAS_ADD_GRAD_BF16, case="tile_crossing", dtype="bfloat16", stage="d_b_v"))
     return out
 
 
