@@ -216,13 +216,16 @@ class FlaxNNXAdapter:
                     setattr(merged, sub, lambda x, inner=inner, tap=taps[stage], **kw: inner(x, **kw) + tap)
                 out = merged.out
                 merged.out = lambda x, **kw: out(x + taps["head_outputs"], **kw)
-                return merged(query, key, value, mask=mask, is_causal=is_causal, sow_weights=self.sow_weights,
-                              deterministic=True)
+                call = nnx.capture(merged, nnx.Intermediate)  # where sow_weights=True sows the weights
+                y, _ = call(query, key, value, mask=mask, is_causal=is_causal, sow_weights=self.sow_weights,
+                            deterministic=True)
+                return y
 
             shapes = {"q_proj": (B, T, H, D), "k_proj": (B, S, G, D), "v_proj": (B, S, G, D),
                       "head_outputs": (B, T, H, D)}
             eager = not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
-            grads = vjp_stages(case, output, shapes, jit=not eager, weights=params, to_canonical=nnx_state_to_canonical,
+            grads = vjp_stages(case, output, shapes, jit=not eager, weights=params,
+                               to_canonical=nnx_state_to_canonical,
                                fast_compile=use_fast_compile(self.device, self.fast_compile))
         for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
             grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)

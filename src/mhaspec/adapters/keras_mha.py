@@ -42,7 +42,8 @@ import numpy as np
 
 from ..spec import CATALOG, Case, MHAConfig, Weights
 from .base import Deviation
-from ._tf_common import BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf, to_numpy, to_tensor
+from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf,
+                         to_numpy, to_tensor)
 
 keras = quiet_import("keras")
 
