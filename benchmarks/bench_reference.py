@@ -37,13 +37,30 @@ def plain_forward(config, inputs, weights) -> np.ndarray:
     return c @ weights["w_o"] + weights["b_o"]
 
 
+CPU: dict[int, float] = {}  # id(fn) -> best CPU seconds of its runs (all threads of the process)
+
+
 def best(fn, repeat: int) -> float:
-    times = []
+    """Best wall-clock seconds of ``repeat`` runs; the best CPU seconds go to :data:`CPU`."""
+    times, cpu = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    CPU[id(fn)] = min(cpu)
     return min(times)
+
+
+def timed(label: str, fn, repeat: int, blas: tuple[float, float] | None = None) -> tuple[float, float]:
+    """Print ``label``'s best wall and CPU seconds, and their ratios to ``blas``'s."""
+    wall = best(fn, repeat)
+    cpu = CPU[id(fn)]
+    line = f"{label:<48} wall {wall:8.3f} s  cpu {cpu:8.3f} s"
+    if blas is not None:
+        line += f"  = {wall / blas[0]:5.2f}x BLAS wall, {cpu / blas[1]:5.2f}x BLAS cpu"
+    print(line)
+    return wall, cpu
 
 
 def main() -> None:
@@ -52,7 +69,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=2048, help="T = S")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", help="dtype of the tolerance computation")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="dtype(s) of the tolerance computation, comma-separated")
     parser.add_argument("--exact", action="store_true", help="also time the exact reference at T=S=128 (~30 s)")
     args = parser.parse_args()
 
@@ -65,12 +83,13 @@ def main() -> None:
     spec = CaseSpec(id="bench", config=MHAConfig(d_model=H * D, num_heads=H), batch=1, tgt_len=L, src_len=L,
                     inputs="self", seed=1)
     inputs, weights = spec.make_inputs(), spec.make_weights()
-    print(f"B=1 H={H} T=S={L} D={D} d_model={H * D}; best of {args.repeat}")
 
-    blas = best(lambda: plain_forward(spec.config, inputs, weights), args.repeat)
-    print(f"plain float64 BLAS forward:        {blas:8.3f} s")
-    fast = best(lambda: forward_fast(spec.config, inputs, weights), args.repeat)
-    print(f"fast reference (stages + bounds):  {fast:8.3f} s  = {fast / blas:.2f}x BLAS (target <= 3x)")
+    import os
+
+    print(f"B=1 H={H} T=S={L} D={D} d_model={H * D}; best of {args.repeat}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (CPU seconds are the load-independent figure)")
+    blas = timed("plain float64 BLAS forward", lambda: plain_forward(spec.config, inputs, weights), args.repeat)
+    timed("fast reference (stages + bounds)", lambda: forward_fast(spec.config, inputs, weights), args.repeat, blas)
     if args.exact:  # the exact reference at a small size, extrapolated by its O(B·H·T·S·D) work.
         from mhaspec.reference import forward
 
@@ -81,15 +100,17 @@ def main() -> None:
         exact_small = time.perf_counter() - start
         scale = (L / small) ** 2
         print(f"exact reference (fsum/decimal) at T=S={small}: {exact_small:.2f} s; "
-              f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas:.0f}x BLAS)")
+              f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas[0]:.0f}x BLAS)")
     golden = golden_case(spec)
-    tol = best(lambda: golden.with_reference_error(stage_tolerances(golden, args.dtype)), args.repeat)
-    print(f"golden tolerances ({args.dtype}, + reference error): {tol:8.3f} s  = {tol / blas:.2f}x BLAS "
-          "(target <= 3x)")
-    own = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
-    loc = best(lambda: local_references(golden, own, args.dtype), args.repeat)
-    print(f"local references ({args.dtype}, every stage exposed): {loc:8.3f} s  = {loc / blas:.2f}x BLAS; "
-          f"tolerance computation in all: {(tol + loc) / blas:.2f}x")
+    for dtype in args.dtype.split(","):
+        tol = timed(f"golden tolerances ({dtype}, + reference error)",
+                    lambda: golden.with_reference_error(stage_tolerances(golden, dtype)), args.repeat, blas)
+        own = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
+        loc = timed(f"local references ({dtype}, every stage exposed)",
+                    lambda: local_references(golden, own, dtype), args.repeat, blas)
+        print(f"{'tolerance computation in all (' + dtype + ')':<48} wall {tol[0] + loc[0]:8.3f} s  cpu "
+              f"{tol[1] + loc[1]:8.3f} s  = {(tol[0] + loc[0]) / blas[0]:5.2f}x BLAS wall, "
+              f"{(tol[1] + loc[1]) / blas[1]:5.2f}x BLAS cpu (target <= 3x each)")
 
 
 if __name__ == "__main__":

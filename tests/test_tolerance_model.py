@@ -203,3 +203,75 @@ def test_nothing_informative_is_not_a_conformance():
     report = Report("x", None, None, "-", ["bfloat16"], [CaseResult("c", "bfloat16", UNINFORMATIVE)])
     assert not report.ok and report.exit_code == 2
     assert "NOTHING JUDGED" in report.summary()
+
+
+# -- the fast evaluation of the bounds (issue 11): same bounds, less time ------------------------
+
+
+def _random_rows(rng: np.random.Generator, rows: int, S: int, spread: float) -> np.ndarray:
+    logits = rng.normal(scale=spread, size=(rows, S))
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("spread", [0.1, 3.0, 30.0])
+def test_closed_form_second_order_never_undercuts_the_exact_one(spread):
+    """The closed form is an upper bound of the exact pairwise term wherever it is used."""
+    from mhaspec.conformance import tolerance as tol
+
+    rng = np.random.default_rng(7)
+    p = _random_rows(rng, 64, 37, spread)
+    for top in (1e-6, 1e-4, 2.0**-10, 2.0**-6, 0.1):
+        tau = rng.uniform(0, top, size=p.shape)
+        ptau = p * tau
+        ell = tau + ptau.sum(-1, keepdims=True) - 2 * ptau
+        exact = np.maximum(tol._softmax_worst(p, tau) - p * ell, 0.0)
+        got = tol._second_order(p, tau)
+        # the exact term is float64 arithmetic on O(p) quantities: rounding of ~8 ulp of p
+        assert np.all(got >= exact - 8 * 2.0**-53 * p), (spread, top)
+        # and second order where the closed form is used: far below the first-order term's size
+        if top <= tol.SECOND_ORDER_CLOSED_FORM / 2:
+            assert np.all(got <= p * (2 * top) ** 2 * 2), (spread, top)
+
+
+def test_float32_products_round_up():
+    from mhaspec.conformance.tolerance import _upper32
+
+    rng = np.random.default_rng(3)
+    a, b = rng.uniform(0, 1, (4, 50, 300)), rng.uniform(0, 1, (4, 300, 20)) ** 3
+    assert np.all(_upper32(a, b) >= a @ b)
+    huge = np.full((2, 3), 1e300)  # beyond float32: computed in float64 instead, never inf
+    assert np.isfinite(_upper32(huge, np.ones((3, 2)))).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_bounds_equal_whole_stage_bounds(dtype, monkeypatch):
+    """The chunk size changes only the bounds' own float64 roundings (and the float32 products')."""
+    from mhaspec.conformance import tolerance as tol
+
+    from mhaspec.fixtures import GoldenSet
+
+    golden = GoldenSet().load("causal_and_mask")
+    whole = tol.golden_bounds(golden, dtype)
+    own = {k: v.astype(np.float32).astype(np.float64) for k, v in golden.stages.items()}
+    whole_local = tol.local_references(golden, own, dtype)
+    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 7)  # one query row (or less) per chunk
+    for name, bound in tol.golden_bounds(golden, dtype).items():
+        np.testing.assert_allclose(bound.tolerance(8), whole[name].tolerance(8), rtol=1e-6, err_msg=name)
+    for name, (ref, bound) in tol.local_references(golden, own, dtype).items():
+        np.testing.assert_allclose(ref, whole_local[name][0], rtol=1e-12, err_msg=name)
+        np.testing.assert_allclose(bound.tolerance(8), whole_local[name][1].tolerance(8), rtol=1e-6, err_msg=name)
+
+
+def test_large_cases_get_a_timeout_scaled_by_their_size():
+    from mhaspec.conformance.runner import TIMEOUT_WORK, case_timeout
+
+    def case(T: int) -> CaseSpec:
+        return CaseSpec(id="t", config=MHAConfig(d_model=512, num_heads=8), batch=1, tgt_len=T, src_len=T,
+                        inputs="self", seed=1)
+
+    assert 8 * 512 * 512 * 128 == TIMEOUT_WORK
+    assert case_timeout(60.0, case(512)) == 60.0  # every committed case: as given
+    assert all(case_timeout(60.0, c) == 60.0 for c in CATALOG)
+    assert case_timeout(60.0, case(4096)) == 60.0 * 64
+    assert case_timeout(None, case(4096)) is None and case_timeout(0.0, case(4096)) == 0.0

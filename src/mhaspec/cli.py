@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", default=None, metavar="SECONDS",
                      help=f"per case × dtype; the worker is killed when it runs out (default {DEFAULT_TIMEOUT:g}; "
-                     f"0 = none); after {MAX_TIMEOUTS} timeouts the remaining cases are not run")
+                     f"0 = none); cases larger than T = S = 512, H = 8, D = 64 get it scaled by their size; "
+                     f"after {MAX_TIMEOUTS} timeouts the remaining cases are not run")
     run.add_argument("--no-isolate", action="store_true",
                      help="call the adapter in this process instead of a worker (to debug it with pdb; a crash "
                      "then ends the run and a timeout cannot stop native code)")

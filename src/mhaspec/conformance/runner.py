@@ -29,6 +29,21 @@ from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, val
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
 DEFAULT_TIMEOUT = 60.0
 
+#: A case of up to this much attention work (B·H·T·S·(D_k + D_v) multiply-adds: T = S = 512 with
+#: H = 8 and D = 64) gets the timeout as given; a larger one (``run --catalog``, ``fuzz``)
+#: proportionally more, so that T = S = 4096 runs at the default (see :func:`case_timeout`).
+TIMEOUT_WORK = 1 << 28
+
+
+def case_timeout(timeout: float | None, case: Any) -> float | None:
+    """The timeout for ``case``: ``timeout``, scaled up by the case's size beyond :data:`TIMEOUT_WORK`."""
+    if not timeout:
+        return timeout
+    cfg = case.config
+    work = case.batch * cfg.H * case.tgt_len * case.src_len * (cfg.D_k + cfg.D_v)
+    return timeout * max(1.0, work / TIMEOUT_WORK)
+
+
 #: After this many timed-out case × dtype, the session stops calling the adapter: the rest are
 #: ``error`` ("not run"), so an adapter that hangs everywhere costs about 3 minutes at the default.
 MAX_TIMEOUTS = 3
@@ -184,7 +199,7 @@ class Session:
         case = golden.case(dtype)
         if self._has_supports:
             try:
-                answer = self._worker.supports(case, self.timeout)
+                answer = self._worker.supports(case, case_timeout(self.timeout, case))
             except CaseTimeout as exc:
                 self._timeouts += 1
                 return CaseResult(case_id, dtype, ERROR, message=str(exc))
@@ -196,7 +211,7 @@ class Session:
 
         start = time.perf_counter()
         try:
-            returned, adapter_s = self._worker.run(case, self.timeout)
+            returned, adapter_s = self._worker.run(case, case_timeout(self.timeout, case))
         except CaseTimeout as exc:
             self._timeouts += 1
             return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
@@ -311,7 +326,7 @@ class Session:
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
-            returned, seconds = self._worker.backward(case, self.timeout)
+            returned, seconds = self._worker.backward(case, case_timeout(self.timeout, case))
         except CaseTimeout as exc:
             self._timeouts += 1
             return [], str(exc), time.perf_counter() - start

@@ -44,8 +44,9 @@ heads (B,H,T,E), concat (B,T,H·E), output (B,T,d_out).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -165,17 +166,146 @@ def _softmax_worst(p: np.ndarray, t: np.ndarray) -> np.ndarray:
         lo = p / (p + up * others_up)
         hi = p / (p + down * others_down)
         err = np.maximum(hi - p, p - lo)
-    return np.where(p > 0, np.minimum(np.nan_to_num(err, nan=1.0), 1.0), 0.0)
+    return np.where(p > 0, np.fmin(err, 1.0), 0.0)  # fmin: NaN (0/0, inf/inf) -> 1
+
+
+#: Rows whose score movement X_j (see :func:`_second_order`) stays at or below this take the
+#: closed-form second-order bound, the others the exact pairwise one.  The closed form can be
+#: about twice the exact second-order term, and that term, carried worst-case, adds up over the
+#: keys in the head outputs; at this threshold it only applies where the term is negligible:
+#: float32 and float64 runs (tolerances at most 0.5 % wider than the exact bound's on the catalog,
+#: docs/tolerances.md), never the float16/bfloat16 ones.
+SECOND_ORDER_CLOSED_FORM = 2.0**-10
 
 
 def _second_order(p: np.ndarray, tau: np.ndarray) -> np.ndarray:
     """What the linearisation misses when scores move by up to ``tau``: the exact bound
-    (:func:`_softmax_worst`) less its first-order part p_j ((1 − p_j) τ_j + Σ_{k≠j} p_k τ_k)."""
-    linear = p * (tau + np.sum(p * tau, axis=-1, keepdims=True) - 2 * p * tau)
-    return np.maximum(_softmax_worst(p, tau) - linear, 0.0)
+    (:func:`_softmax_worst`) less its first-order part p_j ℓ_j, ℓ_j = (1 − p_j) τ_j + Σ_{k≠j} p_k τ_k.
+
+    Where every score of a row moves little, the closed form (docs/tolerances.md) is used
+    instead.  With d_k = δ_k − Σ_m p_m δ_m (|d_k| ≤ ℓ_k, Σ_k p_k d_k = 0), Jensen and
+    log y ≤ y − 1 give 0 ≤ log Σ_k p_k e^{δ_k} − Σ_k p_k δ_k ≤ Σ_k p_k (e^{d_k} − 1 − d_k)
+    ≤ ρ = Σ_k p_k ℓ_k² e^{ℓ_k} / 2; so x = log p'_j − log p_j has |x| ≤ X_j = ℓ_j + ρ and
+    |p'_j − p_j| − p_j ℓ_j ≤ p_j (ρ + X_j² e^{X_j} / 2).  It is never below the exact bound, is
+    0 for a key that holds its whole row, and costs a few element-wise passes instead of two
+    exponentials and four row sums."""
+    ptau = p * tau
+    row = np.sum(ptau, axis=-1, keepdims=True)
+    ell = tau + row - 2 * ptau  # ℓ_j
+    with np.errstate(over="ignore", invalid="ignore"):
+        rho = 0.5 * np.sum(p * ell * ell * np.exp(np.minimum(ell, 350.0)), axis=-1, keepdims=True)
+        x = ell + rho
+        closed = p * (rho + 0.5 * x * x * np.exp(np.minimum(x, 350.0)))
+    exact_rows = np.max(np.where(p > 0, x, 0.0), axis=-1) > SECOND_ORDER_CLOSED_FORM
+    if not exact_rows.any():
+        return closed
+    rows = np.nonzero(exact_rows)
+    pe, te = p[rows], tau[rows]
+    exact = np.maximum(_softmax_worst(pe, te) - pe * ell[rows], 0.0)
+    closed[rows] = exact
+    return closed
+
+
+#: Elements of the (B, H, T, S) stages handled at once by :func:`golden_bounds`: its
+#: element-wise work then stays in the processor's cache (a whole stage of a large case does not).
+CHUNK_ELEMENTS = 1 << 15
+
+
+def _one_blas_thread() -> Any:
+    """A context in which BLAS runs on one thread (threadpoolctl), for the chunk loops.
+
+    Their products are small ((rows × D) @ (D × S)); a multi-threaded BLAS spends more on
+    waking and syncing its threads than on the arithmetic, and on a busy machine (tox -p, a
+    loaded CI runner) its spinning threads made the loop ten times slower (docs/tolerances.md)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+def _chunks(N: int, T: int, S: int) -> list[tuple[slice, slice]]:
+    """(head slice, query-row slice) of each chunk of a (N, T, S) array, N = B·H."""
+    if T * S <= CHUNK_ELEMENTS:
+        step = max(1, CHUNK_ELEMENTS // max(T * S, 1))
+        return [(slice(n, min(N, n + step)), slice(None)) for n in range(0, N, step)]
+    rows = max(1, CHUNK_ELEMENTS // max(S, 1))
+    return [(slice(n, n + 1), slice(t, min(T, t + rows))) for n in range(N) for t in range(0, T, rows)]
 
 
 # --- golden (end-to-end) bounds ---------------------------------------------------------------
+
+class _AttentionConstants(NamedTuple):
+    u: float  # the dtype's unit roundoff
+    ua: float  # the accumulator's
+    scale: float
+    g_d: float  # γ_acc(D_k + k): the score sums
+    g_s: float  # γ_acc(S + k): the softmax and P·V sums
+    floor: float  # the dtype's absolute floor
+
+
+#: Unit roundoff of float32, in which the bounds' own non-negative sums are formed (below).
+_U32 = 2.0**-24
+
+
+def _upper32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` for non-negative ``a`` and ``b``, formed in float32 and rounded up.
+
+    A sum of n non-negative terms in float32 is below the exact one by at most γ₃₂(n + 2)
+    relative (two more roundings: the inputs'); multiplying by 1 + 2γ₃₂ keeps it an upper
+    bound, at half the cost of a float64 product.  Callers scale ``a`` and ``b`` to O(1)
+    magnitudes so that nothing that matters underflows."""
+    n = a.shape[-1] + 2
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
+    if not np.isfinite(out).all():  # beyond float32's range (an adapter's own wild values)
+        return a @ b
+    return out * (1 + 2 * gamma(n, _U32))
+
+
+def _inf_for_nan(x: np.ndarray) -> np.ndarray:
+    np.copyto(x, np.inf, where=np.isnan(x))
+    return x
+
+
+def _attention_chunk(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: np.ndarray,
+                     aK: np.ndarray, V: np.ndarray, V2: np.ndarray, aV: np.ndarray, tV2: np.ndarray,
+                     s: np.ndarray, p: np.ndarray, o: np.ndarray, vis: np.ndarray,
+                     out: tuple[np.ndarray, ...]) -> None:
+    """Bounds of scores, attention weights and head outputs for one chunk of query rows.
+
+    ``KK`` = [K², t_K²/u²]ᵀ and ``aK`` = |K|ᵀ; ``V2`` = V², ``aV`` = |V|, ``tV2`` = t_V²/u² (the
+    variances scaled by 1/u² so that the float32 products of :func:`_upper32` cannot underflow).
+    Writes (sigma, worst) of the scores and the attention weights, and (variance, worst) of the
+    head outputs into ``out``.
+    """
+    u, ua, u2 = c.u, c.ua, c.u**2
+    # 2. scores = scale · Q Kᵀ: δs = scale Σ_d (δQ_d K_d + Q_d δK_d).
+    s2 = (c.scale**2 * u2) * _upper32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK) + _stored(u, s, s)
+    ws = (c.g_d * c.scale) * _upper32(np.abs(Q), aK)
+    # 3. attention weights: linearised propagation of the score errors, the storage rounding of
+    #    P; worst-case: the float32 softmax's own rounding and the second-order term of exp.
+    ts2 = np.where(vis, s2 + ws * ws, 0.0)
+    pp = p * p
+    p_sigma = np.where(vis, _inf_for_nan(p * np.sqrt(_softmax_rel2(p, ts2) + u2 + U64**2)), 0.0)
+    row_max = np.max(np.where(vis, np.abs(s), 0.0), axis=-1, keepdims=True)
+    p_round = p * (c.g_s + ua * (np.abs(s) + row_max))  # the softmax's own rounding
+    second = np.where(vis, _second_order(p, np.where(vis, LAMBDA * np.sqrt(ts2), 0.0)), 0.0)
+    wp = np.where(vis, _inf_for_nan(np.minimum(p_round + second, 1.0)) + c.floor, 0.0)
+    # 4. head outputs o = P V: score errors move o by Σ_j p_j δs_j (v_j − o) (the weights sum to
+    #    1), whose variance Σ_j q_j (v_j − o)², q = p² t_s², is expanded into products (in
+    #    float64: it cancels); P's own storage rounding and softmax rounding add Σ_j c_j v_j², with
+    #    c = (u² + U64²) p² + p_round², folded into the same product; V's by Σ_j p_j² t_{V,j}².
+    #    The second-order part of P is carried worst-case.
+    q_ = pp * ts2
+    var_v2 = (q_ + (u2 + U64**2) * pp + p_round * p_round) @ V2
+    o2 = (np.maximum(var_v2 - 2 * o * (q_ @ V) + o * o * np.sum(q_, axis=-1, keepdims=True), 0.0)
+          + u2 * _upper32(pp, tV2) + _stored(u, o, o))
+    wo = _upper32(second + c.g_s * p, aV)
+    sig_s = _inf_for_nan(np.sqrt(np.maximum(s2, 0.0)))
+    for dst, src in zip(out, (sig_s, _inf_for_nan(ws + c.floor), p_sigma, wp, o2, wo)):
+        dst[...] = src
+
 
 def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
                   table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, Bound]:
@@ -210,37 +340,39 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     k2, wk = projection(inp["key"], "w_k", "b_k", g["k_proj"])
     v2, wv = projection(inp["value"], "w_v", "b_v", g["v_proj"])
 
-    # 2. scores = scale · Q Kᵀ, (B, H, T, S): δs = scale Σ_d (δQ_d K_d + Q_d δK_d).
-    Q, K = heads(g["q_proj"], H), heads(g["k_proj"], G, group)
-    tQ2, tK2 = heads(q2 + wq**2, H), heads(k2 + wk**2, G, group)
-    s = g["scores"]
-    s2 = scale**2 * (tQ2 @ _t(K**2) + Q**2 @ _t(tK2)) + _stored(u, s, s)
-    ws = gamma(cfg.D_k + k, ua) * scale * (np.abs(Q) @ _t(np.abs(K)))
+    # 2.–4. the (B, H, T, S) stages, one chunk of heads × query rows at a time (see
+    #    :func:`_attention_chunk`); every formula is element-wise or per row, so chunking
+    #    changes nothing but the order of float64 roundings in the bounds themselves.
+    s, p, o = g["scores"], g["attn_weights"], g["head_outputs"]
+    B, _, T, S = s.shape
+    E = o.shape[-1]
+    N = B * H
+    Q, K = heads(g["q_proj"], H).reshape(N, T, -1), heads(g["k_proj"], G, group).reshape(N, S, -1)
+    tQ2, tK2 = heads(q2 + wq**2, H).reshape(N, T, -1), heads(k2 + wk**2, G, group).reshape(N, S, -1)
+    V = heads(g["v_proj"], G, group).reshape(N, S, E)
+    tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
+    u2 = u**2
+    KK = _t(np.concatenate([K * K, tK2 / u2], axis=-1))  # see _attention_chunk
+    aK = _t(np.abs(K))
+    V2, aV, tV2 = V * V, np.abs(V), tV2 / u2
+    sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
+    floor = table.dtypes[dtype].floor
+    sig_s, wor_s, sig_p, wor_p = (np.empty((N, T, S)) for _ in range(4))
+    o2, wo = np.empty((N, T, E)), np.empty((N, T, E))
+    cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
+                              g_s=float(gamma(S + k, ua)), floor=floor)
 
-    # 3. attention weights: linearised propagation of the score errors, the storage rounding of
-    #    P; worst-case: the float32 softmax's own rounding and the second-order term of exp.
-    p = g["attn_weights"]
-    S = s.shape[-1]
-    ts2 = np.where(vis, s2 + ws**2, 0.0)
-    p_sigma = p * np.sqrt(_softmax_rel2(p, ts2) + u**2 + U64**2)
-    row_max = np.max(np.where(vis, np.abs(s), 0.0), axis=-1, keepdims=True)
-    wp = (p * (gamma(S + k, ua) + ua * (np.abs(s) + row_max))
-          + _second_order(p, np.where(vis, LAMBDA * np.sqrt(ts2), 0.0)))
-    p_sigma, wp = np.where(vis, p_sigma, 0.0), np.where(vis, np.minimum(wp, 1.0), 0.0)
+    def chunk(nr: tuple[slice, slice]) -> None:
+        n, r = nr
+        _attention_chunk(cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n],
+                         sN[n, r], pN[n, r], oN[n, r], visN[n, r],
+                         out=(sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r]))
 
-    # 4. head outputs o = P V: score errors move o by Σ_j p_j δs_j (v_j − o) (the weights sum to
-    #    1); P's own storage rounding and softmax rounding by Σ_j ε_j p_j v_j; V's by Σ_j p_j δv_j.
-    #    The second-order part of P (in wp) is carried worst-case.
-    V = heads(g["v_proj"], G, group)
-    tV2 = heads(v2 + wv**2, G, group)
-    o = g["head_outputs"]
-    q_ = p**2 * ts2  # (B, H, T, S)
-    through_softmax = q_ @ V**2 - 2 * o * (q_ @ V) + o**2 * np.sum(q_, axis=-1, keepdims=True)
-    p_own = _stored(u, p) + (p * (gamma(S + k, ua) + ua * (np.abs(s) + row_max)))**2
-    o2 = np.maximum(through_softmax, 0.0) + p_own @ V**2 + p**2 @ tV2 + _stored(u, o, o)
-    aV = np.abs(V)
-    second = np.where(vis, _second_order(p, LAMBDA * np.sqrt(ts2)), 0.0)
-    wo = second @ aV + gamma(S + k, ua) * (p @ aV)
+    chunks = _chunks(N, T, S)
+    with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
+        for nr in chunks:
+            chunk(nr)
+    o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
 
     # 5. concat relabels the heads; output = concat @ W_o + b_o.
     sc2, wc = merge(o2), merge(wo)
@@ -250,20 +382,17 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     aW = np.abs(wo_mat)
     wy = gamma(wo_mat.shape[0] + k, ua) * (np.abs(c) @ aW + (0.0 if bo is None else np.abs(bo)))
 
-    floor = table.dtypes[dtype].floor
     raw = {
         "q_proj": (q2, wq), "k_proj": (k2, wk), "v_proj": (v2, wv),
-        "scores": (s2, ws), "attn_weights": (p_sigma**2, wp), "head_outputs": (o2, wo), "concat": (sc2, wc),
-        "output": (y2, wy),
+        "head_outputs": (o2, wo), "concat": (sc2, wc), "output": (y2, wy),
     }
-    out = {}
-    for name, (var, worst) in raw.items():
-        sigma = p_sigma if name == "attn_weights" else np.sqrt(np.maximum(var, 0.0))
-        out[name] = Bound(np.nan_to_num(sigma, nan=np.inf), np.nan_to_num(worst, nan=np.inf) + floor)
-    # masked attention weights must be exactly 0: no allowance at all
-    out["attn_weights"] = Bound(np.where(vis, out["attn_weights"].sigma, 0.0),
-                                np.where(vis, out["attn_weights"].worst, 0.0))
-    return out
+    out = {name: Bound(_inf_for_nan(np.sqrt(np.maximum(var, 0.0))), _inf_for_nan(worst + floor))
+           for name, (var, worst) in raw.items()}
+    # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
+    out["scores"] = Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S))
+    out["attn_weights"] = Bound(sig_p.reshape(B, H, T, S), wor_p.reshape(B, H, T, S))
+    return {name: out[name] for name in ("q_proj", "k_proj", "v_proj", "scores", "attn_weights",
+                                         "head_outputs", "concat", "output")}
 
 
 def worst_case_tolerances(golden: GoldenCase, dtype: str,
@@ -358,41 +487,80 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
     def bound(var: np.ndarray, worst: np.ndarray) -> Bound:
         if worst_case:  # every rounding counted at its full size, no averaging
-            return Bound(np.zeros_like(worst), np.nan_to_num(np.sqrt(var) * LAMBDA + worst, nan=np.inf) + floor)
-        return Bound(np.sqrt(np.maximum(var, 0.0)), np.nan_to_num(worst, nan=np.inf) + floor)
+            return Bound(np.zeros_like(worst), _inf_for_nan(np.sqrt(var) * LAMBDA + worst) + floor)
+        return Bound(np.sqrt(np.maximum(var, 0.0)), _inf_for_nan(worst + 0.0) + floor)
 
     def has(*names: str) -> bool:
         return all(n in own for n in names)
 
+    u2 = u**2
+    B, _, T, S = golden.visible.shape
+    N = B * H
+    chunks = _chunks(N, T, S)
+    visN = golden.visible.reshape(N, T, S)
+
+    def each(fn: Any) -> None:  # fn(n, r) on every chunk of (N, T, ·) rows
+        with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
+            for n, r in chunks:
+                fn(n, r)
+
+    def finish(ref: np.ndarray, sig: np.ndarray, wor: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, Bound]:
+        return ref.reshape(shape), Bound(sig.reshape(shape), wor.reshape(shape))
+
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if has("q_proj", "k_proj"):
-            Q, K = heads(own["q_proj"], H), heads(own["k_proj"], G, group)
-            ref = scale * (Q @ _t(K))
-            var = scale**2 * u**2 * 2 * (Q**2 @ _t(K**2)) + _stored(u, ref, ref)
-            out["scores"] = (ref, bound(var, gamma(cfg.D_k + k, ua) * scale * (np.abs(Q) @ _t(np.abs(K)))))
+            Q, K = heads(own["q_proj"], H).reshape(N, T, -1), heads(own["k_proj"], G, group).reshape(N, S, -1)
+            K2, aK = _t(K * K), _t(np.abs(K))
+            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
+            g_d = float(gamma(cfg.D_k + k, ua))
+
+            def scores(n: slice, r: slice) -> None:
+                q = Q[n, r]
+                x = scale * (q @ _t(K[n]))
+                var = (2 * scale**2 * u2) * _upper32(q * q, K2[n]) + _stored(u, x, x)
+                b = bound(var, (g_d * scale) * _upper32(np.abs(q), aK[n]))
+                ref[n, r], sig[n, r], wor[n, r] = x, b.sigma, b.worst
+
+            each(scores)
+            out["scores"] = finish(ref, sig, wor, (B, H, T, S))
         if has("scores"):
-            s = own["scores"]
-            ref = softmax_visible(s, vis)
-            s2 = np.where(vis, _stored(u, s), 0.0)  # the scores as returned may be rounded copies
-            row_max = np.max(np.where(vis, np.abs(s), 0.0), axis=-1, keepdims=True)
-            S = s.shape[-1]
-            worst = ref * (gamma(S + k, ua) + ua * (np.abs(s) + row_max))
-            if worst_case:
-                worst = worst + _softmax_worst(ref, np.where(vis, LAMBDA * np.sqrt(s2), 0.0))
-                var = _stored(u, ref)
-            else:
-                var = None
-                worst = worst + _second_order(ref, np.where(vis, LAMBDA * np.sqrt(s2), 0.0))
-            if var is None:  # relative form: ref² underflows for tiny weights
-                b = Bound(ref * np.sqrt(_softmax_rel2(ref, s2) + u**2 + U64**2), np.nan_to_num(worst, nan=np.inf) + floor)
-            else:
-                b = bound(var, worst)
-            out["attn_weights"] = (ref, Bound(np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0)))
+            sO = own["scores"].reshape(N, T, S)
+            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
+            g_s = float(gamma(S + k, ua))
+
+            def weights(n: slice, r: slice) -> None:
+                s_, vis = sO[n, r], visN[n, r]
+                x = softmax_visible(s_, vis)
+                s2 = np.where(vis, _stored(u, s_), 0.0)  # the scores as returned may be rounded copies
+                row_max = np.max(np.where(vis, np.abs(s_), 0.0), axis=-1, keepdims=True)
+                worst = x * (g_s + ua * (np.abs(s_) + row_max))
+                tau = np.where(vis, LAMBDA * np.sqrt(s2), 0.0)
+                if worst_case:
+                    b = bound(_stored(u, x), worst + _softmax_worst(x, tau))
+                else:  # relative form: ref² underflows for tiny weights
+                    b = Bound(_inf_for_nan(x * np.sqrt(_softmax_rel2(x, s2) + u2 + U64**2)),
+                              _inf_for_nan(worst + _second_order(x, tau)) + floor)
+                ref[n, r], sig[n, r], wor[n, r] = x, np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0)
+
+            each(weights)
+            out["attn_weights"] = finish(ref, sig, wor, (B, H, T, S))
         if has("attn_weights", "v_proj"):
-            P, V = own["attn_weights"], heads(own["v_proj"], G, group)
-            ref = P @ V
-            var = (u**2 * P**2) @ V**2 + P**2 @ (u**2 * V**2) + _stored(u, ref, ref)
-            out["head_outputs"] = (ref, bound(var, gamma(P.shape[-1] + k, ua) * (np.abs(P) @ np.abs(V))))
+            P = own["attn_weights"].reshape(N, T, S)
+            V = heads(own["v_proj"], G, group).reshape(N, S, -1)
+            E = V.shape[-1]
+            V2, aV = V * V, np.abs(V)
+            ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
+            g_s = float(gamma(S + k, ua))
+
+            def outputs(n: slice, r: slice) -> None:
+                pc = P[n, r]
+                x = pc @ V[n]
+                var = (2 * u2) * _upper32(pc * pc, V2[n]) + _stored(u, x, x)
+                b = bound(var, g_s * _upper32(np.abs(pc), aV[n]))
+                ref[n, r], sig[n, r], wor[n, r] = x, b.sigma, b.worst
+
+            each(outputs)
+            out["head_outputs"] = finish(ref, sig, wor, (B, H, T, E))
         if has("head_outputs"):
             ref = merge(own["head_outputs"])
             out["concat"] = (ref, bound(_stored(u, ref), np.zeros_like(ref)))
@@ -404,4 +572,3 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             mag = np.abs(c) @ np.abs(w["w_o"]) + (0.0 if bo is None else np.abs(bo))
             out["output"] = (ref, bound(var, gamma(w["w_o"].shape[0] + k, ua) * mag))
     return out
-
