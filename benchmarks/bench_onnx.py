@@ -1,58 +1,138 @@
 """Benchmark: the whole catalog in all four dtypes through each ONNX adapter.
 
 Target (issue #14): each adapter's catalog run <= 5 s beyond imports.
-Imports (onnx, onnxruntime, torch, onnxscript) and a first warm-up case are
-done before the clock starts; then ``mhaspec.check(ADAPTER)`` runs every case
-× dtype in this process.  For ``torch-onnx`` the split shows where the time
-goes: ``torch.onnx.export`` (once per case × dtype: the graph's sizes are
-fixed at export) against building the onnxruntime session and running it.
 
-    python benchmarks/bench_onnx.py [onnxruntime onnx-reference torch-onnx]
+Each adapter runs in a fresh process: first the imports it needs (onnx,
+onnxruntime; torch and onnxscript for the torch exporters) and the adapter's
+constructor are timed ("import"), then ``mhaspec.check(adapter, isolate=False)``
+runs every case × dtype in that process, judging included ("run"), from a cold
+adapter: the first export (torchlib registry, torch.export warm-up) is inside
+the run.  The machine is shared: the load average is printed at the start and
+end of each run, and the process's CPU seconds (user + sys) next to the wall
+seconds.  Counted: graphs built or exported (``torch.onnx.export`` calls for the
+torch exporters) and onnxruntime sessions made.
+
+    python benchmarks/bench_onnx.py                       # all four ONNX adapters
+    python benchmarks/bench_onnx.py torch-onnx --reports DIR   # some, keeping their JSON reports
+    python benchmarks/bench_onnx.py --side-by-side        # and check every catalog structure's cut
+
+``--side-by-side`` also checks, for every structure of the catalog, that each
+dtype's cut of the side-by-side export (what ``torch-onnx`` runs) is node for
+node the export of that dtype's module alone (tests/frameworks/test_onnx.py
+checks two structures; this checks all, at four exports each).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
-import time
+
+ADAPTERS = ["onnxruntime", "onnx-reference", "torch-onnx", "torch-onnx-legacy"]
+
+CHILD = r"""
+import json, os, resource, sys, time
+name, report_path = sys.argv[1], sys.argv[2]
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+load0 = os.getloadavg()[0]
+t0, c0 = time.perf_counter(), cpu()
+import onnx, onnxruntime  # noqa: F401
+if name.startswith("torch-onnx"):
+    import torch, onnxscript  # noqa: F401
+import mhaspec
+from mhaspec.adapters import load_adapter
+adapter = load_adapter(name)
+t1, c1 = time.perf_counter(), cpu()
+
+counts = {"graphs": 0, "sessions": 0}
+if name in ("onnxruntime", "onnx-reference"):
+    from mhaspec.adapters import onnx_attention
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    onnx_attention.case_model = counted("graphs", onnx_attention.case_model)
+    onnx_attention.ort_session = counted("sessions", onnx_attention.ort_session)
+
+report = mhaspec.check(adapter, isolate=False)
+t2, c2 = time.perf_counter(), cpu()
+if name.startswith("torch-onnx"):
+    counts = {"graphs": adapter.exports, "sessions": adapter.sessions}
+if report_path:
+    report.write_json(report_path)
+first = next((r.adapter_s for r in report.results if r.adapter_s), 0.0)
+print(json.dumps({
+    "import_s": t1 - t0, "import_cpu_s": c1 - c0, "run_s": t2 - t1, "cpu_s": c2 - c1,
+    "adapter_s": sum(r.adapter_s for r in report.results), "first_s": first,
+    "load": [load0, os.getloadavg()[0]], "ok": report.ok, "counts": report.counts(), **counts,
+}))
+"""
 
 
-def bench(name: str) -> None:
-    import mhaspec
-    from mhaspec.adapters import load_adapter
+def measure(name: str, report: str = "") -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, name, report], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name}: the benchmark process exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    adapter = load_adapter(name)
-    mhaspec.check(adapter, cases=["single_token"], dtypes=["float32"])  # imports and first-call set-up
-    export_s = 0.0
-    if name == "torch-onnx":
-        from mhaspec.adapters import torch_onnx
 
-        original = torch_onnx.export_model
+def check_side_by_side() -> None:
+    from mhaspec.adapters import torch_onnx
+    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.fixtures import GoldenSet
 
-        def timed(*args, **kwargs):
-            nonlocal export_s
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                export_s += time.perf_counter() - start
-
-        torch_onnx.export_model = timed
-    start = time.perf_counter()
-    report = mhaspec.check(adapter)
-    total = time.perf_counter() - start
-    n = len(report.results)
-    counts = ", ".join(f"{v} {k}" for k, v in report.counts().items() if v)
-    adapter_s = sum(r.adapter_s for r in report.results)
-    print(f"{name}: {total:.2f} s for {n} case×dtype ({counts}); target <= 5 s beyond imports")
-    print(f"  adapter: {adapter_s:.2f} s, judging and harness: {total - adapter_s:.2f} s")
-    if name == "torch-onnx":
-        print(f"  of which torch.onnx.export: {export_s:.2f} s; onnxruntime session + run: {adapter_s - export_s:.2f} s")
+    seen: set[tuple] = set()
+    same = 0
+    golden = GoldenSet()
+    for case_id in golden.ids():
+        case = golden.load(case_id).case("float32")
+        mask = torch_onnx.case_mask(case)
+        shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
+                     mask_shape=None if mask is None else mask.shape)
+        key = (case.config.model_dump_json(), *shape.values())
+        if key in seen:
+            continue
+        seen.add(key)
+        cuts = torch_onnx.export_models(case.config, **shape)
+        for dtype, cut in cuts.items():
+            alone = torch_onnx.export_model(case.config, dtype, **shape)
+            if graph_structure(cut) != graph_structure(alone):
+                sys.exit(f"{case_id} {dtype}: the side-by-side cut differs from the export of the module alone")
+            same += 1
+    print(f"side by side: {len(seen)} structures, {same} structure × dtype cuts identical to their own export")
 
 
 def main() -> None:
-    names = sys.argv[1:] or ["onnxruntime", "onnx-reference", "torch-onnx"]
-    for name in names:
-        bench(name)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("adapters", nargs="*", default=ADAPTERS, help=f"default: {' '.join(ADAPTERS)}")
+    parser.add_argument("--reports", metavar="DIR", help="write each run's JSON report to DIR/ADAPTER.json")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="check every catalog structure's side-by-side export against its own exports")
+    args = parser.parse_args()
+    for name in args.adapters:
+        if name not in ADAPTERS:
+            parser.error(f"adapter: {name!r} is not one of {', '.join(ADAPTERS)}")
+    if args.reports:
+        os.makedirs(args.reports, exist_ok=True)
+    print(f"{os.cpu_count()} CPUs; target: catalog run <= 5 s beyond imports")
+    for name in args.adapters:
+        r = measure(name, os.path.join(args.reports, f"{name}.json") if args.reports else "")
+        verdicts = ", ".join(f"{v} {k}" for k, v in r["counts"].items() if v)
+        print(f"{name}: import {r['import_s']:.2f} s ({r['import_cpu_s']:.2f} s CPU); "
+              f"catalog run {r['run_s']:.2f} s wall, {r['cpu_s']:.2f} s CPU "
+              f"(adapter {r['adapter_s']:.2f} s, of which the first case×dtype {r['first_s']:.2f} s); "
+              f"{r['graphs']} graphs built/exported, {r['sessions']} onnxruntime sessions; "
+              f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}; "
+              f"{'ok' if r['ok'] else 'NOT OK'} ({verdicts})", flush=True)
+    if args.side_by_side:
+        check_side_by_side()
 
 
 if __name__ == "__main__":

@@ -252,9 +252,13 @@ def test_partial_backward_is_judged_on_what_it_returns():
     verdicts = {st.stage: st.verdict for st in report.result("cross_attention", "float32").stages}
     assert verdicts["d_query"] == verdicts["d_w_o"] == PASS
     assert verdicts["d_scores"] == NOT_EXPOSED
-    # In bfloat16 the golden bound of d_query alone is too wide to resolve a bug: said, not passed;
-    # with d_q_proj exposed too, the local check d_query = d_q_proj @ w_qᵀ resolves it.
-    assert report.result("cross_attention", "bfloat16").stage("d_query").verdict == UNINFORMATIVE
+    # In bfloat16 the golden bound of d_query alone resolves it (the noise model; under full-size
+    # propagation it was uninformative): a zero d_query fails there.
+    assert report.result("cross_attention", "bfloat16").stage("d_query").verdict == PASS
+    zero = _Returns(lambda out, case: {"d_query": np.zeros_like(out["d_query"])})
+    z = mhaspec.check(zero, dtypes=["bfloat16"], cases=["cross_attention"], backward=True).results[0]
+    assert z.stage("d_query").verdict == FAIL
+    # with d_q_proj exposed too, the local check d_query = d_q_proj @ w_qᵀ judges it as well.
     more = _Returns(lambda out, case: {"d_query": out["d_query"], "d_q_proj": out["d_q_proj"]})
     r = mhaspec.check(more, dtypes=["bfloat16"], cases=["cross_attention"], backward=True).results[0]
     assert r.stage("d_query").verdict == PASS

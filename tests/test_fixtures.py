@@ -44,6 +44,12 @@ def test_committed_fixtures_are_current_and_small():
     size = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
     assert size <= 4_000_000  # forward and backward stages (issue 12: the golden folder stays <= 4 MB)
     assert len(GoldenSet()) == len(CATALOG)
+    # the forward fixtures alone stay within issue 11's 2 MB (the backward stages double them)
+    forward = 0
+    for golden in GoldenSet():
+        forward += sum(a.nbytes for a in golden.inputs.values()) + sum(a.nbytes for a in golden.weights.values() if a is not None)
+        forward += sum(golden.stages[s].nbytes for s in STAGES) + golden.visible.nbytes
+    assert forward <= 2_000_000, f"forward fixture data {forward / 1e6:.2f} MB"
 
 
 def test_fixtures_are_plain_safetensors(golden_copy):

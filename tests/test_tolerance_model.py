@@ -235,13 +235,13 @@ def test_closed_form_second_order_never_undercuts_the_exact_one(spread):
 
 
 def test_float32_products_round_up():
-    from mhaspec.conformance.tolerance import _upper32
+    from mhaspec.conformance.tolerance import _Pair, _upper32
 
     rng = np.random.default_rng(3)
     a, b = rng.uniform(0, 1, (4, 50, 300)), rng.uniform(0, 1, (4, 300, 20)) ** 3
-    assert np.all(_upper32(a, b) >= a @ b)
+    assert np.all(_upper32(a, _Pair.of(b)) >= a @ b)
     huge = np.full((2, 3), 1e300)  # beyond float32: computed in float64 instead, never inf
-    assert np.isfinite(_upper32(huge, np.ones((3, 2)))).all()
+    assert np.isfinite(_upper32(huge, _Pair.of(np.ones((3, 2))))).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 import mhaspec  # noqa: E402
 from mhaspec.adapters import onnx_attention  # noqa: E402
 from mhaspec.adapters._onnx_common import ort_session, replace_initializers, to_dtype  # noqa: E402
-from mhaspec.spec import MHAConfig  # noqa: E402
+from mhaspec.spec import STAGES, MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.onnx
 
@@ -127,6 +127,89 @@ def test_optimized_export_computes_the_same_stages(torch_onnx) -> None:
     optimized = torch_onnx.TorchOnnxAdapter(optimize=True).run(case)
     for stage in plain:
         np.testing.assert_array_equal(optimized[stage], plain[stage], err_msg=stage)
+
+
+@pytest.mark.parametrize("case_id", ["custom_mask", "causal_bottom_right_t_gt_s"])
+def test_side_by_side_export_is_each_dtypes_own_export(torch_onnx, case_id: str) -> None:
+    # The adapter exports the float64, float32 and float16 modules of a structure in one
+    # torch.onnx.export and cuts the graph per dtype: each cut must be, node for node, what
+    # torch.onnx.export gives for that dtype's module alone (dtype-specific nodes included:
+    # the float64 scale is a float32 Constant Cast to double, the float32 graph has no Cast).
+    from mhaspec.adapters._onnx_common import graph_structure
+
+    case = golden_case(case_id)
+    mask = torch_onnx.case_mask(case)
+    shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
+                 mask_shape=None if mask is None else mask.shape)
+    together = torch_onnx.export_models(case.config, **shape)
+    assert set(together) == {"float64", "float32", "float16"}
+    structures = {}
+    for dtype, model in together.items():
+        onnx.checker.check_model(model)
+        alone = torch_onnx.export_model(case.config, dtype, **shape)
+        assert [i.name for i in model.graph.input] == [i.name for i in alone.graph.input]
+        assert [o.name for o in model.graph.output] == [o.name for o in alone.graph.output]
+        assert sorted(t.name for t in model.graph.initializer) == sorted(t.name for t in alone.graph.initializer)
+        assert len(model.graph.node) == len(alone.graph.node), dtype
+        structures[dtype] = graph_structure(model)
+        assert structures[dtype] == graph_structure(alone), dtype
+    assert len({s[0] for s in structures.values()}) == 3  # the three dtypes' graphs do differ
+
+
+def test_graph_structure_sees_a_changed_constant_and_ignores_names(torch_onnx) -> None:
+    from mhaspec.adapters._onnx_common import graph_structure
+
+    case = golden_case("custom_head_dims")
+    model = torch_onnx.export_model(case.config, "float32", batch=1, tgt_len=2, src_len=3)
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    kept = {x.name for x in (*model.graph.input, *model.graph.output, *model.graph.initializer)} | {""}
+    for node in renamed.graph.node:  # other node names and internal value names: the same structure
+        node.name = "n_" + node.name
+        node.input[:] = [i if i in kept else "v_" + i for i in node.input]
+        node.output[:] = [o if o in kept else "v_" + o for o in node.output]
+    assert graph_structure(renamed) == graph_structure(model)
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    constant = next(n for n in changed.graph.node if n.op_type == "Constant"
+                    and n.attribute[0].t.data_type == TensorProto.FLOAT and not n.attribute[0].t.dims)
+    value = numpy_helper.to_array(constant.attribute[0].t)
+    constant.attribute[0].t.CopyFrom(numpy_helper.from_array(np.float32(value * 2)))
+    assert graph_structure(changed)[0] != graph_structure(model)[0]  # the scale doubled
+    swapped = onnx.ModelProto()
+    swapped.CopyFrom(model)
+    matmul = next(n for n in swapped.graph.node if n.op_type == "MatMul")
+    matmul.input[:] = list(reversed(matmul.input))
+    assert graph_structure(swapped)[0] != graph_structure(model)[0]  # operands swapped
+
+
+def test_reused_torchlib_registry_exports_the_same_graph(torch_onnx) -> None:
+    # export_model reuses the torchlib registry between exports; the plain public call builds
+    # its own: the graphs must be the same.
+    import torch
+
+    from mhaspec.adapters._onnx_common import graph_structure
+
+    case = golden_case("gqa")
+    shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len)
+    ours = torch_onnx.export_model(case.config, "float16", **shape)
+    assert torch_onnx._REGISTRIES, "the registry is kept"
+    module = torch_onnx._module(case.config, "float16", None)
+    args = tuple(torch_onnx._example(case.config, "float16", case.batch, case.tgt_len, case.src_len, None))
+    with torch_onnx._quiet():
+        plain = torch.onnx.export(module, args, kwargs={"return_stages": True}, dynamo=True, opset_version=23,
+                                  optimize=False, input_names=["query", "key", "value"],
+                                  output_names=list(STAGES)).model_proto
+    assert graph_structure(ours) == graph_structure(plain)
+
+
+def test_torch_onnx_exports_once_per_structure(torch_onnx) -> None:
+    adapter = torch_onnx.TorchOnnxAdapter()
+    for dtype in ("float64", "float32", "float16"):
+        adapter.run(golden_case("custom_head_dims", dtype))
+    assert (adapter.exports, adapter.sessions) == (1, 3)
+    adapter.run(golden_case("gqa", "float16"))
+    assert (adapter.exports, adapter.sessions) == (2, 4)
 
 
 # -- masks ------------------------------------------------------------------------
@@ -302,3 +385,29 @@ def test_torch_onnx_conforms_on_a_few_cases(torch_onnx) -> None:
     for case_id in cases:
         assert all(st.verdict == "pass" for st in report.result(case_id, "float32").stages), case_id
         assert report.result(case_id, "bfloat16").verdict == "unsupported"
+
+
+def test_torch_onnx_legacy_conforms_without_deviations(torch_onnx) -> None:
+    # The TorchScript exporter keeps the float64 scale a double: the dynamo exporter's
+    # deviation is not there.
+    cases = ["large_logits", "causal_bottom_right_t_gt_s", "custom_mask", "gqa"]
+    report = mhaspec.check("torch-onnx-legacy", cases=cases)
+    assert report.ok, str(report)
+    for case_id in cases:
+        for dtype in ("float64", "float32", "float16"):
+            assert report.result(case_id, dtype).verdict == "pass", (case_id, dtype)
+        assert report.result(case_id, "bfloat16").verdict == "unsupported"
+    dynamo = mhaspec.check("torch-onnx", dtypes=["float64"], cases=["large_logits"])
+    assert dynamo.result("large_logits", "float64").verdict == "known deviation"
+
+
+@pytest.mark.parametrize("case_id", ["custom_head_dims", "gqa", "cross_attention", "no_bias"])
+def test_torch_onnx_legacy_weights_read_back_from_the_export(torch_onnx, case_id: str) -> None:
+    case = golden_case(case_id)
+    model = torch_onnx.export_model_legacy(case.config, "float64", case.weights, batch=1, tgt_len=2, src_len=3)
+    assert_same_weights(torch_onnx.legacy_initializers_to_canonical(model), case.weights.as_dict())
+    ops = {n.op_type for n in model.graph.node}
+    assert "Attention" not in ops and {"MatMul", "Mul", "Softmax"} <= ops
+    scale = [n for n in model.graph.node if n.op_type == "Constant"
+             and n.attribute[0].t.data_type == TensorProto.DOUBLE and not n.attribute[0].t.dims]
+    assert any(numpy_helper.to_array(n.attribute[0].t) == case.config.scale for n in scale), "a double scale"

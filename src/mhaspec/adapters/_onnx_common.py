@@ -97,6 +97,49 @@ def replace_initializers(model: onnx.ModelProto, tensors: Iterable[TensorProto])
     return out
 
 
+def graph_structure(model: onnx.ModelProto) -> tuple[tuple[str, ...], list[str]]:
+    """What a graph computes, free of value and node names and of node order.
+
+    Each value is described by what produces it — a graph input or initializer by its
+    name, type and shape; a node output by the node's domain, op type, attributes
+    (constant tensors by their bytes) and the descriptions of its inputs — so two graphs
+    have the same structure when they apply the same operators to the same inputs in the
+    same way.  Returns (the descriptions of the graph's outputs, by output name; the sorted
+    descriptions of all nodes).  Two equal structures compute the same results.
+    """
+    import hashlib
+
+    graph = model.graph
+    described: dict[str, str] = {"": ""}
+    for value in graph.input:
+        described[value.name] = f"input {value.name} {value.type.SerializeToString().hex()}"
+    for tensor in graph.initializer:
+        described[tensor.name] = f"initializer {tensor.name} {tensor.data_type} {list(tensor.dims)}"
+
+    def attribute(attr: onnx.AttributeProto) -> str:
+        if attr.type == onnx.AttributeProto.TENSOR:
+            array = numpy_helper.to_array(attr.t)
+            return f"{attr.name}=tensor({attr.t.data_type},{list(attr.t.dims)},{array.tobytes().hex()})"
+        if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+            raise ValueError(f"graph_structure: node attribute {attr.name!r} holds a subgraph (not supported)")
+        copy = onnx.AttributeProto()
+        copy.CopyFrom(attr)
+        copy.ClearField("doc_string")
+        return copy.SerializeToString(deterministic=True).hex()
+
+    nodes = []
+    for node in graph.node:  # topological order (checked: every input is described first)
+        missing = [name for name in node.input if name not in described]
+        if missing:
+            raise ValueError(f"graph_structure: node {node.name!r} reads {missing} before they are produced")
+        head = "|".join([node.domain, node.op_type, *sorted(attribute(a) for a in node.attribute)])
+        body = hashlib.sha256("|".join([head, *(described[name] for name in node.input)]).encode()).hexdigest()
+        nodes.append(body)
+        for k, name in enumerate(node.output):
+            described[name] = f"{body}:{k}"
+    return tuple(described[o.name] for o in graph.output), sorted(nodes)
+
+
 def ort_session(model: onnx.ModelProto, threads: int = 1) -> Any:
     """An onnxruntime ``InferenceSession`` on the CPU execution provider, default graph optimizations."""
     import onnxruntime as ort

@@ -164,6 +164,9 @@ BUILTINS: dict[str, BuiltinAdapter] = {
         BuiltinAdapter("torch-onnx", "mhaspec.adapters.torch_onnx:TorchOnnxAdapter", "torch",
                        "the torch adapter's module exported by torch.onnx.export (dynamo), run by onnxruntime",
                        requires=("onnx", "onnxruntime", "onnxscript")),
+        BuiltinAdapter("torch-onnx-legacy", "mhaspec.adapters.torch_onnx:TorchOnnxLegacyAdapter", "torch",
+                       "the same module exported by the TorchScript exporter (dynamo=False), run by onnxruntime",
+                       requires=("onnx", "onnxruntime")),
     ]
 }
 

@@ -13,10 +13,14 @@ takes to deploy.
         ▼
     onnxruntime InferenceSession (CPU) ──► all eight stages, named as the spec names them
 
-The graph is exported once per structure (config, dtype, B, T, S, mask shape)
-with zero weights and kept; each case's weights are written into its
-initializers by :func:`canonical_to_initializers` (the ``nn.Linear`` layout:
-``q_proj.weight = w_q.T`` …), so a wrong converter fails the run.
+The graph is exported once per structure (config, B, T, S, mask shape) with
+zero weights and kept: the float64, float32 and float16 modules side by side in
+one ``torch.onnx.export`` (:func:`export_models`; most of an export's time does
+not grow with the module), cut into one graph per dtype — each, node for node,
+the export of that dtype's module alone (tested) — and the torchlib registry
+built once per process (:func:`_registry_reused`).  Each case's weights are
+written into its initializers by :func:`canonical_to_initializers` (the
+``nn.Linear`` layout: ``q_proj.weight = w_q.T`` …), so a wrong converter fails the run.
 ``optimize=False`` keeps the initializers under the module's parameter names
 (the default optimizer folds the weight transposes into new initializers
 named ``val_N``); onnxruntime folds those Transpose nodes itself when it loads
@@ -25,11 +29,17 @@ computes bit-identical stages.
 
 The mask is the spec's (True = may attend), ``(B|1, 1, T, S)``; the module
 ANDs the causal mask in, in the config's alignment.
+
+``torch-onnx-legacy`` (:class:`TorchOnnxLegacyAdapter`) exports the same module
+with the TorchScript-based exporter (``dynamo=False``, deprecated since torch
+2.9), once per case × dtype with the case's weights; it keeps the float64 scale
+a double.  docs/onnx.md describes both graphs and their run times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -50,6 +60,9 @@ from .torch_layer import MultiHeadAttention
 EXPORT_OPSET = 23
 
 _INPUTS = ("query", "key", "value", "mask")
+
+#: The dtypes one export covers (:func:`export_models`): those onnxruntime's CPU provider runs.
+EXPORT_DTYPES = ("float64", "float32", "float16")
 
 _SCALE_F32 = (
     "torch.onnx.export writes the Python float scale of `scores = (Q @ K^T) * scale` as a float32 Constant "
@@ -81,6 +94,24 @@ def initializers_to_canonical(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread while exporting (process-wide; restored after).
+
+    The exporters run the module on the example inputs (the TorchScript tracer eagerly,
+    torch.export on fake tensors); on these small tensors a second thread only spins:
+    the legacy catalog run took 5.6 s of CPU with torch's default two threads here, 3.9 s
+    with one.  What is judged is computed by onnxruntime, not by these calls."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence the exporter's warnings and notices (its progress lines: ``verbose=False``).
 
@@ -99,6 +130,81 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def _module(config: MHAConfig, dtype: str, weights: Weights | Mapping[str, Any] | None,
+            cls: type[MultiHeadAttention] = MultiHeadAttention) -> MultiHeadAttention:
+    """:class:`MultiHeadAttention` for ``config`` in ``dtype`` with ``weights`` (default: zeros), in eval mode."""
+    module = torch.nn.utils.skip_init(cls, **config.model_dump(), dtype=torch_dtype(dtype))
+    if weights is None:
+        module.load_state_dict({k: torch.zeros_like(v) for k, v in module.state_dict().items()})
+    else:
+        module.load_state_dict(linear_to_state_dict(weights))
+    return module.eval()
+
+
+def _example(config: MHAConfig, dtype: str, batch: int, tgt_len: int, src_len: int,
+             mask_shape: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """Example ``query, key, value[, mask]`` (zeros, all-True mask) of the export's sizes."""
+    tdt = torch_dtype(dtype)
+    kdim, vdim = int(config.kdim), int(config.vdim)  # type: ignore[arg-type]
+    args = [
+        torch.zeros(batch, tgt_len, config.d_model, dtype=tdt),
+        torch.zeros(batch, src_len, kdim, dtype=tdt),
+        torch.zeros(batch, src_len, vdim, dtype=tdt),
+    ]
+    if mask_shape is not None:
+        args.append(torch.ones(mask_shape, dtype=torch.bool))
+    return args
+
+
+#: torchlib registries built by :func:`_registry_reused`, by opset (this process only).
+_REGISTRIES: dict[Any, Any] = {}
+
+
+@contextlib.contextmanager
+def _registry_reused() -> Iterator[None]:
+    """Within this block, ``torch.onnx.export`` builds its torchlib registry once per opset.
+
+    ``torch.onnx.export`` calls ``ONNXRegistry.from_torchlib(opset_version=…)`` on every
+    export, which re-parses the source of ~500 onnxscript functions: about half of one
+    export here.  The registry depends on the installed torch and onnxscript and the opset
+    alone, so the first one is kept (in this process) and handed back; the export is
+    otherwise the public call.  tests/frameworks/test_onnx.py checks that the graph is the
+    same as without the reuse.  A torch without this private hook exports unchanged.
+    """
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        cls = _registration.ONNXRegistry
+        original = cls.__dict__["from_torchlib"]
+        build = original.__func__
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def from_torchlib(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build(klass, *args, **kwargs)
+        return _REGISTRIES[key]
+
+    cls.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        cls.from_torchlib = original
+
+
+def _export(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], input_names: list[str],
+            output_names: list[str], opset: int, optimize: bool) -> onnx.ModelProto:
+    """``torch.onnx.export(dynamo=True)`` in memory, quietly, the torchlib registry reused."""
+    with _quiet(), _one_thread(), _registry_reused():
+        program = torch.onnx.export(
+            module, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=optimize, verbose=False,
+            input_names=input_names, output_names=output_names,
+        )
+    return program.model_proto
+
+
 def export_model(
     config: MHAConfig,
     dtype: str,
@@ -114,28 +220,108 @@ def export_model(
     """:class:`MultiHeadAttention` for ``config`` in ``dtype`` with ``weights`` (default: zeros),
     exported with ``torch.onnx.export(dynamo=True)``; inputs ``query, key, value[, mask]``,
     outputs the eight stages by name."""
-    tdt = torch_dtype(dtype)
-    module = torch.nn.utils.skip_init(MultiHeadAttention, **config.model_dump(), dtype=tdt)
-    if weights is None:
-        module.load_state_dict({k: torch.zeros_like(v) for k, v in module.state_dict().items()})
-    else:
-        module.load_state_dict(linear_to_state_dict(weights))
-    module.eval()
-    kdim, vdim = int(config.kdim), int(config.vdim)  # type: ignore[arg-type]
-    args = (
-        torch.zeros(batch, tgt_len, config.d_model, dtype=tdt),
-        torch.zeros(batch, src_len, kdim, dtype=tdt),
-        torch.zeros(batch, src_len, vdim, dtype=tdt),
-    )
+    args = _example(config, dtype, batch, tgt_len, src_len, mask_shape)
     kwargs: dict[str, Any] = {"return_stages": True}
     if mask_shape is not None:
-        kwargs["mask"] = torch.ones(mask_shape, dtype=torch.bool)
-    with _quiet():
-        program = torch.onnx.export(
-            module, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=optimize, verbose=False,
-            input_names=list(_INPUTS[: 3 + (mask_shape is not None)]), output_names=list(STAGES),
-        )
-    return program.model_proto
+        kwargs["mask"] = args.pop()
+    return _export(_module(config, dtype, weights), tuple(args), kwargs,
+                   list(_INPUTS[: 3 + (mask_shape is not None)]), list(STAGES), opset, optimize)
+
+
+class _SideBySide(torch.nn.Module):
+    """One :class:`MultiHeadAttention` per dtype, called one after the other with its own
+    inputs: one ``torch.onnx.export`` traces them all.  Parameters are named
+    ``by_dtype.float32.q_proj.weight`` …, inputs ``float32.query`` …, outputs ``float32.scores`` …"""
+
+    def __init__(self, modules: Mapping[str, MultiHeadAttention], masked: bool) -> None:
+        super().__init__()
+        self.by_dtype = torch.nn.ModuleDict(dict(modules))
+        self.masked = masked
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = 3 + self.masked
+        out: list[torch.Tensor] = []
+        for i, module in enumerate(self.by_dtype.values()):
+            q, k, v, *mask = inputs[n * i: n * (i + 1)]
+            stages = module(q, k, v, mask[0] if mask else None, return_stages=True)
+            out.extend(stages[s] for s in STAGES)
+        return tuple(out)
+
+
+def export_models(
+    config: MHAConfig,
+    dtypes: tuple[str, ...] = EXPORT_DTYPES,
+    *,
+    batch: int,
+    tgt_len: int,
+    src_len: int,
+    mask_shape: tuple[int, ...] | None = None,
+    opset: int = EXPORT_OPSET,
+) -> dict[str, onnx.ModelProto]:
+    """:func:`export_model` for each of ``dtypes`` (zero weights), from ONE ``torch.onnx.export``.
+
+    The modules of every dtype are exported side by side in one graph (about 1.0 s of CPU
+    here for three, against 0.5 s for one: most of an export's time does not grow with
+    the module), then the graph is cut into one model per dtype with
+    :func:`split_side_by_side`: the exporter's nodes for that dtype, untouched, with the
+    ``{dtype}.`` (parameters: ``by_dtype.{dtype}.``) prefix taken off the names.
+    tests/frameworks/test_onnx.py checks that each is, node for node, the graph
+    :func:`export_model` gives for that dtype alone.
+    """
+    masked = mask_shape is not None
+    modules = {dtype: _module(config, dtype, None) for dtype in dtypes}
+    args = [a for dtype in dtypes for a in _example(config, dtype, batch, tgt_len, src_len, mask_shape)]
+    names = list(_INPUTS[: 3 + masked])
+    combined = _export(_SideBySide(modules, masked), tuple(args), {},
+                       [f"{d}.{n}" for d in dtypes for n in names], [f"{d}.{s}" for d in dtypes for s in STAGES],
+                       opset, False)
+    return {dtype: split_side_by_side(combined, dtype) for dtype in dtypes}
+
+
+def split_side_by_side(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
+    """The part of a side-by-side export (:func:`export_models`) that computes ``{dtype}.*``.
+
+    Keeps the nodes the ``{dtype}.`` outputs depend on, in the graph's order, the
+    initializers and value infos they use, and renames ``{dtype}.x`` (inputs, outputs) and
+    ``by_dtype.{dtype}.x`` (parameters) to ``x``; nothing else changes.
+    """
+    prefix = dtype + "."
+    graph = model.graph
+    outputs = [o for o in graph.output if o.name.startswith(prefix)]
+    needed = {o.name for o in outputs}
+    keep = [False] * len(graph.node)
+    for i in range(len(graph.node) - 1, -1, -1):  # the exporter writes nodes in topological order
+        node = graph.node[i]
+        if any(name in needed for name in node.output):
+            keep[i] = True
+            needed.update(name for name in node.input if name)
+            for attr in node.attribute:
+                if attr.g.node or attr.graphs:
+                    raise ValueError("split_side_by_side: subgraphs (If/Loop) are not expected in this export")
+
+    param = f"by_dtype.{dtype}."  # the parameters' names: by_dtype.float32.q_proj.weight
+
+    def rename(name: str) -> str:
+        for head in (prefix, param):
+            if name.startswith(head):
+                return name[len(head):]
+        return name
+
+    sub = onnx.helper.make_graph(
+        [n for n, k in zip(graph.node, keep) if k], graph.name,
+        [i for i in graph.input if i.name in needed], outputs,
+        initializer=[t for t in graph.initializer if t.name in needed],
+        value_info=[v for v in graph.value_info if v.name in needed],
+    )
+    for node in sub.node:
+        node.input[:] = [rename(n) for n in node.input]
+        node.output[:] = [rename(n) for n in node.output]
+    for value in (*sub.input, *sub.output, *sub.initializer, *sub.value_info):
+        value.name = rename(value.name)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.CopyFrom(sub)
+    return out
 
 
 def case_mask(case: Case) -> np.ndarray | None:
@@ -145,6 +331,19 @@ def case_mask(case: Case) -> np.ndarray | None:
         return None
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     return np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (case.tgt_len, case.src_len)), dtype=bool)
+
+
+def _feed(case: Case, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The graph's inputs for ``case``: ``query, key, value`` in the case's dtype[, ``mask``]."""
+    query = to_dtype(case.inputs.query, case.dtype)
+    feed = {
+        "query": query,
+        "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
+        "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
+    }
+    if mask is not None:
+        feed["mask"] = mask
+    return feed
 
 
 class TorchOnnxAdapter:
@@ -162,7 +361,9 @@ class TorchOnnxAdapter:
         import onnxscript  # noqa: F401  (what torch.onnx.export translates with)
 
         self.opset, self.optimize, self.threads = opset, optimize, threads
-        self._exported: dict[tuple, onnx.ModelProto] = {}
+        #: exported graphs (zero weights) by structure, then dtype; exports and sessions made so far
+        self._exported: dict[tuple, dict[str, onnx.ModelProto]] = {}
+        self.exports = self.sessions = 0
 
     def supports(self, case: Case) -> bool | str:
         if case.dtype == "bfloat16":
@@ -175,24 +376,111 @@ class TorchOnnxAdapter:
         shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
                      mask_shape=None if mask is None else mask.shape, opset=self.opset)
         if self.optimize:  # the optimizer renames the folded weights: export with the case's own
+            self.exports += 1
             model = export_model(case.config, case.dtype, weights=case.weights, optimize=True, **shape)
         else:
-            key = (case.config.model_dump_json(), case.dtype, *shape.values())
-            exported = self._exported.get(key)
-            if exported is None:
-                exported = self._exported[key] = export_model(case.config, case.dtype, **shape)
-            model = replace_initializers(exported, canonical_to_initializers(case.weights, case.dtype))
-        query = to_dtype(case.inputs.query, case.dtype)
-        feed = {
-            "query": query,
-            "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
-            "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
-        }
-        if mask is not None:
-            feed["mask"] = mask
-        return model, feed
+            key = (case.config.model_dump_json(), *shape.values())
+            exported = self._exported.setdefault(key, {})
+            if case.dtype not in exported:
+                self.exports += 1
+                if case.dtype in EXPORT_DTYPES:  # every dtype of this structure, from one export
+                    exported.update(export_models(case.config, EXPORT_DTYPES, **shape))
+                else:
+                    exported[case.dtype] = export_model(case.config, case.dtype, **shape)
+            model = replace_initializers(exported[case.dtype], canonical_to_initializers(case.weights, case.dtype))
+        return model, _feed(case, mask)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         model, feed = self.model(case)
+        self.sessions += 1
         results = ort_session(model, self.threads).run(list(STAGES), feed)
         return dict(zip(STAGES, results))
+
+
+# -- the TorchScript exporter (torch-onnx-legacy) --------------------------------------
+
+
+class _StagesTuple(MultiHeadAttention):
+    """:class:`MultiHeadAttention` whose ``forward(query, key, value[, mask])`` returns the eight
+    stages as a tuple (the TorchScript exporter takes positional inputs and flat outputs)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        stages = super().forward(query, key, value, mask, return_stages=True)
+        return tuple(stages[s] for s in STAGES)  # type: ignore[index]
+
+
+def export_model_legacy(
+    config: MHAConfig,
+    dtype: str,
+    weights: Weights | Mapping[str, Any],
+    *,
+    batch: int,
+    tgt_len: int,
+    src_len: int,
+    mask_shape: tuple[int, ...] | None = None,
+    opset: int = EXPORT_OPSET,
+) -> onnx.ModelProto:
+    """:class:`MultiHeadAttention` for ``config`` in ``dtype`` with ``weights``, exported by the
+    TorchScript-based exporter, ``torch.onnx.export(..., dynamo=False)`` (deprecated since
+    torch 2.9, still there in 2.13); inputs ``query, key, value[, mask]``, outputs the eight stages.
+
+    The exporter folds constants: each weight's transpose becomes an initializer of its
+    own (``onnx::MatMul_N``, canonical layout ``(in, out)``); the biases keep their
+    parameter names.  :func:`legacy_initializers_to_canonical` reads them back.
+    """
+    module = _module(config, dtype, weights, _StagesTuple)
+    args = _example(config, dtype, batch, tgt_len, src_len, mask_shape)
+    buffer = io.BytesIO()
+    with _quiet(), _one_thread():
+        torch.onnx.export(module, tuple(args), buffer, dynamo=False, opset_version=opset,
+                          input_names=list(_INPUTS[: len(args)]), output_names=list(STAGES))
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def legacy_initializers_to_canonical(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """A TorchScript export's weights -> canonical float64 weights.
+
+    The folded weight of a projection is the second input of the ``MatMul`` that reads the
+    graph input ``query`` (``w_q``), ``key`` (``w_k``), ``value`` (``w_v``), or anything else
+    (``w_o``, which reads the concatenated heads); it is already ``(in, out)``.  Biases are
+    ``q_proj.bias`` … by name.
+    """
+    graph = model.graph
+    arrays = initializer_arrays(graph)
+    by_input = {"query": "w_q", "key": "w_k", "value": "w_v"}
+    out: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in arrays:
+            name = by_input.get(node.input[0], "w_o")
+            if name in out:
+                raise ValueError(f"legacy export: two MatMul weights read as {name!r} ({node.input[1]!r})")
+            out[name] = arrays[node.input[1]]
+    for (_, b_name), prefix in LINEAR_NAMES.items():
+        if f"{prefix}.bias" in arrays:
+            out[b_name] = arrays[f"{prefix}.bias"]
+    return out
+
+
+class TorchOnnxLegacyAdapter(TorchOnnxAdapter):
+    """The ``torch-onnx-legacy`` adapter: the same module exported by the TorchScript-based
+    exporter (``dynamo=False``), once per case × dtype with the case's weights, run by
+    onnxruntime's CPU provider.  The float64 scale stays a double here: no deviation."""
+
+    name = "torch-onnx-legacy"
+    known_deviations: list[Deviation] = []
+
+    def __init__(self, *, opset: int = EXPORT_OPSET, threads: int = 1) -> None:
+        import onnxruntime  # noqa: F401  (imported here, not in the first case's time budget)
+
+        self.opset, self.optimize, self.threads = opset, False, threads
+        self.exports = self.sessions = 0
+
+    def model(self, case: Case) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The exported graph (with the case's weights), and its input feed."""
+        mask = case_mask(case)
+        self.exports += 1
+        model = export_model_legacy(case.config, case.dtype, case.weights, batch=case.batch, tgt_len=case.tgt_len,
+                                    src_len=case.src_len, mask_shape=None if mask is None else mask.shape,
+                                    opset=self.opset)
+        return model, _feed(case, mask)

@@ -17,7 +17,8 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
-from .tolerance_backward import backward_tolerances, local_checks
+from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
+from .tolerance_backward import backward_bounds, local_checks
 
 NO_BACKWARD = "the adapter has no backward(case) method"
 
@@ -63,14 +64,16 @@ def judge_backward(
     returned: Mapping[str, Any] | None,
     golden: GoldenCase,
     dtype: str,
-    tolerances: dict[str, np.ndarray] | None = None,
+    bounds: Mapping[str, Bound] | None = None,
     why_not: str = NO_BACKWARD,
     forward: Mapping[str, Any] | None = None,
     precision: str = "standard",
 ) -> list[StageResult]:
     """One verdict per backward stage of the case; ``returned`` None: every stage not exposed (``why_not``).
 
-    ``tolerances``: the backward bounds (default: :func:`backward_tolerances` under ``precision``).
+    ``bounds``: the backward bounds (default: :func:`backward_bounds` under ``precision``); under
+    the standard contract each stage also has the forward's systematic-error test (the root mean
+    square of its error over its noise bound, :data:`~mhaspec.conformance.tolerance.KAPPA`).
     Each stage is judged against the golden and, where the adapter returned
     what it is computed from (``forward``: the stages ``run`` returned), locally
     against the float64 recomputation from the adapter's own stages; either
@@ -80,8 +83,8 @@ def judge_backward(
     names = case_backward_stages(golden)
     if returned is None:
         return [StageResult(s, NOT_EXPOSED, message=why_not) for s in names]
-    if tolerances is None:
-        tolerances = backward_tolerances(golden, dtype, precision=precision)
+    if bounds is None:
+        bounds = backward_bounds(golden, dtype, precision=precision)
     checks = local_checks(golden, dtype, own_stages(golden, forward or {}, returned), precision=precision)
     out = []
     for stage in names:
@@ -89,8 +92,8 @@ def judge_backward(
             out.append(StageResult(stage, NOT_EXPOSED))
             continue
         visible = golden.visible if stage == "d_attn_weights" else None  # masked dP is not compared
-        res = _resolved(compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, visible),
-                        golden, tolerances[stage])
+        res = _resolved(judge_stage(stage, returned[stage], golden, bounds[stage], dtype, precision, visible),
+                        golden, bounds[stage].tolerance(LAMBDA))
         local = checks.get(stage)
         if local is not None:
             lres = compare_stage(stage, returned[stage], local[0], local[1], dtype, visible, value_checks=False)
@@ -103,6 +106,15 @@ def judge_backward(
             res.message += f" ({SHARED_KV_NOTE})"
         out.append(res)
     return out
+
+
+def judge_stage(stage: str, got: Any, golden: GoldenCase, bound: Bound, dtype: str, precision: str,
+                visible: np.ndarray | None) -> StageResult:
+    """One backward stage against the golden: element-wise, and (standard contract) the
+    systematic-error test on the noise part of its bound, as in the forward."""
+    rms_limit = KAPPA**0.5 if precision == "standard" else None
+    return compare_stage(stage, got, golden.stages[stage], bound.tolerance(LAMBDA), dtype, visible,
+                         noise=bound, rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS)
 
 
 def _resolved(res: StageResult, golden: GoldenCase, tolerance: np.ndarray) -> StageResult:

@@ -15,14 +15,14 @@ from ..adapters import Deviation, load_adapter
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES
-from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward
+from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
                         worst_case_tolerances)
-from .tolerance_backward import backward_tolerances
+from .tolerance_backward import backward_bounds
 from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
@@ -138,6 +138,8 @@ class Session:
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
         self._timeouts = 0
+        #: (golden, dtype, forward bounds) of the last case judged in one block (see _judge_backward)
+        self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
@@ -255,7 +257,9 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
-        bounds = golden.with_reference_error(golden_bounds(golden, dtype, self.precision))  # fast reference: + its error
+        raw = golden_bounds(golden, dtype, self.precision)
+        self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
+        bounds = golden.with_reference_error(raw)  # fast reference: + its error
         tolerances = {name: b.tolerance(LAMBDA) for name, b in bounds.items()}
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
@@ -335,14 +339,16 @@ class Session:
         error = contract_error(returned, golden)
         if error:
             return [], error, seconds
-        bounds = backward_tolerances(golden, dtype, precision=self.precision)
+        last = self._forward_bounds
+        forward_bounds = last[2] if last is not None and last[0] is golden and last[1] == dtype else None
+        bounds = backward_bounds(golden, dtype, forward_bounds, precision=self.precision)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
         for res in results:
             if res.verdict == NOT_EXPOSED:
                 continue
 
             def judge(selected: np.ndarray | None, stage: str = res.stage) -> StageResult:
-                return compare_stage(stage, returned[stage], golden.stages[stage], bounds[stage], dtype, selected)
+                return judge_stage(stage, returned[stage], golden, bounds[stage], dtype, self.precision, selected)
 
             visible = golden.visible if res.stage == "d_attn_weights" else None
             self._apply_deviations(res, golden, dtype, visible, judge)

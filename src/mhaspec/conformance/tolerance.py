@@ -79,7 +79,11 @@ class Bound(NamedTuple):
     worst: np.ndarray  # worst-case part (accumulation, second order, floor)
 
     def tolerance(self, lam: float) -> np.ndarray:
-        return lam * self.sigma + self.worst
+        out = np.multiply(self.sigma, lam)
+        if np.shape(out) != np.shape(self.worst):
+            return out + self.worst
+        out += self.worst  # in place: one array allocated, not two (large stages)
+        return out
 
 
 def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
@@ -248,7 +252,21 @@ class _AttentionConstants(NamedTuple):
 _U32 = 2.0**-24
 
 
-def _upper32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+class _Pair(NamedTuple):
+    """A right-hand operand of :func:`_upper32` in float64 and, cast once, in float32."""
+
+    f64: np.ndarray
+    f32: np.ndarray
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> "_Pair":
+        return cls(x, x.astype(np.float32))
+
+    def __getitem__(self, index: Any) -> "_Pair":  # type: ignore[override]
+        return _Pair(self.f64[index], self.f32[index])
+
+
+def _upper32(a: np.ndarray, b: "_Pair") -> np.ndarray:
     """``a @ b`` for non-negative ``a`` and ``b``, formed in float32 and rounded up.
 
     A sum of n non-negative terms in float32 is below the exact one by at most γ₃₂(n + 2)
@@ -257,9 +275,9 @@ def _upper32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     magnitudes so that nothing that matters underflows."""
     n = a.shape[-1] + 2
     with np.errstate(over="ignore", invalid="ignore"):
-        out = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
+        out = (a.astype(np.float32) @ b.f32).astype(np.float64)
     if not np.isfinite(out).all():  # beyond float32's range (an adapter's own wild values)
-        return a @ b
+        return a @ b.f64
     return out * (1 + 2 * gamma(n, _U32))
 
 
@@ -268,8 +286,8 @@ def _inf_for_nan(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _attention_chunk(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: np.ndarray,
-                     aK: np.ndarray, V: np.ndarray, V2: np.ndarray, aV: np.ndarray, tV2: np.ndarray,
+def _attention_chunk(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: _Pair,
+                     aK: _Pair, V: np.ndarray, V2: np.ndarray, aV: _Pair, tV2: _Pair,
                      s: np.ndarray, p: np.ndarray, o: np.ndarray, vis: np.ndarray,
                      out: tuple[np.ndarray, ...]) -> None:
     """Bounds of scores, attention weights and head outputs for one chunk of query rows.
@@ -352,9 +370,9 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     V = heads(g["v_proj"], G, group).reshape(N, S, E)
     tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
     u2 = u**2
-    KK = _t(np.concatenate([K * K, tK2 / u2], axis=-1))  # see _attention_chunk
-    aK = _t(np.abs(K))
-    V2, aV, tV2 = V * V, np.abs(V), tV2 / u2
+    KK = _Pair.of(_t(np.concatenate([K * K, tK2 / u2], axis=-1)))  # see _attention_chunk
+    aK = _Pair.of(_t(np.abs(K)))
+    V2, aV, tV2 = V * V, _Pair.of(np.abs(V)), _Pair.of(tV2 / u2)
     sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
     floor = table.dtypes[dtype].floor
     sig_s, wor_s, sig_p, wor_p = (np.empty((N, T, S)) for _ in range(4))
@@ -510,7 +528,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if has("q_proj", "k_proj"):
             Q, K = heads(own["q_proj"], H).reshape(N, T, -1), heads(own["k_proj"], G, group).reshape(N, S, -1)
-            K2, aK = _t(K * K), _t(np.abs(K))
+            K2, aK = _Pair.of(_t(K * K)), _Pair.of(_t(np.abs(K)))
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_d = float(gamma(cfg.D_k + k, ua))
 
@@ -548,7 +566,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             P = own["attn_weights"].reshape(N, T, S)
             V = heads(own["v_proj"], G, group).reshape(N, S, -1)
             E = V.shape[-1]
-            V2, aV = V * V, np.abs(V)
+            V2, aV = _Pair.of(V * V), _Pair.of(np.abs(V))
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
             g_s = float(gamma(S + k, ua))
 

@@ -25,16 +25,17 @@ Shapes as in :mod:`mhaspec.spec.backward`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from .tolerance import heads as _heads, merge as _merge
 
-from typing import NamedTuple
-
 from ..fixtures import GoldenCase
 from ..spec import INPUT_GRADIENTS
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
-from .tolerance import PRECISIONS, gamma, stage_tolerances, worst_case_tolerances
+from .tolerance import U64, PRECISIONS, Bound, gamma, golden_bounds, stage_tolerances, worst_case_tolerances
 
 
 class _Rounding(NamedTuple):
@@ -308,3 +309,224 @@ def local_checks(
         if cfg.bias and n != "o":
             out[f"d_b_{n}"] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
     return {s: v for s, v in out.items() if s in g}
+
+
+# -- the standard contract's bounds: the forward's model, carried through the backward pass ---------
+#
+# Each stage's error is (var, lin, acc), its tolerance ``LAMBDA·sqrt(var) + lin + acc + floor``:
+#   var — rounding noise (storage roundings of every earlier result, propagated linearised,
+#         independent terms adding in quadrature, as in the forward model);
+#   acc — the stage's own float32 (or wider) accumulation, worst-case; a later stage takes it
+#         as one more independent term of its variance (the forward's rule);
+#   lin — what is carried worst-case all the way: the forward softmax's second-order term and
+#         the accumulation of P·V (the forward's ``worst`` of attn_weights, head_outputs, concat).
+
+
+class _Err(NamedTuple):
+    var: np.ndarray | float
+    lin: np.ndarray | float
+    acc: np.ndarray | float
+
+    @property
+    def total_var(self) -> np.ndarray | float:
+        """The variance a later stage sees: the noise and this stage's accumulation."""
+        return self.var + np.square(self.acc)
+
+
+def _stored2(u: float, x: np.ndarray) -> np.ndarray:
+    """Variance of storing ``x`` in the dtype (and of the golden's own float64 rounding)."""
+    return (u**2 + U64**2) * x * x
+
+
+def _product(a: np.ndarray, ea: _Err, b: np.ndarray, eb: _Err, c: np.ndarray | None, u: float,
+             g: float) -> _Err:
+    """Error of a @ b when a and b carry ``ea``, ``eb``; ``g`` = γ_acc(n + k) of its length-n sums;
+    ``c``: the result as stored in the dtype (None: not stored here, the caller stores it)."""
+    A = np.abs
+    var: Any = 0.0 if c is None else _stored2(u, c)
+    lin: np.ndarray | float = 0.0
+    if np.any(np.asarray(ea.total_var)):
+        var = var + np.broadcast_to(ea.total_var, a.shape) @ (b * b)
+    if np.any(np.asarray(eb.total_var)):
+        var = var + (a * a) @ np.broadcast_to(eb.total_var, b.shape)
+    if np.any(np.asarray(ea.lin)):
+        lin = lin + np.broadcast_to(ea.lin, a.shape) @ A(b)
+    if np.any(np.asarray(eb.lin)):
+        lin = lin + A(a) @ np.broadcast_to(eb.lin, b.shape)
+    return _Err(var, lin, g * (A(a) @ A(b)))
+
+
+def _forward_err(bound: Bound, carried: bool) -> _Err:
+    """A forward stage's error as a backward input: its noise, and its worst-case part either as
+    accumulation (→ variance later, the projections) or carried worst-case (softmax and after)."""
+    if carried:
+        return _Err(bound.sigma**2, bound.worst, 0.0)
+    return _Err(bound.sigma**2, 0.0, bound.worst)
+
+
+def backward_bounds(
+    golden: GoldenCase,
+    dtype: str,
+    forward: Mapping[str, Bound] | None = None,
+    table: ToleranceTable = DEFAULT_TOLERANCES,
+    precision: str = "standard",
+) -> dict[str, Bound]:
+    """The allowed error of every backward stage of ``golden`` in ``dtype`` as :class:`Bound`\\ s.
+
+    ``"standard"``: the forward's model (rounding noise root-sum-square, accumulation worst-case;
+    docs/tolerances.md, docs/backward.md) carried through the backward pass, from the forward
+    stages' bounds (``forward``: :func:`~mhaspec.conformance.tolerance.golden_bounds`).
+    ``"worst-case"``: :func:`backward_tolerances` as the worst-case part, no noise part.
+    """
+    if precision == "worst-case":
+        return {k: Bound(np.zeros_like(v), v) for k, v in backward_tolerances(golden, dtype, table=table,
+                                                                              precision=precision).items()}
+    if precision != "standard":
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    fb = forward if forward is not None else golden_bounds(golden, dtype, precision, table)
+    u = table.dtypes[dtype].unit_roundoff
+    ua, k = min(u, table.dtypes["float32"].unit_roundoff), table.extra_ops
+
+    def gam(n: int) -> float:
+        return float(gamma(n + k, ua))
+
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    vis = golden.visible
+    S, T, D, E = golden.spec.src_len, golden.spec.tgt_len, cfg.D_k, cfg.D_v
+    A = np.abs
+    assert golden.d_output is not None
+    dY = golden.d_output  # exact in every dtype
+    exact = _Err(0.0, 0.0, 0.0)
+    err: dict[str, _Err] = {}
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        # 1. d_concat = d_output @ w_oᵀ (exact operands); d_head_outputs relabels it.
+        err["d_concat"] = _product(dY, exact, w["w_o"].T, exact, g["d_concat"], u, gam(cfg.d_out))
+        e = err["d_concat"]
+        err["d_head_outputs"] = _Err(*(_heads(x, H) if np.ndim(x) else x for x in e))
+        dO, e_dO = g["d_head_outputs"], err["d_head_outputs"]
+
+        # 2. d_attn_weights = dO Vᵀ (V off by the forward's bound).
+        V = _heads(g["v_proj"], G, group)
+        bV = fb["v_proj"]
+        e_V = _Err(*(_heads(x, G, group) for x in (bV.sigma**2, np.zeros_like(bV.worst), bV.worst)))
+        e_Vt = _Err(*(np.swapaxes(x, -1, -2) for x in e_V))
+        dP = g["d_attn_weights"]
+        err["d_attn_weights"] = _product(dO, e_dO, np.swapaxes(V, -1, -2), e_Vt, dP, u, gam(E))
+        e_dP = err["d_attn_weights"]
+
+        # 3. d_scores = P ⊙ (dP − δ), linearised with the exact coefficients: ∂dS_j/∂P_k =
+        #    δ_jk (dP_j − δ) − P_j dP_k, ∂dS_j/∂dP_k = P_j (δ_jk − P_k).  δ either as Σ_S P·dP or
+        #    FlashAttention's Σ_E dO·O: the larger of the two routes' bounds.
+        P = np.where(vis, g["attn_weights"], 0.0)
+        e_P = _forward_err(fb["attn_weights"], carried=True)
+        vP, lP = np.where(vis, e_P.var, 0.0), np.where(vis, e_P.lin, 0.0)
+        vdP = np.where(vis, e_dP.total_var, 0.0)
+        ldP = np.where(vis, e_dP.lin, 0.0) if np.ndim(e_dP.lin) else 0.0 * P
+        dPv = np.where(vis, dP, 0.0)
+        delta = np.sum(P * dPv, axis=-1, keepdims=True)
+        diff = dPv - delta
+        a_j = diff - P * dPv
+        # route P: δ = Σ_S P dP, its accumulation γ(S)·Σ|P dP|
+        var_p = (a_j**2 * vP + P**2 * np.maximum(np.sum(dPv**2 * vP, -1, keepdims=True) - dPv**2 * vP, 0.0)
+                 + P**2 * ((1 - P) ** 2 * vdP + np.maximum(np.sum(P**2 * vdP, -1, keepdims=True) - P**2 * vdP, 0.0)))
+        lin_p = (A(a_j) * lP + P * np.sum(A(dPv) * lP, -1, keepdims=True)
+                 + P * ((1 - P) * ldP + np.sum(P * ldP, -1, keepdims=True)))
+        acc_p = P * gam(S) * np.sum(A(P * dPv), -1, keepdims=True)
+        # route O: δ = Σ_E dO O (O = head_outputs, off by the forward's bound)
+        O = g["head_outputs"]
+        e_O = _forward_err(fb["head_outputs"], carried=True)
+        var_d = np.sum(O**2 * e_dO.total_var + dO**2 * e_O.var, -1, keepdims=True)
+        lin_d = np.sum(A(dO) * e_O.lin, -1, keepdims=True)
+        var_o = diff**2 * vP + P**2 * vdP + P**2 * var_d
+        lin_o = A(diff) * lP + P * ldP + P * lin_d
+        acc_o = P * gam(E) * np.sum(A(dO * O), -1, keepdims=True)
+        dS = g["d_scores"]
+        # the difference and the product (or P·dP − P·δ expanded) are each stored once more
+        var_s = np.maximum(var_p, var_o) + u**2 * P**2 * (diff**2 + dPv**2 + delta**2) + _stored2(u, dS)
+        err["d_scores"] = _Err(np.where(vis, var_s, 0.0), np.where(vis, np.maximum(lin_p, lin_o), 0.0),
+                               np.where(vis, np.maximum(acc_p, acc_o), 0.0))
+        e_dS = err["d_scores"]
+
+        # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
+        K = _heads(g["k_proj"], G, group)
+        bK, bQ = fb["k_proj"], fb["q_proj"]
+        e_K = _Err(_heads(bK.sigma**2, G, group), 0.0, _heads(bK.worst, G, group))
+        Q = _heads(g["q_proj"], H)
+        e_Q = _Err(_heads(bQ.sigma**2, H), 0.0, _heads(bQ.worst, H))
+
+        def scaled(x: _Err, f: float) -> _Err:
+            return _Err(x.var * f * f, x.lin * f, x.acc * f)
+
+        def merged(x: _Err) -> _Err:
+            return _Err(*(_merge(v) if np.ndim(v) else v for v in x))
+
+        def grouped_t(x: _Err) -> _Err:
+            return _Err(*(_grouped_t(v, G) if np.ndim(v) else v for v in x))
+
+        def grouped(x: _Err) -> _Err:
+            return _Err(*(_grouped(v, G) if np.ndim(v) else v for v in x))
+
+        def stored(x: _Err, y: np.ndarray) -> _Err:  # the result as stored in the dtype
+            return _Err(x.var + _stored2(u, y), x.lin, x.acc)
+
+        n_group = group * T
+        e = _product(dS, e_dS, K, e_K, None, u, gam(S))
+        err["d_q_proj"] = stored(merged(scaled(e, scale)), g["d_q_proj"])
+        e = _product(_grouped_t(dS, G), grouped_t(e_dS), _grouped(Q, G), grouped(e_Q), None, u, gam(n_group))
+        err["d_k_proj"] = stored(merged(scaled(e, scale)), g["d_k_proj"])
+        Pg, dOg = _grouped_t(P, G), _grouped(dO, G)
+        e_Pg = _Err(_grouped_t(vP, G), _grouped_t(lP, G), 0.0)
+        e = _product(Pg, e_Pg, dOg, grouped(e_dO), None, u, gam(n_group))
+        err["d_v_proj"] = stored(merged(e), g["d_v_proj"])
+
+        # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
+        d_y = {x: g[f"d_{x}_proj"] for x in "qkv"}
+        for name, sums in INPUT_GRADIENTS[golden.spec.inputs].items():
+            if name not in g:
+                continue
+            n = sum(w[f"w_{x}"].shape[1] for x in sums)
+            var: Any = _stored2(u, g[name])
+            lin: Any = 0.0
+            mag: Any = 0.0
+            for x in sums:
+                wt = w[f"w_{x}"].T
+                ex = err[f"d_{x}_proj"]
+                var = var + ex.total_var @ (wt * wt)
+                if np.ndim(ex.lin):
+                    lin = lin + ex.lin @ A(wt)
+                mag = mag + A(d_y[x]) @ A(wt)
+            err[name] = _Err(var, lin, gam(n) * mag)
+
+        # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, carries the forward's
+        #    bound), bias gradients Σ d_y.
+        xs = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"], "o": g["concat"]}
+        ys = {**d_y, "o": dY}
+        e_ys = {x: err[f"d_{x}_proj"] for x in "qkv"} | {"o": exact}
+        e_c = _forward_err(fb["concat"], carried=True)
+        for n in "qkvo":
+            rows = xs[n].shape[0] * xs[n].shape[1]
+            xf, yf = xs[n].reshape(rows, -1), ys[n].reshape(rows, -1)
+            ex = exact if n != "o" else _Err(e_c.var.reshape(rows, -1), e_c.lin.reshape(rows, -1), 0.0)
+            ey = e_ys[n]
+            eyf = _Err(*(np.reshape(v, (rows, -1)) if np.ndim(v) else v for v in ey))
+            err[f"d_w_{n}"] = _product(xf.T, _Err(*(v.T if np.ndim(v) else v for v in ex)), yf, eyf,
+                                       g[f"d_w_{n}"], u, gam(rows))
+            if cfg.bias and f"d_b_{n}" in g:
+                tv = np.reshape(np.broadcast_to(ey.total_var, ys[n].shape), (rows, -1)).sum(0)
+                ln = np.reshape(np.broadcast_to(ey.lin, ys[n].shape), (rows, -1)).sum(0)
+                err[f"d_b_{n}"] = _Err(tv + _stored2(u, g[f"d_b_{n}"]), ln, gam(rows) * A(yf).sum(0))
+
+    floor = table.dtypes[dtype].floor
+    out = {}
+    for name, e in err.items():
+        if name not in g:
+            continue
+        shape = g[name].shape
+        sigma = np.sqrt(np.maximum(np.broadcast_to(e.var, shape), 0.0))
+        worst = np.broadcast_to(e.lin + e.acc, shape) + floor
+        out[name] = Bound(np.nan_to_num(sigma, nan=np.inf), np.nan_to_num(worst, nan=np.inf))
+    out["d_scores"] = Bound(np.where(vis, out["d_scores"].sigma, 0.0), np.where(vis, out["d_scores"].worst, 0.0))
+    return out
