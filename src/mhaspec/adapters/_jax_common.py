@@ -169,11 +169,14 @@ THROUGH_SOFTMAX = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_
 FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
 
 #: A layer that adds its biases in bfloat16 gets their gradients from a bfloat16 reduction.
+#: Where it shows in the catalog (bfloat16): (case, stage) patterns.
+BIAS_GRAD_BF16_WHERE = (("long_sequence", "d_b_o"), ("tile_crossing", "d_b_o"))
 BIAS_GRAD_BF16 = (
     "backward, bfloat16: the layer adds each bias in bfloat16, so its gradient is the transpose of that "
     "broadcast, lax.reduce_sum of the bfloat16 cotangent over batch and length (jax/_src/lax/lax.py "
-    "_broadcast_in_dim_transpose_rule), which XLA:CPU accumulates in bfloat16 (measured: equal to a "
-    "sequential bfloat16 sum), outside the standard contract's float32 accumulation; cf. jax-ml/jax#27496"
+    "_broadcast_in_dim_transpose_rule), which XLA:CPU accumulates in bfloat16 (measured: never the float32 "
+    "sum rounded once; over 27 rows equal to a sequential bfloat16 sum), outside the standard contract's "
+    "float32 accumulation; shows on the longest sums (d_b_o over 65 and 128 rows); cf. jax-ml/jax#27496"
 )
 
 

@@ -39,6 +39,7 @@ from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
     BIAS_GRAD_BF16,
+    BIAS_GRAD_BF16_WHERE,
     FULLY_MASKED_BACKWARD,
     canonical_to_flax,
     compiled,
@@ -126,7 +127,8 @@ class FlaxLinenAdapter:
     ] + [
         Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
                   stage=stage, rows="fully_masked") for stage in FULLY_MASKED_BACKWARD
-    ] + [Deviation(BIAS_GRAD_BF16, case="cross_attention", dtype="bfloat16", stage="d_b_v")]
+    ] + [Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage)
+         for case, stage in (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)]
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile

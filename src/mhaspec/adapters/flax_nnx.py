@@ -43,6 +43,8 @@ from flax import nnx
 from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
+    BIAS_GRAD_BF16,
+    BIAS_GRAD_BF16_WHERE,
     FULLY_MASKED_BACKWARD,
     THROUGH_SOFTMAX,
     canonical_to_flax,
@@ -135,6 +137,7 @@ class FlaxNNXAdapter:
         *(Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")),
         *(Deviation(_FULLY_MASKED + _BACKWARD_FULLY_MASKED, stage=stage, rows="fully_masked")
           for stage in FULLY_MASKED_BACKWARD),
+        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage) for case, stage in BIAS_GRAD_BF16_WHERE),
     ]
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
@@ -246,4 +249,5 @@ class FlaxNNXFastAdapter(FlaxNNXAdapter):
           for stage in FULLY_MASKED_BACKWARD),
         *(Deviation(_SOFTMAX_F32 + "; backward: its gradient too", dtype="float64", stage=stage)
           for stage in THROUGH_SOFTMAX),
+        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage) for case, stage in BIAS_GRAD_BF16_WHERE),
     ]
