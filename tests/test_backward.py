@@ -311,3 +311,32 @@ def test_backward_bugs_are_rejected_in_every_dtype_at_the_right_stage(name, prec
     wrong = {(r.case, r.dtype): r.first_failing_stage for r in failing if r.first_failing_stage != stage}
     assert not wrong, f"bug {name}: first failing stage should be {stage}, got {wrong}"
     assert not [r for r in report.results if r.verdict == ERROR]
+
+
+class _DoubledDWo:
+    """The numpy adapter with d_w_o doubled, declaring a row-scoped deviation on d_w_o."""
+
+    name = "numpy-doubled-d_w_o"
+    known_deviations = [{"reason": "rows that see no key (test)", "stage": "d_w_o", "rows": "fully_masked"}]
+
+    def __init__(self):
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        self._inner = NumpyMHA()
+
+    def run(self, case):
+        return self._inner.run(case)
+
+    def backward(self, case):
+        out = self._inner.backward(case)
+        out["d_w_o"] = out["d_w_o"] * 2
+        return out
+
+
+def test_a_row_scoped_deviation_on_a_gradient_summed_over_rows_excuses_only_cases_with_such_rows():
+    """rows="fully_masked" on d_w_o (every element sums over the query rows) excuses the stage in a
+    case that has rows seeing no key, and nowhere else: a bug there is still a failure."""
+    report = mhaspec.check(_DoubledDWo(), dtypes=["float32"], cases=["self_basic", "custom_mask"], backward=True)
+    plain, masked = report.result("self_basic", "float32"), report.result("custom_mask", "float32")
+    assert plain.verdict == FAIL and plain.first_failing_stage == "d_w_o"
+    assert masked.stage("d_w_o").verdict == "known deviation"

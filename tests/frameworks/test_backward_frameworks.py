@@ -19,7 +19,7 @@ from mhaspec.spec import BACKWARD_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 FEW = ["self_basic", "cross_attention", "gqa", "custom_mask", "causal_bottom_right", "large_logits"]
-TORCH, JAX = pytest.mark.torch, pytest.mark.jax
+TORCH, JAX, TF = pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow
 ALL_BACKWARD = set(BACKWARD_STAGES)
 FUSED_HIDES = {"d_scores", "d_attn_weights"}
 
@@ -34,7 +34,16 @@ ADAPTERS = {
                                                                      "d_k_proj", "d_v_proj"}),
     "jax": ("jax", JAX, ALL_BACKWARD),
     "jax-dpa": ("jax", JAX, ALL_BACKWARD - FUSED_HIDES),
+    "tensorflow": ("tensorflow", TF, ALL_BACKWARD),
+    "keras": ("keras", TF, ALL_BACKWARD - FUSED_HIDES),  # the fused path: no scores, no weights
+    "keras-scores": ("keras", TF, ALL_BACKWARD),
+    # the attention weights are made inside attention_fn, where no tap reaches
+    "flax-linen": ("flax", JAX, ALL_BACKWARD - FUSED_HIDES),
+    "flax-nnx": ("flax", JAX, ALL_BACKWARD - FUSED_HIDES),
+    "flax-nnx-fast": ("flax", JAX, ALL_BACKWARD - FUSED_HIDES),
 }
+#: cases per adapter where FEW would be slow: flax-nnx-fast runs float16 eagerly (seconds per case on CPU)
+CASES = {"flax-nnx-fast": ["self_masked_rows", "cross_attention"]}
 
 
 def _params():
@@ -45,7 +54,8 @@ def _params():
 def test_backward_conforms_or_declares_and_exposes_its_stages(name: str) -> None:
     framework, _, exposed = ADAPTERS[name]
     require(framework)
-    report = mhaspec.check(name, dtypes=["float64", "float32", "float16", "bfloat16"], cases=FEW, backward=True)
+    report = mhaspec.check(name, dtypes=["float64", "float32", "float16", "bfloat16"], cases=CASES.get(name, FEW),
+                           backward=True)
     assert report.ok, report.table()
     for r in report.results:
         if r.verdict == "unsupported":

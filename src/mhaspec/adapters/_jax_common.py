@@ -208,19 +208,26 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
 
 def vjp_stages(
     case: Any, output: Any, tap_shapes: Mapping[str, tuple[int, ...]], *, jit: bool = True,
+    weights: Any = None, to_canonical: Callable[[Any], Mapping[str, np.ndarray]] | None = None,
     fast_compile: bool = False,
 ) -> dict[str, np.ndarray]:
     """The backward stages of ``case`` by ``jax.vjp`` (call inside :func:`computing_in`).
 
     ``output(query, key, value, weights, taps) -> (B, T, d_out)`` is the layer, with a
-    zero tap added to each intermediate stage named in ``tap_shapes`` (canonical shapes):
-    the cotangent of a tap is that stage's gradient.  Self-attention differentiates
+    zero tap added to each intermediate stage named in ``tap_shapes`` (any shape the
+    layer has it in: the caller brings a tap's gradient to the canonical shape): the
+    cotangent of a tap is that stage's gradient.  Self-attention differentiates
     with respect to the one input tensor (``d_query`` is the sum of the three).
     The forward and the pullback are compiled together (``jit``) or run eagerly.
+
+    ``weights`` (default: the case's canonical ``w_q … b_o`` in the dtype) is the pytree
+    differentiated; ``to_canonical`` maps its gradient (numpy leaves) to canonical
+    ``w_q … b_o`` (a layer's own parameter layout back through its weight converter's inverse).
     ``fast_compile``: jit with :data:`FAST_COMPILE` (check :func:`use_fast_compile` first).
     """
     dtype = case.dtype
-    weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
+    if weights is None:
+        weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
     taps = {name: jax.device_put(np.zeros(shape, dtype=jax_dtype(dtype))) for name, shape in tap_shapes.items()}
     query, key, value = (to_jax(x, dtype) for x in (case.inputs.query, case.inputs.key, case.inputs.value))
 
@@ -239,11 +246,36 @@ def vjp_stages(
             inputs = {"d_query": d_query, "d_key": d_key, "d_value": d_value}
         grads = {f"d_{name}": g for name, g in d_taps.items()}
         grads.update(inputs)
-        grads.update({f"d_{name}": g for name, g in d_weights.items()})
-        return grads
+        return grads, d_weights
 
     run = jax.jit(gradients, compiler_options=FAST_COMPILE if fast_compile else None) if jit else gradients
-    return to_numpy(run(query, key, value, weights, taps, to_jax(case.d_output, dtype)))
+    grads, d_weights = run(query, key, value, weights, taps, to_jax(case.d_output, dtype))
+    out = to_numpy(grads)
+    d_weights = jax.tree.map(lambda g: np.asarray(jax.device_get(g)), d_weights)
+    out.update({f"d_{name}": g for name, g in (to_canonical(d_weights) if to_canonical else d_weights).items()})
+    return out
+
+
+#: Backward stages downstream of the softmax that the Flax adapters expose (d_concat, d_head_outputs and
+#: d_b_o are not downstream; d_scores, d_attn_weights are not exposed).
+THROUGH_SOFTMAX = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_[qkv]")
+
+#: Where the uniform weights of a row that sees no key (masked logits filled with a finite value, then
+#: ``where``) reach the backward: through P to d_v_proj and what is made of it, and through the forward's
+#: concat to d_w_o.  Not d_scores, d_q_proj, d_k_proj: ``where`` passes no gradient to a masked logit.
+#: (d_query: self-attention, where it sums d_v_proj's share.)
+FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
+
+#: A layer that adds its biases in bfloat16 gets their gradients from a bfloat16 reduction.
+#: Where it shows in the catalog (bfloat16): (case, stage) patterns.
+BIAS_GRAD_BF16_WHERE = (("long_sequence", "d_b_o"), ("tile_crossing", "d_b_o"))
+BIAS_GRAD_BF16 = (
+    "backward, bfloat16: the layer adds each bias in bfloat16, so its gradient is the transpose of that "
+    "broadcast, lax.reduce_sum of the bfloat16 cotangent over batch and length (jax/_src/lax/lax.py "
+    "_broadcast_in_dim_transpose_rule), which XLA:CPU accumulates in bfloat16 (measured: never the float32 "
+    "sum rounded once; over 27 rows equal to a sequential bfloat16 sum), outside the standard contract's "
+    "float32 accumulation; shows on the longest sums (d_b_o over 65 and 128 rows); cf. jax-ml/jax#27496"
+)
 
 
 # -- the Flax parameter layout --------------------------------------------

@@ -71,6 +71,17 @@ ONEDNN_SOFTMAX = (
     "probabilities below 2^-125 (here 2.15e-38 expected); Eigen's softmax (TF_ENABLE_ONEDNN_OPTS=0) returns them"
 )
 
+#: The same, carried into the backward: d_scores = P ⊙ (dP − δ) is 0 where P was flushed to 0.
+BACKWARD_ONEDNN_SOFTMAX = "; backward: d_scores = P ⊙ (d_attn_weights − δ) is 0 wherever P was flushed to 0"
+
+#: TensorFlow's CPU reductions of float16 accumulate in float16 (bfloat16 gets a float32 accumulator).
+REDUCE_SUM_FLOAT16 = (
+    "backward: a bias gradient is tf.reduce_sum of the upstream gradient over batch and length (here 21 rows), and "
+    "TensorFlow's CPU Sum of float16 accumulates in float16 (reduction_ops.h gives only bfloat16 a float "
+    "accumulator: tensorflow/tensorflow#123299, fix proposed in #124049), outside the standard contract's "
+    "float32 accumulation; within --precision worst-case"
+)
+
 
 def numpy_dtype(name: str) -> Any:
     """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes, as TensorFlow uses)."""

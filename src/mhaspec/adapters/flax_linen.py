@@ -38,6 +38,9 @@ import numpy as np
 from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
+    BIAS_GRAD_BF16,
+    BIAS_GRAD_BF16_WHERE,
+    FULLY_MASKED_BACKWARD,
     canonical_to_flax,
     compiled,
     computing_in,
@@ -47,6 +50,7 @@ from ._jax_common import (
     to_jax,
     to_numpy,
     use_fast_compile,
+    vjp_stages,
 )
 
 _FULLY_MASKED = (
@@ -131,7 +135,11 @@ class FlaxLinenAdapter:
     known_deviations = [
         Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked")
         for stage in ("attn_weights", "head_outputs", "concat", "output")
-    ]
+    ] + [
+        Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
+                  stage=stage, rows="fully_masked") for stage in FULLY_MASKED_BACKWARD
+    ] + [Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage)
+         for case, stage in (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)]
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile
@@ -161,3 +169,44 @@ class FlaxLinenAdapter:
         heads = stages.pop("head_outputs")  # (B, T, H, D), the input of W^O
         stages["head_outputs"], stages["concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
         return stages
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``jax.vjp`` of the layer's ``apply`` with respect to the inputs and
+        its ``params`` tree, whose gradient goes back through :func:`linen_params_to_canonical`.
+
+        Intermediate stages through zero taps that ``nn.intercept_methods`` adds where :meth:`run`
+        reads the stages: the ``query``/``key``/``value`` DenseGeneral outputs (``d_q_proj`` …) and
+        the (B, T, H, D) input of ``out`` (``d_head_outputs``, ``d_concat``).  The attention weights
+        are made inside ``attention_fn``, where no tap reaches: no ``d_scores``, ``d_attn_weights``."""
+        cfg, dtype = case.config, case.dtype
+        B, T, S, H, D = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.D_k
+        with computing_in(dtype, self.device):
+            layer = nn.MultiHeadDotProductAttention(
+                num_heads=H, qkv_features=H * D, out_features=cfg.d_out, use_bias=cfg.bias,
+                dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), deterministic=True,
+            )
+            params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
+            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)
+            mask = nn.combine_masks(mask, causal_mask(case), dtype=jnp.bool_)
+            tapped = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
+
+            def output(query, key, value, params, taps):
+                def tap(next_fun, args, kwargs, context):
+                    name = context.module.name if context.method_name == "__call__" else None
+                    if name == "out":  # its input is the head outputs (B, T, H, D)
+                        return next_fun(args[0] + taps["head_outputs"], *args[1:], **kwargs)
+                    y = next_fun(*args, **kwargs)
+                    return y + taps[tapped[name]] if name in tapped else y
+
+                with nn.intercept_methods(tap):
+                    return layer.apply({"params": params}, inputs_q=query, inputs_k=key, inputs_v=value, mask=mask)
+
+            shapes = {"q_proj": (B, T, H, D), "k_proj": (B, S, H, D), "v_proj": (B, S, H, D),
+                      "head_outputs": (B, T, H, D)}
+            grads = vjp_stages(case, output, shapes, weights=params, to_canonical=linen_params_to_canonical,
+                               fast_compile=use_fast_compile(self.device, self.fast_compile))
+        for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
+            grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
+        heads = grads.pop("d_head_outputs")  # (B, T, H, D)
+        grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
+        return grads

@@ -43,6 +43,10 @@ from flax import nnx
 from ..spec import Case, MHAConfig
 from .base import Deviation
 from ._jax_common import (
+    BIAS_GRAD_BF16,
+    BIAS_GRAD_BF16_WHERE,
+    FULLY_MASKED_BACKWARD,
+    THROUGH_SOFTMAX,
     canonical_to_flax,
     compiled,
     computing_in,
@@ -53,6 +57,7 @@ from ._jax_common import (
     to_jax,
     to_numpy,
     use_fast_compile,
+    vjp_stages,
     with_fallback_precision,
 )
 
@@ -68,6 +73,7 @@ _SOFTMAX_F32 = (
     "the layer's fast path is jax.nn.dot_product_attention, whose softmax always runs in float32, "
     "so float64 outputs carry float32 rounding"
 )
+_BACKWARD_FULLY_MASKED = "; backward: those rows' uniform weights pass gradient to every value"
 
 HAS_KV_HEADS = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
 
@@ -145,7 +151,12 @@ class FlaxNNXAdapter:
     name = "flax-nnx"
     framework = "flax"
     sow_weights = True
-    known_deviations = [Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")]
+    known_deviations = [
+        *(Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")),
+        *(Deviation(_FULLY_MASKED + _BACKWARD_FULLY_MASKED, stage=stage, rows="fully_masked")
+          for stage in FULLY_MASKED_BACKWARD),
+        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage) for case, stage in BIAS_GRAD_BF16_WHERE),
+    ]
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile
@@ -193,6 +204,56 @@ class FlaxNNXAdapter:
             stages["attn_weights"] = inter["attention_weights"][0]
         return stages
 
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``jax.vjp`` of the layer (``nnx.merge`` of its graph and state)
+        with respect to the inputs and its ``nnx.Param`` state, whose gradient goes back through
+        :func:`nnx_state_to_canonical`.
+
+        Intermediate stages through zero taps: inside the differentiated function the merged
+        layer's ``query``/``key``/``value`` submodules are wrapped to add a tap to their outputs
+        (``d_q_proj`` …, the key/value heads before any GQA repeat) and ``out`` to add one to its
+        (B, T, H, D) input (``d_head_outputs``, ``d_concat``).  The attention weights are made
+        inside ``attention_fn``, where no tap reaches: no ``d_scores``, ``d_attn_weights``."""
+        cfg, dtype = case.config, case.dtype
+        B, T, S, H, G, D = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv, cfg.D_k
+        with computing_in(dtype, self.device):
+            kv_heads = {"num_kv_heads": G} if HAS_KV_HEADS else {}
+            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(
+                num_heads=H, in_features=cfg.d_model, qkv_features=H * D, out_features=cfg.d_out,
+                in_kv_features=cfg.kdim, use_bias=cfg.bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype),
+                decode=False, rngs=nnx.Rngs(0), **kv_heads,
+            ))
+            state = nnx.state(layer, nnx.Param)
+            nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype),
+                                                          canonical_to_nnx_state(case.weights, cfg)))
+            nnx.update(layer, state)
+            graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+            mask, is_causal = nnx_mask(case)
+
+            def output(query, key, value, params, taps):
+                merged = nnx.merge(graphdef, params, rest)
+                for sub, stage in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+                    inner = getattr(merged, sub)
+                    setattr(merged, sub, lambda x, inner=inner, tap=taps[stage], **kw: inner(x, **kw) + tap)
+                out = merged.out
+                merged.out = lambda x, **kw: out(x + taps["head_outputs"], **kw)
+                call = nnx.capture(merged, nnx.Intermediate)  # where sow_weights=True sows the weights
+                y, _ = call(query, key, value, mask=mask, is_causal=is_causal, sow_weights=self.sow_weights,
+                            deterministic=True)
+                return y
+
+            shapes = {"q_proj": (B, T, H, D), "k_proj": (B, S, G, D), "v_proj": (B, S, G, D),
+                      "head_outputs": (B, T, H, D)}
+            eager = not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
+            grads = vjp_stages(case, output, shapes, jit=not eager, weights=params,
+                               to_canonical=nnx_state_to_canonical,
+                               fast_compile=use_fast_compile(self.device, self.fast_compile))
+        for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
+            grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
+        heads = grads.pop("d_head_outputs")  # (B, T, H, D)
+        grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
+        return grads
+
 
 class FlaxNNXFastAdapter(FlaxNNXAdapter):
     """``flax.nnx.MultiHeadAttention`` with ``sow_weights=False``: the core is ``jax.nn.dot_product_attention``."""
@@ -202,4 +263,9 @@ class FlaxNNXFastAdapter(FlaxNNXAdapter):
     known_deviations = [
         Deviation(_FAST_FULLY_MASKED, stage="output", rows="fully_masked"),
         Deviation(_SOFTMAX_F32, dtype="float64", stage="output"),
+        *(Deviation(_FAST_FULLY_MASKED + _BACKWARD_FULLY_MASKED, stage=stage, rows="fully_masked")
+          for stage in FULLY_MASKED_BACKWARD),
+        *(Deviation(_SOFTMAX_F32 + "; backward: its gradient too", dtype="float64", stage=stage)
+          for stage in THROUGH_SOFTMAX),
+        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage) for case, stage in BIAS_GRAD_BF16_WHERE),
     ]

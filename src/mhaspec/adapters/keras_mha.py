@@ -42,7 +42,8 @@ import numpy as np
 
 from ..spec import CATALOG, Case, MHAConfig, Weights
 from .base import Deviation
-from ._tf_common import ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf, to_numpy, to_tensor
+from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf,
+                         to_numpy, to_tensor)
 
 keras = quiet_import("keras")
 
@@ -203,12 +204,78 @@ _SCALE_IN_FLOAT32 = (
 _SCALE_INEXACT_IN_FLOAT32 = [s.id for s in CATALOG if float(np.float32(s.config.scale)) != s.config.scale]
 
 
+_BIAS_ADD_GRAD_BF16 = (
+    "backward, bfloat16: Keras adds a bias that squeezes to a vector with tf.nn.bias_add (b_o always; b_q, "
+    "b_k, b_v with one head), whose gradient BiasAddGrad sums in bfloat16 on the CPU (measured: a sequential "
+    "bfloat16 sum; shows on the longest sums, 65 to 129 rows) "
+    "(tensorflow/core/kernels/bias_op.cc: AccumulatorType gives only Eigen::half a float accumulator; "
+    "tensorflow/tensorflow#86378), outside the standard contract's float32 accumulation"
+)
+#: backward stages the float64 scale reaches (d_concat, d_head_outputs, d_attn_weights, d_b_o do not depend on
+#: the scores; nor does d_b_v, Σ_S of d_v_proj = Σ_T d_head_outputs as every row of P sums to 1; d_b_k is ~0);
+#: d_scores only where the layer exposes it (return_attention_scores=True).
+_THROUGH_SCALE = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_q")
+#: where the fused path's uniform rows reach the backward: through P to d_v_proj and what is made of it, through
+#: the forward's concat to d_w_o (its mask is applied with ``where``: no gradient reaches a masked logit).
+_FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
+
+
 def _deviations(stages: tuple[str, ...], fully_masked: bool, softmax: tuple[str, ...]) -> list[Deviation]:
+    """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches."""
+    backward = ("d_scores", *_THROUGH_SCALE) if "attn_weights" in stages else _THROUGH_SCALE
     out = [Deviation(_FULLY_MASKED, stage=s, rows="fully_masked") for s in stages] if fully_masked else []
+    out += [Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
+                      stage=s, rows="fully_masked") for s in _FULLY_MASKED_BACKWARD] if fully_masked else []
     out += [Deviation(ONEDNN_SOFTMAX, case=c, dtype="float32", stage="attn_weights") for c in softmax]
+    out += [Deviation(ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX, case=c, dtype="float32", stage="d_scores")
+            for c in softmax]
     out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s)
-            for c in _SCALE_INEXACT_IN_FLOAT32 for s in stages]
+            for c in _SCALE_INEXACT_IN_FLOAT32 for s in (*stages, *backward)]
+    out += [Deviation(_BIAS_ADD_GRAD_BF16, case=c, dtype="bfloat16", stage=s)
+            for c, s in (("tile_crossing", "d_b_v"), ("tile_crossing", "d_b_o"), ("long_sequence", "d_b_o"))]
     return out
+
+
+def _layer_tensors(case: Case, query: Any) -> dict[str, Any]:
+    """The layer's ``value`` (and ``key``) arguments: ``query`` itself in self-attention; one
+    memory tensor as ``value`` alone when key = value (Keras's key defaults to value)."""
+    x, dt = case.inputs, case.dtype
+    if case.self_attention:
+        return {"value": query, "key": query}
+    if case.key_is_value:
+        return {"value": to_tensor(x.value, dt)}
+    return {"value": to_tensor(x.value, dt), "key": to_tensor(x.key, dt)}
+
+
+def tapped_layer(config: MHAConfig, dtype: str) -> tuple[Any, dict[str, Any]]:
+    """A fresh layer (:func:`make_layer`) that records, at each call, the tensors it computes on
+    the way, by stage name: ``q_proj``, ``k_proj``, ``v_proj`` (its projection sublayers'
+    outputs, (B, L, heads, D)), ``head_outputs`` (the attention output handed to W^O,
+    (B, T, H, E)) and, when its masked softmax runs (``return_attention_scores=True``),
+    ``scores`` and ``attn_weights`` (B, H, T, S).  Only instance attributes are wrapped: the
+    layer's class, and so its choice of code path, is unchanged."""
+    layer = make_layer(config, dtype)
+    taps: dict[str, Any] = {}
+
+    def record(obj: Any, method: str, stage: Any) -> None:
+        original = getattr(obj, method)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            stage(args, result)
+            return result
+
+        setattr(obj, method, recorded)
+
+    for stage, sub in (("q_proj", "_query_dense"), ("k_proj", "_key_dense"), ("v_proj", "_value_dense")):
+        record(getattr(layer, sub), "call", lambda args, y, stage=stage: taps.__setitem__(stage, y))
+    record(layer, "_compute_attention", lambda args, y: taps.__setitem__("head_outputs", y[0]))
+
+    def softmax(args: Any, p: Any) -> None:
+        taps["scores"], taps["attn_weights"] = args[0], p
+
+    record(layer, "_masked_softmax", softmax)
+    return layer, taps
 
 
 class KerasMHAAdapter:
@@ -235,12 +302,7 @@ class KerasMHAAdapter:
             set_layer_weights(layer, case.weights, cfg)
 
             query = to_tensor(x.query, dt)
-            if case.self_attention:
-                tensors = {"value": query, "key": query}
-            elif case.key_is_value:  # one memory tensor: no key argument, Keras's key defaults to value
-                tensors = {"value": to_tensor(x.value, dt)}
-            else:
-                tensors = {"value": to_tensor(x.value, dt), "key": to_tensor(x.key, dt)}
+            tensors = _layer_tensors(case, query)
             attention_mask, use_causal_mask = keras_masks(case)
             result = layer(
                 query=query, **tensors,
@@ -258,6 +320,51 @@ class KerasMHAAdapter:
                 y = getattr(layer, "_" + sub)(inp)
                 out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
             return {stage: to_numpy(t) for stage, t in out.items()}
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``tf.GradientTape`` around one call of a fresh layer.
+
+        The intermediate stages are the tensors the layer itself computes, read on the way
+        (:func:`tapped_layer`): its projection sublayers' outputs (``d_q_proj`` …, the
+        un-repeated key/value heads of GroupQueryAttention, so a group's gradients are summed
+        by the layer's own ``ops.repeat``), the attention output handed to W^O
+        (``d_head_outputs``, ``d_concat``) and, on the ``return_attention_scores=True`` path
+        (keras-scores), the scores and weights around its masked softmax (``d_scores``,
+        ``d_attn_weights``; the fused path has neither).  Weight gradients come back in the
+        Keras layout and go through :func:`keras_to_canonical`, the inverse of the weight
+        converter.  One tensor per input, as in :meth:`run`: self-attention's gradient is
+        ``d_query``, shared key/value's ``d_key``.
+        """
+        cfg, dt = case.config, case.dtype
+        layer, taps = tapped_layer(cfg, dt)
+        set_layer_weights(layer, case.weights, cfg)
+        query = to_tensor(case.inputs.query, dt)
+        tensors = _layer_tensors(case, query)
+        inputs = {"d_query": query}
+        if not case.self_attention:
+            inputs["d_key"] = tensors.get("key", tensors["value"])
+            if not case.key_is_value:
+                inputs["d_value"] = tensors["value"]
+        attention_mask, use_causal_mask = keras_masks(case)
+        with tf.GradientTape() as tape:
+            tape.watch(list(inputs.values()))
+            result = layer(query=query, **tensors, attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+                           return_attention_scores=self.return_attention_scores)
+            output = result[0] if self.return_attention_scores else result
+        variables = _variables(layer)
+        sources = {**inputs, **{f"d_{name}": t for name, t in taps.items()}, **variables}
+        grads = tape.gradient(output, sources, output_gradients=to_tensor(case.d_output, dt))
+        out = {name: to_numpy(grads[name]) for name in (*inputs, *(f"d_{n}" for n in taps))}
+        for name in ("d_q_proj", "d_k_proj", "d_v_proj"):  # (B, L, heads, D) -> (B, L, heads·D)
+            g = out[name]
+            out[name] = g.reshape(*g.shape[:2], -1)
+        if "d_head_outputs" in out:  # the attention output (B, T, H, E)
+            g = out["d_head_outputs"]
+            out["d_concat"] = g.reshape(*g.shape[:2], -1)
+            out["d_head_outputs"] = g.transpose(0, 2, 1, 3)
+        weights = keras_to_canonical({path: to_numpy(grads[path]) for path in variables}, cfg)
+        out.update({f"d_{name}": g for name, g in weights.items()})
+        return out
 
 
 class KerasMHAScoresAdapter(KerasMHAAdapter):

@@ -29,7 +29,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..spec import Case, MHAConfig, Weights
-from ._tf_common import ONEDNN_SOFTMAX, TF_DISTRIBUTION, attend_mask, numpy_dtype, tf, to_numpy, to_tensor
+from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, REDUCE_SUM_FLOAT16, TF_DISTRIBUTION, attend_mask,
+                         numpy_dtype, tf, to_numpy, to_tensor)
 
 
 class TFMultiHeadAttention(tf.Module):
@@ -111,7 +112,11 @@ class TensorFlowMHAAdapter:
 
     name = "tensorflow"
     framework = TF_DISTRIBUTION  # "tensorflow" or "tensorflow-cpu"
-    known_deviations = {"large_logits/float32/attn_weights": ONEDNN_SOFTMAX}
+    known_deviations = {
+        "large_logits/float32/attn_weights": ONEDNN_SOFTMAX,
+        "large_logits/float32/d_scores": ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX,
+        "key_padding/float16/d_b_q": REDUCE_SUM_FLOAT16,
+    }
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         module = TFMultiHeadAttention(case.config, case.dtype)
@@ -125,3 +130,32 @@ class TensorFlowMHAAdapter:
             mask=None if mask is None else tf.constant(mask),
         )
         return {name: to_numpy(t) for name, t in stages.items()}
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """Every backward stage by ``tf.GradientTape``: the gradients of Σ d_output ⊙ output with
+        respect to each intermediate stage tensor the module computed under the tape, the inputs
+        and the variables (canonical layout already: no converter).
+
+        One tensor per input: self-attention passes the query tensor as key and value (its
+        gradient, ``d_query``, is the sum of the three), shared key/value one memory tensor
+        (``d_key``, the sum of two), as docs/backward.md says."""
+        module = TFMultiHeadAttention(case.config, case.dtype)
+        load_canonical(module, case.weights)
+        x = case.inputs
+        mask = attend_mask(x.mask, case.B, case.T, case.S)
+        query = to_tensor(x.query, case.dtype)
+        key = query if case.self_attention else to_tensor(x.key, case.dtype)
+        value = key if case.key_is_value else to_tensor(x.value, case.dtype)
+        inputs = {"d_query": query}
+        if not case.self_attention:
+            inputs["d_key"] = key
+            if not case.key_is_value:
+                inputs["d_value"] = value
+        with tf.GradientTape() as tape:
+            tape.watch(list(inputs.values()))
+            stages = module(query=query, key=key, value=value, mask=None if mask is None else tf.constant(mask))
+        sources = {f"d_{name}": t for name, t in stages.items() if name != "output"}
+        sources.update(inputs)
+        sources.update({f"d_{name}": var for name, var in module.params.items()})
+        grads = tape.gradient(stages["output"], sources, output_gradients=to_tensor(case.d_output, case.dtype))
+        return {name: to_numpy(g) for name, g in grads.items()}

@@ -77,7 +77,8 @@ def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern:
 def _outside_blind_rows(golden: GoldenCase, stage: str):
     """Boolean selection (stage shape) of the elements *not* in a query row that sees no key,
     or None for a stage without a query-row axis (the projections of key and value); none
-    (all False) for a gradient without a query-row axis, to which every query row contributes."""
+    (all False) for a gradient without a query-row axis, to which every query row contributes —
+    all True if the case has no such row (nothing to excuse)."""
     blind = ~golden.visible.any(axis=-1)  # (B, H, T)
     shape = golden.stages[stage].shape
     if stage in ("scores", "attn_weights", "head_outputs", "d_head_outputs", "d_attn_weights", "d_scores"):
@@ -85,8 +86,8 @@ def _outside_blind_rows(golden: GoldenCase, stage: str):
     if stage in ("concat", "output", "d_concat", "d_q_proj") or (stage == "d_query" and golden.spec.inputs != "self"):
         # (B, T, ·)
         return np.broadcast_to(~blind.any(axis=1)[..., None], shape)
-    if stage in BACKWARD_STAGES:  # every element of the other gradients sums over those rows
-        return np.zeros(shape, dtype=bool)
+    if stage in BACKWARD_STAGES:  # every element of the other gradients sums over those rows, if any
+        return np.full(shape, not blind.any())
     return None
 
 
