@@ -336,3 +336,14 @@ def flax_to_canonical(tree: Mapping[str, Mapping[str, Any]]) -> dict[str, np.nda
     if "bias" in tree["out"]:
         out["b_o"] = np.asarray(tree["out"]["bias"])
     return out
+
+
+def flax_head_gradients(grads: dict[str, Any], batch: int, tgt_len: int) -> dict[str, Any]:
+    """A Flax layer's tapped gradients in the canonical layout: the projections' (B, L, heads, D)
+    flattened to (B, L, heads·D); W^O's input gradient (B, T, H, D) as ``d_head_outputs``
+    (B, H, T, D) and ``d_concat`` (B, T, H·D)."""
+    for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
+        grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
+    heads = grads.pop("d_head_outputs")  # (B, T, H, D)
+    grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(batch, tgt_len, -1)
+    return grads

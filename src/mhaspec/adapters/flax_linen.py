@@ -44,6 +44,7 @@ from ._jax_common import (
     canonical_to_flax,
     compiled,
     computing_in,
+    flax_head_gradients,
     flax_layer_limits,
     flax_to_canonical,
     jax_dtype,
@@ -205,8 +206,4 @@ class FlaxLinenAdapter:
                       "head_outputs": (B, T, H, D)}
             grads = vjp_stages(case, output, shapes, weights=params, to_canonical=linen_params_to_canonical,
                                fast_compile=use_fast_compile(self.device, self.fast_compile))
-        for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
-            grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
-        heads = grads.pop("d_head_outputs")  # (B, T, H, D)
-        grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
-        return grads
+        return flax_head_gradients(grads, B, T)

@@ -50,6 +50,8 @@ from ._jax_common import (
     canonical_to_flax,
     compiled,
     computing_in,
+    fallback_precision,
+    flax_head_gradients,
     flax_layer_limits,
     flax_to_canonical,
     jax_dtype,
@@ -244,15 +246,11 @@ class FlaxNNXAdapter:
 
             shapes = {"q_proj": (B, T, H, D), "k_proj": (B, S, G, D), "v_proj": (B, S, G, D),
                       "head_outputs": (B, T, H, D)}
-            eager = not self.sow_weights and dtype == "float16" and jax.devices(self.device)[0].platform == "cpu"
-            grads = vjp_stages(case, output, shapes, jit=not eager, weights=params,
-                               to_canonical=nnx_state_to_canonical,
+            if not self.sow_weights:  # the fast path's float16 dot_product_attention, compiled (see run)
+                output = fallback_precision(output, rejected_algorithm(self.device, dtype))
+            grads = vjp_stages(case, output, shapes, weights=params, to_canonical=nnx_state_to_canonical,
                                fast_compile=use_fast_compile(self.device, self.fast_compile))
-        for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
-            grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
-        heads = grads.pop("d_head_outputs")  # (B, T, H, D)
-        grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
-        return grads
+        return flax_head_gradients(grads, B, T)
 
 
 class FlaxNNXFastAdapter(FlaxNNXAdapter):
