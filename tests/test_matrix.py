@@ -87,6 +87,17 @@ def test_markdown_html_and_png(reports, tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_backward_stages_are_named_in_the_heat_map(tmp_path):
+    """A --backward report: its backward stages get their own columns of the per-stage heat map."""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    mhaspec.check("numpy", dtypes=["float32"], cases=["gqa"], backward=True).write_json(str(folder / "numpy.json"))
+    assert main(["matrix", str(folder), "--out", str(tmp_path / "out")]) == 0
+    page = (tmp_path / "out" / "matrix.html").read_text()
+    heat = page[page.index("Worst error/tolerance per stage"):]
+    assert "<th>output</th>" in heat and "<th>d_scores</th>" in heat and "<th>d_w_q</th>" in heat
+
+
 def test_without_matplotlib_md_and_html_are_still_written(reports, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["matrix", str(reports / "numpy.json"), "--out", str(tmp_path / "o")]) == 0

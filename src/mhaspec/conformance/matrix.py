@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MhaspecError
-from ..spec import DTYPES, STAGES
+from ..spec import BACKWARD_STAGES, DTYPES, STAGES
 
 # verdict -> (symbol in markdown, colour, short label); unknown verdicts get "?" and grey
 STYLE = {
@@ -302,7 +302,7 @@ def to_html(m: Matrix) -> str:
         rows.append(f'<tr><th class="ad" title="{e(_counts(m, a))}">{e(a)}{fw}</th>{"".join(tds)}</tr>')
     legend = "".join(f'<span class="key" style="background:{c}">{e(label)}</span>'
                      for _, c, label in [*STYLE.values(), NOT_RUN])
-    stages_present = [s for s in STAGES if any(s in m.stage_worst(a) for a in m.adapters)]
+    stages_present = [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(a) for a in m.adapters)]
     heat_rows = []
     for a in m.adapters:
         worst = m.stage_worst(a)
@@ -358,7 +358,7 @@ def draw_png(m: Matrix, path: Path) -> None:
     index = {k: i for i, k in enumerate(kinds)}
     grid = [[index["not run"] if (c := m.cell(a, case, d)) is None else index.get(c.verdict, index["other"])
              for case, d in m.columns] for a in m.adapters]
-    stages_present = [s for s in STAGES if any(s in m.stage_worst(a) for a in m.adapters)]
+    stages_present = [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(a) for a in m.adapters)]
     heat = [[m.stage_worst(a).get(s, math.nan) for s in stages_present] for a in m.adapters]
 
     n_rows, n_cols = len(m.adapters), len(m.columns)
