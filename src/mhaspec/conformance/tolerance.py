@@ -79,11 +79,7 @@ class Bound(NamedTuple):
     worst: np.ndarray  # worst-case part (accumulation, second order, floor)
 
     def tolerance(self, lam: float) -> np.ndarray:
-        out = np.multiply(self.sigma, lam)
-        if np.shape(out) != np.shape(self.worst):
-            return out + self.worst
-        out += self.worst  # in place: one array allocated, not two (large stages)
-        return out
+        return lam * self.sigma + self.worst
 
 
 def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
@@ -226,6 +222,14 @@ def _one_blas_thread() -> Any:
     except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
         return contextlib.nullcontext()
     return threadpool_limits(1, user_api="blas")
+
+
+def _each_chunk(N: int, T: int, S: int, fn: Any) -> None:
+    """``fn(heads, rows)`` on every chunk (:func:`_chunks`), BLAS on one thread when there are many."""
+    chunks = _chunks(N, T, S)
+    with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
+        for n, r in chunks:
+            fn(n, r)
 
 
 def _chunks(N: int, T: int, S: int) -> list[tuple[slice, slice]]:
@@ -380,16 +384,12 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
-    def chunk(nr: tuple[slice, slice]) -> None:
-        n, r = nr
+    def chunk(n: slice, r: slice) -> None:
         _attention_chunk(cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n],
                          sN[n, r], pN[n, r], oN[n, r], visN[n, r],
                          out=(sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r]))
 
-    chunks = _chunks(N, T, S)
-    with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
-        for nr in chunks:
-            chunk(nr)
+    _each_chunk(N, T, S, chunk)
     o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
 
     # 5. concat relabels the heads; output = concat @ W_o + b_o.
@@ -506,7 +506,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     def bound(var: np.ndarray, worst: np.ndarray) -> Bound:
         if worst_case:  # every rounding counted at its full size, no averaging
             return Bound(np.zeros_like(worst), _inf_for_nan(np.sqrt(var) * LAMBDA + worst) + floor)
-        return Bound(np.sqrt(np.maximum(var, 0.0)), _inf_for_nan(worst + 0.0) + floor)
+        return Bound(np.sqrt(np.maximum(var, 0.0)), _inf_for_nan(worst + floor))
 
     def has(*names: str) -> bool:
         return all(n in own for n in names)
@@ -514,13 +514,10 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     u2 = u**2
     B, _, T, S = golden.visible.shape
     N = B * H
-    chunks = _chunks(N, T, S)
     visN = golden.visible.reshape(N, T, S)
 
     def each(fn: Any) -> None:  # fn(n, r) on every chunk of (N, T, ·) rows
-        with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
-            for n, r in chunks:
-                fn(n, r)
+        _each_chunk(N, T, S, fn)
 
     def finish(ref: np.ndarray, sig: np.ndarray, wor: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, Bound]:
         return ref.reshape(shape), Bound(sig.reshape(shape), wor.reshape(shape))

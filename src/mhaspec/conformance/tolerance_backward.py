@@ -332,6 +332,10 @@ class _Err(NamedTuple):
         """The variance a later stage sees: the noise and this stage's accumulation."""
         return self.var + np.square(self.acc)
 
+    def map(self, fn: Any) -> "_Err":
+        """``fn`` (a relabelling: heads, merge, group, transpose, reshape) on every array part."""
+        return _Err(*(fn(v) if np.ndim(v) else v for v in self))
+
 
 def _stored2(u: float, x: np.ndarray) -> np.ndarray:
     """Variance of storing ``x`` in the dtype (and of the golden's own float64 rounding)."""
@@ -394,7 +398,7 @@ def backward_bounds(
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
     scale = float(cfg.scale)  # type: ignore[arg-type]
     vis = golden.visible
-    S, T, D, E = golden.spec.src_len, golden.spec.tgt_len, cfg.D_k, cfg.D_v
+    S, T, E = golden.spec.src_len, golden.spec.tgt_len, cfg.D_v
     A = np.abs
     assert golden.d_output is not None
     dY = golden.d_output  # exact in every dtype
@@ -405,14 +409,12 @@ def backward_bounds(
         # 1. d_concat = d_output @ w_oᵀ (exact operands); d_head_outputs relabels it.
         err["d_concat"] = _product(dY, exact, w["w_o"].T, exact, g["d_concat"], u, gam(cfg.d_out))
         e = err["d_concat"]
-        err["d_head_outputs"] = _Err(*(_heads(x, H) if np.ndim(x) else x for x in e))
+        err["d_head_outputs"] = e.map(lambda x: _heads(x, H))
         dO, e_dO = g["d_head_outputs"], err["d_head_outputs"]
 
         # 2. d_attn_weights = dO Vᵀ (V off by the forward's bound).
         V = _heads(g["v_proj"], G, group)
-        bV = fb["v_proj"]
-        e_V = _Err(*(_heads(x, G, group) for x in (bV.sigma**2, np.zeros_like(bV.worst), bV.worst)))
-        e_Vt = _Err(*(np.swapaxes(x, -1, -2) for x in e_V))
+        e_Vt = _forward_err(fb["v_proj"], carried=False).map(lambda x: np.swapaxes(_heads(x, G, group), -1, -2))
         dP = g["d_attn_weights"]
         err["d_attn_weights"] = _product(dO, e_dO, np.swapaxes(V, -1, -2), e_Vt, dP, u, gam(E))
         e_dP = err["d_attn_weights"]
@@ -452,35 +454,31 @@ def backward_bounds(
 
         # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
         K = _heads(g["k_proj"], G, group)
-        bK, bQ = fb["k_proj"], fb["q_proj"]
-        e_K = _Err(_heads(bK.sigma**2, G, group), 0.0, _heads(bK.worst, G, group))
+        e_K = _forward_err(fb["k_proj"], carried=False).map(lambda x: _heads(x, G, group))
         Q = _heads(g["q_proj"], H)
-        e_Q = _Err(_heads(bQ.sigma**2, H), 0.0, _heads(bQ.worst, H))
+        e_Q = _forward_err(fb["q_proj"], carried=False).map(lambda x: _heads(x, H))
 
         def scaled(x: _Err, f: float) -> _Err:
             return _Err(x.var * f * f, x.lin * f, x.acc * f)
 
-        def merged(x: _Err) -> _Err:
-            return _Err(*(_merge(v) if np.ndim(v) else v for v in x))
-
-        def grouped_t(x: _Err) -> _Err:
-            return _Err(*(_grouped_t(v, G) if np.ndim(v) else v for v in x))
-
-        def grouped(x: _Err) -> _Err:
-            return _Err(*(_grouped(v, G) if np.ndim(v) else v for v in x))
-
-        def stored(x: _Err, y: np.ndarray) -> _Err:  # the result as stored in the dtype
+        def stored(x: _Err, y: np.ndarray) -> _Err:  # merged to the canonical shape, stored in the dtype
+            x = x.map(_merge)
             return _Err(x.var + _stored2(u, y), x.lin, x.acc)
+
+        def grouped_t(x: np.ndarray) -> np.ndarray:
+            return _grouped_t(x, G)
+
+        def grouped(x: np.ndarray) -> np.ndarray:
+            return _grouped(x, G)
 
         n_group = group * T
         e = _product(dS, e_dS, K, e_K, None, u, gam(S))
-        err["d_q_proj"] = stored(merged(scaled(e, scale)), g["d_q_proj"])
-        e = _product(_grouped_t(dS, G), grouped_t(e_dS), _grouped(Q, G), grouped(e_Q), None, u, gam(n_group))
-        err["d_k_proj"] = stored(merged(scaled(e, scale)), g["d_k_proj"])
-        Pg, dOg = _grouped_t(P, G), _grouped(dO, G)
-        e_Pg = _Err(_grouped_t(vP, G), _grouped_t(lP, G), 0.0)
-        e = _product(Pg, e_Pg, dOg, grouped(e_dO), None, u, gam(n_group))
-        err["d_v_proj"] = stored(merged(e), g["d_v_proj"])
+        err["d_q_proj"] = stored(scaled(e, scale), g["d_q_proj"])
+        e = _product(grouped_t(dS), e_dS.map(grouped_t), grouped(Q), e_Q.map(grouped), None, u, gam(n_group))
+        err["d_k_proj"] = stored(scaled(e, scale), g["d_k_proj"])
+        e_Pg = _Err(grouped_t(vP), grouped_t(lP), 0.0)
+        e = _product(grouped_t(P), e_Pg, grouped(dO), e_dO.map(grouped), None, u, gam(n_group))
+        err["d_v_proj"] = stored(e, g["d_v_proj"])
 
         # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
         d_y = {x: g[f"d_{x}_proj"] for x in "qkv"}
@@ -509,11 +507,10 @@ def backward_bounds(
         for n in "qkvo":
             rows = xs[n].shape[0] * xs[n].shape[1]
             xf, yf = xs[n].reshape(rows, -1), ys[n].reshape(rows, -1)
-            ex = exact if n != "o" else _Err(e_c.var.reshape(rows, -1), e_c.lin.reshape(rows, -1), 0.0)
+            ex = exact if n != "o" else e_c.map(lambda v: v.reshape(rows, -1).T)
             ey = e_ys[n]
-            eyf = _Err(*(np.reshape(v, (rows, -1)) if np.ndim(v) else v for v in ey))
-            err[f"d_w_{n}"] = _product(xf.T, _Err(*(v.T if np.ndim(v) else v for v in ex)), yf, eyf,
-                                       g[f"d_w_{n}"], u, gam(rows))
+            eyf = ey.map(lambda v: v.reshape(rows, -1))
+            err[f"d_w_{n}"] = _product(xf.T, ex, yf, eyf, g[f"d_w_{n}"], u, gam(rows))
             if cfg.bias and f"d_b_{n}" in g:
                 tv = np.reshape(np.broadcast_to(ey.total_var, ys[n].shape), (rows, -1)).sum(0)
                 ln = np.reshape(np.broadcast_to(ey.lin, ys[n].shape), (rows, -1)).sum(0)
