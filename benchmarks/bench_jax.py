@@ -3,27 +3,39 @@
 Targets (issue #13): each catalog run <= 8 s beyond `import jax, flax`, and a warm
 `tox -p` <= 120 s on the 2-core CI machine.
 
-Each adapter runs as a user runs it: `mhaspec run ADAPTER --report ...` in a fresh
-process (the adapter in its worker process, the whole catalog, all four dtypes).  Wall
+Each adapter runs as a user runs it: `mhaspec run ADAPTER [--backward] --report ...` in a
+fresh process (the adapter in its worker process, the whole catalog, all four dtypes).  Wall
 time and CPU time (user + sys of the run and its worker) are printed for the run and
 for the framework's import alone (a fresh `import jax, flax.linen, flax.nnx` and the
 first array); "beyond import" is the difference.  For scale, the numpy adapter's run is
 timed too: that is what the runner itself costs (reading the golden, judging, printing).
 The machine may be shared: the load average is printed before every line.
 
-`--before REV` also runs the same catalog with the sources of git revision REV (its
-`src/` extracted to a temporary folder), prints its figures, and compares the two JSON
-reports case × dtype × stage: verdicts, first failing stages, and the largest errors.
+JAX's persistent compilation cache (MHASPEC_CACHE_DIR, docs/jax.md): each adapter and
+direction (forward; with `--backward` also `mhaspec run ADAPTER --backward`) runs three
+times: `off` (MHASPEC_CACHE_DIR=off: no cache, as before it existed), `cold` (an empty
+cache folder) and `warm` (the same folder again).  The cold and warm reports are compared
+with the off one: every case × dtype's verdict, first failing stage and worst ratio, and
+every stage's verdict, largest absolute and relative errors, worst ratio and its index.
+`--modes cold,warm` runs fewer.
 
-    python benchmarks/bench_jax.py                          # every JAX/Flax adapter
+`--before REV` also runs the same catalog with the sources of git revision REV (its
+`src/` extracted to a temporary folder, cache off), prints its figures, and compares the
+two JSON reports case × dtype × stage: verdicts, first failing stages, and the largest errors.
+
+    python benchmarks/bench_jax.py                          # every JAX/Flax adapter: off, cold, warm
+    python benchmarks/bench_jax.py --backward               # and each one's --backward run
     python benchmarks/bench_jax.py jax flax-nnx --before main   # some, before (main) and after
     python benchmarks/bench_jax.py --reports DIR            # keep the reports (for `mhaspec matrix`)
-    python benchmarks/bench_jax.py --no-adapters --tox-commands [--envs jax,core]   # time tox envs' commands here
+    python benchmarks/bench_jax.py --no-adapters --tox-commands [--envs jax,core] [--fresh-cache]
     python benchmarks/bench_jax.py --tox                    # time a warm `tox -p` (run it on a quiet machine)
 
 `--tox-commands` runs each env's commands (from tox.ini, with its set_env) one after the
 other in the current interpreter's environment, which has every framework installed: the
-time a warm env spends in its commands, without tox's own packaging.  It prints each
+time a warm env spends in its commands, without tox's own packaging.  `{envdir}` (the jax
+env's MHASPEC_CACHE_DIR) is a folder per env under $TMPDIR/bench-tox, kept between runs
+like a tox env's: the first run fills the cache, later ones find it warm (`--fresh-cache`
+empties it first); each env's line says how many entries its cache had.  It prints each
 command's wall and CPU time, each env's total, the sum, and the `tox -p` estimate on
 2 quiet cores: the larger of the env with the most CPU time and half the total.  `--tox` runs the
 real `tox -p` (its envs must exist already: warm) and prints tox's per-env times.
@@ -38,6 +50,7 @@ import os
 import re
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -95,8 +108,14 @@ def framework_import() -> tuple[float, float]:
     return runs[1]
 
 
-def catalog_run(adapter: str, src: Path, report: Path) -> tuple[float, float, dict]:
-    wall, cpu, proc = timed([sys.executable, "-m", "mhaspec", "run", adapter, "--report", str(report)], env=environ(src))
+def catalog_run(adapter: str, src: Path, report: Path, backward: bool = False,
+                cache: str | None = None) -> tuple[float, float, dict]:
+    """`mhaspec run ADAPTER [--backward]` with the sources ``src``, MHASPEC_CACHE_DIR=``cache`` (when given)."""
+    env = environ(src)
+    if cache is not None:
+        env["MHASPEC_CACHE_DIR"] = cache
+    cmd = [sys.executable, "-m", "mhaspec", "run", adapter, "--report", str(report), *(["--backward"] if backward else [])]
+    wall, cpu, proc = timed(cmd, env=env)
     if proc.returncode not in (0, 1) or not report.exists():
         sys.exit(f"{adapter}: `mhaspec run` exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return wall, cpu, json.loads(report.read_text())
@@ -142,34 +161,77 @@ def compare(before: dict, after: dict) -> str:
     return line + "".join(f"\n    {c}" for c in changes[:20])
 
 
+#: What must be the same, bit for bit, for a report to be the same: per case × dtype, and per stage.
+RESULT_FIELDS = ("verdict", "first_failing_stage", "worst_ratio")
+STAGE_FIELDS = ("verdict", "max_abs_err", "max_rel_err", "worst_ratio", "worst_index", "compared", "nonfinite")
+
+
+def identical(before: dict, after: dict) -> str:
+    """One line: are the two reports the same case × dtype × stage (:data:`RESULT_FIELDS`, :data:`STAGE_FIELDS`)?"""
+    a = {(r["case"], r["dtype"]): r for r in before["results"]}
+    b = {(r["case"], r["dtype"]): r for r in after["results"]}
+    if a.keys() != b.keys():
+        return f"DIFFERENT case×dtype sets ({len(a)} vs {len(b)})"
+    stages = 0
+    changes = []
+    for key, x in a.items():
+        y = b[key]
+        changes += [f"{key[0]}/{key[1]} {f}: {x[f]} -> {y[f]}" for f in RESULT_FIELDS if x[f] != y[f]]
+        sx = {s["stage"]: s for s in x.get("stages", [])}
+        sy = {s["stage"]: s for s in y.get("stages", [])}
+        for name in sorted(sx.keys() | sy.keys()):
+            p, q = sx.get(name), sy.get(name)
+            stages += 1
+            if p is None or q is None:
+                changes.append(f"{key[0]}/{key[1]}/{name}: only in one report")
+                continue
+            changes += [f"{key[0]}/{key[1]}/{name} {f}: {p.get(f)} -> {q.get(f)}" for f in STAGE_FIELDS
+                        if p.get(f) != q.get(f)]
+    if not changes:
+        return f"identical ({len(a)} case×dtype, {stages} stages)"
+    return f"{len(changes)} DIFFERENCES" + "".join(f"\n      {c}" for c in changes[:20])
+
+
 def bench_adapters(args: argparse.Namespace, folder: Path) -> None:
     imp_wall, imp_cpu = framework_import()
     print(f"framework import (fresh `import jax, flax.linen, flax.nnx`, median of 3): {imp_wall:.2f} s wall, "
           f"{imp_cpu:.2f} s CPU")
     wall, cpu, numpy_report = catalog_run("numpy", ROOT / "src", folder / "numpy.json")
     print(f"numpy adapter, same catalog (the runner's own cost): {wall:.2f} s wall, {cpu:.2f} s CPU  [{load()}]")
-    sources = [("after", ROOT / "src")]
-    if args.before:
-        sources.insert(0, (f"before ({args.before})", extract(args.before, folder / "before")))
-    print(f"\n{'adapter':<14} {'code':<16} {'run wall s':>10} {'run CPU s':>9} {'beyond import: wall':>20} {'CPU':>6}"
-          f"  <= {TARGET_RUN_S:g} s  verdicts")
+    modes = args.modes.split(",")
+    runs = [(f"before ({args.before})", extract(args.before, folder / "before"), None)] if args.before else []
+    runs += [(f"cache {mode}", ROOT / "src", mode) for mode in modes]
+    print(f"\n{'adapter':<14} {'direction':<9} {'code':<16} {'run wall s':>10} {'run CPU s':>9} "
+          f"{'beyond import: wall':>20} {'CPU':>6}  <= {TARGET_RUN_S:g} s  verdicts")
     for name in args.adapters:
-        reports = {}
-        for label, src in sources:
-            path = folder / f"{name}.{label.split()[0]}.json"
-            ld = load()
-            wall, cpu, report = catalog_run(name, src, path)
-            reports[label] = report
-            beyond, beyond_cpu = wall - imp_wall, cpu - imp_cpu
-            hit = "yes" if beyond <= TARGET_RUN_S else ("CPU only" if beyond_cpu <= TARGET_RUN_S else "no")
-            counts = ", ".join(f"{n} {v}" for v, n in report["counts"].items() if n)
-            print(f"{name:<14} {label:<16} {wall:>10.2f} {cpu:>9.2f} {beyond:>20.2f} {beyond_cpu:>6.2f}  {hit:<8} "
-                  f"{'conforms' if report['ok'] else 'DOES NOT CONFORM'} ({counts})  [{ld}]", flush=True)
-            if args.reports and label == "after":
-                Path(args.reports).mkdir(parents=True, exist_ok=True)
-                (Path(args.reports) / f"{name}.json").write_text(path.read_text())
-        if args.before:
-            print(f"  {name}: before vs after: {compare(*reports.values())}", flush=True)
+        for backward in ([False, True] if args.backward else [False]):
+            direction = "backward" if backward else "forward"
+            cache = folder / f"cache-{name}-{direction}"  # empty for `cold`, the same folder for `warm`
+            reports = {}
+            for label, src, mode in runs:
+                path = folder / f"{name}.{direction}.{label.split()[-1].strip('()')}.json"
+                value = {"off": "off", "cold": str(cache), "warm": str(cache)}.get(mode) if mode else "off"
+                if mode == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+                ld = load()
+                wall, cpu, report = catalog_run(name, src, path, backward, value)
+                reports[label] = report
+                beyond, beyond_cpu = wall - imp_wall, cpu - imp_cpu
+                hit = "yes" if beyond <= TARGET_RUN_S else ("CPU only" if beyond_cpu <= TARGET_RUN_S else "no")
+                counts = ", ".join(f"{n} {v}" for v, n in report["counts"].items() if n)
+                print(f"{name:<14} {direction:<9} {label:<16} {wall:>10.2f} {cpu:>9.2f} {beyond:>20.2f} "
+                      f"{beyond_cpu:>6.2f}  {hit:<8} {'conforms' if report['ok'] else 'DOES NOT CONFORM'} "
+                      f"({counts})  [{ld}]", flush=True)
+                if args.reports and label == runs[-1][0] and not backward:
+                    Path(args.reports).mkdir(parents=True, exist_ok=True)
+                    (Path(args.reports) / f"{name}.json").write_text(path.read_text())
+            if "cache off" in reports:
+                for label in ("cache cold", "cache warm"):
+                    if label in reports:
+                        print(f"  {name} {direction}: {label} vs cache off: {identical(reports['cache off'], reports[label])}")
+            if args.before:
+                after = reports.get("cache off") or reports[runs[-1][0]]
+                print(f"  {name} {direction}: before vs after: {compare(reports[runs[0][0]], after)}", flush=True)
 
 
 # -- tox ------------------------------------------------------------------------------------------
@@ -197,11 +259,23 @@ def tox_envs() -> dict[str, tuple[list[str], dict]]:
                 key, value = (p.strip() for p in line.split("=", 1))
                 env.setdefault(key, value)
         env = {k: v for k, v in env.items() if v}
-        out[name] = ([c.replace("{toxworkdir}", work).replace("{posargs}", "") for c in commands], env)
+        envdir = str(Path(work) / name)  # like a tox env's folder: kept between runs
+        env = {k: v.replace("{envdir}", envdir).replace("{toxworkdir}", work) for k, v in env.items()}
+        out[name] = ([c.replace("{toxworkdir}", work).replace("{envdir}", envdir).replace("{posargs}", "")
+                      for c in commands], env)
     return out
 
 
-def bench_tox_commands(only: list[str] | None = None) -> None:
+def cache_state(env: dict) -> str:
+    """What the env's MHASPEC_CACHE_DIR holds now (JAX's entries), for the env's first line."""
+    value = env.get("MHASPEC_CACHE_DIR")
+    if not value:
+        return "MHASPEC_CACHE_DIR unset"
+    n = len(list((Path(value) / "jax").glob("*-cache")))
+    return f"MHASPEC_CACHE_DIR={value}: {n} JAX entries ({'warm' if n else 'cold'})"
+
+
+def bench_tox_commands(only: list[str] | None = None, fresh_cache: bool = False) -> None:
     bin_dir = Path(sys.executable).parent
     totals = {}
     print(f"\nevery tox env's commands, one after the other, in this venv ({sys.prefix})")
@@ -211,6 +285,9 @@ def bench_tox_commands(only: list[str] | None = None) -> None:
         env = environ(ROOT / "src")
         env.update(extra)
         env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+        if fresh_cache and extra.get("MHASPEC_CACHE_DIR"):
+            shutil.rmtree(extra["MHASPEC_CACHE_DIR"], ignore_errors=True)
+        print(f"  {name:<11} {cache_state(env)}", flush=True)
         env_wall = env_cpu = 0.0
         for command in commands:
             argv = shlex.split(command)
@@ -248,11 +325,16 @@ def bench_tox() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="*", default=ADAPTERS)
+    parser.add_argument("--backward", action="store_true", help="also time each adapter's `mhaspec run --backward`")
+    parser.add_argument("--modes", default="off,cold,warm",
+                        help="JAX compilation cache modes to run each adapter in (default off,cold,warm)")
     parser.add_argument("--before", metavar="REV", help="also run git revision REV's sources and compare the reports")
     parser.add_argument("--reports", metavar="DIR", help="keep each adapter's JSON report here (for `mhaspec matrix`)")
     parser.add_argument("--no-adapters", action="store_true", help="skip the adapter runs (with --tox or --tox-commands)")
     parser.add_argument("--tox-commands", action="store_true", help="time every tox env's commands in this venv")
     parser.add_argument("--envs", help="with --tox-commands: only these envs (comma-separated)")
+    parser.add_argument("--fresh-cache", action="store_true",
+                        help="with --tox-commands: empty each env's MHASPEC_CACHE_DIR first (a cold run)")
     parser.add_argument("--tox", action="store_true", help="time a warm `tox -p` (its envs must exist)")
     args = parser.parse_args()
 
@@ -261,7 +343,7 @@ def main() -> None:
         if not args.no_adapters:
             bench_adapters(args, Path(tmp))
     if args.tox_commands:
-        bench_tox_commands(args.envs.split(",") if args.envs else None)
+        bench_tox_commands(args.envs.split(",") if args.envs else None, args.fresh_cache)
     if args.tox:
         bench_tox()
 

@@ -20,3 +20,18 @@ def require(module: str):
     if top in required or module in required:
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _rebuildable_caches_in_the_session(tmp_path_factory):
+    """mhaspec's caches (``mhaspec.cache``: JAX's compiled programs, exported ONNX graphs) go to a folder of
+    this test session, never the user's ~/.cache, unless MHASPEC_CACHE_DIR already says where (tox: the
+    env's own folder, kept between runs)."""
+    if "MHASPEC_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["MHASPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mhaspec-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("MHASPEC_CACHE_DIR", None)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import cache
 from ..spec import MHAConfig
 
 # -- dtype, x64 and device -------------------------------------------------
@@ -101,6 +103,33 @@ def use_fast_compile(device: str, wanted: bool = True) -> bool:
 def compiled(fun: Callable, static_argnames: tuple[str, ...], fast: bool) -> Callable:
     """``jax.jit(fun)``, with :data:`FAST_COMPILE` when ``fast``; one wrapper (and jit cache) per choice."""
     return jax.jit(fun, static_argnames=static_argnames, compiler_options=FAST_COMPILE if fast else None)
+
+
+@functools.cache
+def use_compilation_cache() -> str | None:
+    """Switch on JAX's persistent compilation cache in ``mhaspec.cache.cache_dir("jax")``, once per
+    process (every JAX/Flax adapter calls it when it is made); the folder, or None where it is not ours.
+
+    A later run compiling the same program (same StableHLO, so the same shapes and dtypes, same
+    compile options, jaxlib, XLA flags and device: JAX's own cache key, ``jax/_src/cache_key.py``)
+    loads XLA's executable from the folder instead of compiling it again.  Tracing and lowering
+    still happen every run: the key is the lowered program.
+
+    Left alone: a cache the user set up (``jax_compilation_cache_dir`` set in the config, or the
+    ``JAX_COMPILATION_CACHE_DIR`` variable), with the user's own thresholds.  Off: ``MHASPEC_CACHE_DIR=off``
+    or a folder that cannot be made; then nothing changes.  Otherwise the directory is set and
+    JAX's thresholds (1 s of compile time; an entry-size floor) are lowered to zero: each catalog
+    program compiles in ~0.03 s.  Process-wide: every ``jax.jit`` of the process then uses it.
+    """
+    if jax.config.jax_compilation_cache_dir is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    folder = cache.cache_dir("jax")
+    if folder is None:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return str(folder)
 
 
 def to_jax(x: np.ndarray | None, dtype: str | None = None) -> jax.Array | None:

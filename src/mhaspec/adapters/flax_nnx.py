@@ -58,6 +58,7 @@ from ._jax_common import (
     rejected_algorithm,
     to_jax,
     to_numpy,
+    use_compilation_cache,
     use_fast_compile,
     vjp_stages,
     with_fallback_precision,
@@ -162,6 +163,7 @@ class FlaxNNXAdapter:
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile
+        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config

@@ -19,7 +19,7 @@ import numpy as np
 from ..spec import Case
 from .base import Deviation
 from ._jax_common import (compiled, computing_in, fallback_precision, linear, rejected_algorithm, to_jax, to_numpy,
-                          use_fast_compile, vjp_stages, with_fallback_precision)
+                          use_compilation_cache, use_fast_compile, vjp_stages, with_fallback_precision)
 
 _SOFTMAX_F32 = (
     "jax.nn.dot_product_attention always computes the softmax in float32 (its xla path casts the "
@@ -102,6 +102,7 @@ class JaxDPAAdapter:
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile
+        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..spec import Case
 from ._jax_common import (accumulator, compiled, computing_in, jax_dtype, linear, to_jax, to_numpy,
-                          use_fast_compile, vjp_stages)
+                          use_compilation_cache, use_fast_compile, vjp_stages)
 
 #: :func:`mha`'s static arguments: it is jit-compiled by :func:`~._jax_common.compiled` (the forward)
 #: or inside ``vjp_stages`` (the backward).
@@ -95,6 +95,7 @@ class JaxMHAAdapter:
 
     def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
         self.device, self.fast_compile = device, fast_compile
+        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
