@@ -232,9 +232,10 @@ class FlaxNNXAdapter:
                                                           canonical_to_nnx_state(case.weights, cfg)))
             nnx.update(layer, state)
             graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-            mask, is_causal = nnx_mask(case)
+            case_mask = to_jax(case.inputs.mask)  # made the layer's in the trace: no eager op compiles
 
             def output(query, key, value, params, taps):
+                mask, is_causal = layer_mask(case_mask, B, T, S, cfg.causal, cfg.causal_alignment)
                 merged = nnx.merge(graphdef, params, rest)
                 for sub, stage in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
                     inner = getattr(merged, sub)

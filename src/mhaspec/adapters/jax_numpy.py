@@ -115,7 +115,7 @@ class JaxMHAAdapter:
         through zero taps added to each stage."""
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
-            mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)
+            mask = to_jax(case.inputs.mask)  # device_put: jnp.asarray would compile a conversion per mask shape
 
             def output(query, key, value, weights, taps):
                 return mha(query, key, value, mask, weights, taps, heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
