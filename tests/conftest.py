@@ -20,3 +20,19 @@ def require(module: str):
     if top in required or module in required:
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_outside_home(tmp_path_factory):
+    """Tests never write the user's cache (~/.cache/mhaspec): without MHASPEC_CACHE_DIR (tox
+    sets it to a folder in its env, kept between runs), the session gets a fresh one."""
+    from mhaspec.cache import ENV
+
+    if ENV in os.environ:
+        yield
+        return
+    os.environ[ENV] = str(tmp_path_factory.mktemp("mhaspec-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
