@@ -2,6 +2,11 @@
 
 Target (issue #14): each adapter's catalog run <= 5 s beyond imports.
 
+``torch-onnx`` runs twice, with ``MHASPEC_CACHE_DIR`` set to a new empty folder
+(cold: every structure exported) and then to the same folder (warm: every export
+read from the cache), and the two runs' JSON reports are compared verdict by
+verdict and stage by stage; the other adapters run once, the cache off.
+
 Each adapter runs in a fresh process: first the imports it needs (onnx,
 onnxruntime; torch and onnxscript for the torch exporters) and the adapter's
 constructor are timed ("import"), then ``mhaspec.check(adapter, isolate=False)``
@@ -27,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ADAPTERS = ["onnxruntime", "onnx-reference", "torch-onnx", "torch-onnx-legacy"]
 
@@ -76,11 +83,50 @@ print(json.dumps({
 """
 
 
-def measure(name: str, report: str = "") -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, name, report], capture_output=True, text=True)
+def measure(name: str, report: str = "", cache_dir: str = "off") -> dict:
+    """One run of ``name`` in a fresh process, with ``MHASPEC_CACHE_DIR=cache_dir``."""
+    env = {**os.environ, "MHASPEC_CACHE_DIR": cache_dir}
+    proc = subprocess.run([sys.executable, "-c", CHILD, name, report], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"{name}: the benchmark process exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def show(label: str, r: dict) -> None:
+    verdicts = ", ".join(f"{v} {k}" for k, v in r["counts"].items() if v)
+    print(f"{label}: import {r['import_s']:.2f} s ({r['import_cpu_s']:.2f} s CPU); "
+          f"catalog run {r['run_s']:.2f} s wall, {r['cpu_s']:.2f} s CPU "
+          f"(adapter {r['adapter_s']:.2f} s, of which the first case×dtype {r['first_s']:.2f} s); "
+          f"{r['graphs']} graphs built/exported, {r['sessions']} onnxruntime sessions; "
+          f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}; "
+          f"{'ok' if r['ok'] else 'NOT OK'} ({verdicts})", flush=True)
+
+
+#: What two runs of the same adapter must agree on, per case × dtype and per stage.
+_CASE_FIELDS = ("verdict", "first_failing_stage", "worst_ratio", "message")
+_STAGE_FIELDS = ("verdict", "max_abs_err", "max_rel_err", "worst_ratio", "worst_index", "compared",
+                 "nonfinite", "rms_ratio", "local_worst_ratio", "failed_check", "message", "reason")
+
+
+def compare_reports(a: str, b: str) -> str:
+    """'agree on …' or the first difference between two JSON reports (verdicts, errors, reasons)."""
+    ra, rb = (json.load(open(p)) for p in (a, b))
+    ka = {(r["case"], r["dtype"]): r for r in ra["results"]}
+    kb = {(r["case"], r["dtype"]): r for r in rb["results"]}
+    if ka.keys() != kb.keys():
+        return f"DIFFER in the case × dtype judged ({sorted(ka.keys() ^ kb.keys())[:3]})"
+    stages = 0
+    for key, x in ka.items():
+        y = kb[key]
+        for field in _CASE_FIELDS:
+            if x.get(field) != y.get(field):
+                return f"DIFFER at {key}: {field} {x.get(field)!r} != {y.get(field)!r}"
+        for sx, sy in zip(x["stages"], y["stages"], strict=True):
+            for field in _STAGE_FIELDS:
+                if sx.get(field) != sy.get(field):
+                    return f"DIFFER at {key} {sx['stage']}: {field} {sx.get(field)!r} != {sy.get(field)!r}"
+            stages += 1
+    return f"agree on all {len(ka)} case × dtype and {stages} stage verdicts, errors and reasons"
 
 
 def check_side_by_side() -> None:
@@ -123,14 +169,18 @@ def main() -> None:
         os.makedirs(args.reports, exist_ok=True)
     print(f"{os.cpu_count()} CPUs; target: catalog run <= 5 s beyond imports")
     for name in args.adapters:
-        r = measure(name, os.path.join(args.reports, f"{name}.json") if args.reports else "")
-        verdicts = ", ".join(f"{v} {k}" for k, v in r["counts"].items() if v)
-        print(f"{name}: import {r['import_s']:.2f} s ({r['import_cpu_s']:.2f} s CPU); "
-              f"catalog run {r['run_s']:.2f} s wall, {r['cpu_s']:.2f} s CPU "
-              f"(adapter {r['adapter_s']:.2f} s, of which the first case×dtype {r['first_s']:.2f} s); "
-              f"{r['graphs']} graphs built/exported, {r['sessions']} onnxruntime sessions; "
-              f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}; "
-              f"{'ok' if r['ok'] else 'NOT OK'} ({verdicts})", flush=True)
+        report = os.path.join(args.reports, f"{name}.json") if args.reports else ""
+        if name != "torch-onnx":  # no cache: one run
+            show(name, measure(name, report))
+            continue
+        # torch-onnx keeps its exports in the cache folder: a first run (empty folder), then a second
+        with tempfile.TemporaryDirectory(prefix="mhaspec-bench-cache-") as folder:
+            reports = [os.path.join(folder, f"{run}.json") for run in ("cold", "warm")]
+            show(f"{name} (cold: empty cache)", measure(name, reports[0], folder))
+            show(f"{name} (warm: the same cache)", measure(name, reports[1], folder))
+            print(f"{name}: cold and warm reports {compare_reports(*reports)}", flush=True)
+            if report:
+                shutil.copy(reports[1], report)
     if args.side_by_side:
         check_side_by_side()
 

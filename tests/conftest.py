@@ -23,15 +23,16 @@ def require(module: str):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _rebuildable_caches_in_the_session(tmp_path_factory):
-    """mhaspec's caches (``mhaspec.cache``: JAX's compiled programs, exported ONNX graphs) go to a folder of
-    this test session, never the user's ~/.cache, unless MHASPEC_CACHE_DIR already says where (tox: the
-    env's own folder, kept between runs)."""
-    if "MHASPEC_CACHE_DIR" in os.environ:
+def _cache_outside_home(tmp_path_factory):
+    """Tests never write the user's cache (~/.cache/mhaspec): without MHASPEC_CACHE_DIR (tox
+    sets it to a folder in its env, kept between runs), the session gets a fresh one."""
+    from mhaspec.cache import ENV
+
+    if ENV in os.environ:
         yield
         return
-    os.environ["MHASPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mhaspec-cache"))
+    os.environ[ENV] = str(tmp_path_factory.mktemp("mhaspec-cache"))
     try:
         yield
     finally:
-        os.environ.pop("MHASPEC_CACHE_DIR", None)
+        os.environ.pop(ENV, None)

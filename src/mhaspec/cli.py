@@ -26,7 +26,8 @@ RUN_EPILOG = (
     "exit codes: 0 all conform; 1 a non-conformance; 2 bad usage or bad input, an adapter error (raised, "
     "crashed, exited, hung, no output), a broken fixture, or nothing judged informatively; 130 interrupted. "
     "The adapter runs in a worker process (restarted after a crash); --report is written even when the "
-    "run is cut short, marked \"partial\"."
+    "run is cut short, marked \"partial\". Adapters that rebuild the same things every run (torch-onnx's "
+    "exports) keep them in $MHASPEC_CACHE_DIR (default ~/.cache/mhaspec; off: no cache)."
 )
 
 

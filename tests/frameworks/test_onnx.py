@@ -204,12 +204,77 @@ def test_reused_torchlib_registry_exports_the_same_graph(torch_onnx) -> None:
 
 
 def test_torch_onnx_exports_once_per_structure(torch_onnx) -> None:
-    adapter = torch_onnx.TorchOnnxAdapter()
+    adapter = torch_onnx.TorchOnnxAdapter(cache=False)
     for dtype in ("float64", "float32", "float16"):
         adapter.run(golden_case("custom_head_dims", dtype))
     assert (adapter.exports, adapter.sessions) == (1, 3)
     adapter.run(golden_case("gqa", "float16"))
     assert (adapter.exports, adapter.sessions) == (2, 4)
+
+
+def _cached_files(folder) -> dict[str, bytes]:
+    sub = folder / "torch-onnx"
+    return {p.name: p.read_bytes() for p in sorted(sub.glob("*.onnx"))} if sub.exists() else {}
+
+
+def test_torch_onnx_exports_are_cached_byte_for_byte_across_runs(torch_onnx, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MHASPEC_CACHE_DIR", str(tmp_path))
+    cases = [golden_case("custom_mask", dtype) for dtype in ("float64", "float32", "float16")]
+    first = torch_onnx.TorchOnnxAdapter()
+    got = [first.run(case) for case in cases]
+    assert (first.exports, first.cache.hits, first.cache.writes) == (1, 0, 3)
+    files = _cached_files(tmp_path)
+    assert sorted(name.split(".")[1] for name in files) == ["float16", "float32", "float64"]
+    second = torch_onnx.TorchOnnxAdapter()  # a later run: nothing exported, the same graphs
+    again = [second.run(case) for case in cases]
+    assert (second.exports, second.cache.hits, second.cache.writes) == (0, 3, 0)
+    (key, by_dtype), = first._exported.items()
+    for dtype, model in by_dtype.items():
+        assert second._exported[key][dtype].SerializeToString() == model.SerializeToString(), dtype
+    for a, b in zip(got, again):
+        for stage in STAGES:
+            np.testing.assert_array_equal(a[stage], b[stage])
+    assert _cached_files(tmp_path) == files, "a hit writes nothing"
+    third = torch_onnx.TorchOnnxAdapter(cache=False)  # no cache: exports again, the same stages
+    third.run(cases[0])
+    assert (third.exports, third.cache.hits) == (1, 0)
+    for stage in STAGES:
+        np.testing.assert_array_equal(third.run(cases[0])[stage], got[0][stage])
+
+
+def test_torch_onnx_cache_misses_on_another_structure_or_source(torch_onnx, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MHASPEC_CACHE_DIR", str(tmp_path))
+    torch_onnx.TorchOnnxAdapter().run(golden_case("custom_mask", "float32"))
+    other = torch_onnx.TorchOnnxAdapter()
+    other.run(golden_case("gqa", "float32"))  # another config and sizes
+    assert (other.exports, other.cache.hits) == (1, 0)
+    monkeypatch.setattr(torch_onnx, "_export_source", lambda: "changed module source")
+    edited = torch_onnx.TorchOnnxAdapter()
+    edited.run(golden_case("custom_mask", "float32"))
+    assert (edited.exports, edited.cache.hits) == (1, 0)
+    assert len(_cached_files(tmp_path)) == 9
+
+
+def test_torch_onnx_cache_survives_damaged_files_and_can_be_off(torch_onnx, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MHASPEC_CACHE_DIR", str(tmp_path))
+    case = golden_case("key_padding", "float16")
+    want = torch_onnx.TorchOnnxAdapter().run(case)
+    files = _cached_files(tmp_path)
+    for name in files:
+        (tmp_path / "torch-onnx" / name).write_bytes(b"not an onnx file")
+    again = torch_onnx.TorchOnnxAdapter()
+    got = again.run(case)
+    assert (again.exports, again.cache.hits) == (1, 0)
+    assert _cached_files(tmp_path) == files, "the damaged files are replaced by the export"
+    for stage in STAGES:
+        np.testing.assert_array_equal(got[stage], want[stage])
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setenv("MHASPEC_CACHE_DIR", "off")
+    monkeypatch.chdir(tmp_path)  # "off" is a switch, not a folder name
+    adapter = torch_onnx.TorchOnnxAdapter()
+    adapter.run(case)
+    assert adapter.cache.folder is None and adapter.exports == 1
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 # -- masks ------------------------------------------------------------------------

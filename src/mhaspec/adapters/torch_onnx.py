@@ -43,12 +43,14 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import torch
 
+from .. import cache
 from ..spec import STAGES, Case, MHAConfig, Weights
 from ._onnx_common import ORT_NO_BFLOAT16, initializer_arrays, ort_session, replace_initializers, to_dtype
 from ._torch_common import LINEAR_NAMES, linear_from_state_dict, linear_to_state_dict, torch_dtype
@@ -324,6 +326,65 @@ def split_side_by_side(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     return out
 
 
+# -- the export cache ----------------------------------------------------------------------
+
+
+def _export_source() -> str:
+    """sha256 of the code an export depends on: the module, its export and its dtype helpers."""
+    from . import _torch_common, torch_layer
+
+    return cache.source_digest(torch_layer.__file__, __file__, _torch_common.__file__)
+
+
+class ExportCache:
+    """Exported graphs (zero weights) on disk, one ONNX file per structure × dtype, under
+    ``mhaspec.cache.cache_dir("torch-onnx")`` (``MHASPEC_CACHE_DIR``; ``off`` switches it off).
+
+    The key is everything an export depends on: the installed torch, onnxscript and onnx,
+    the source of :mod:`.torch_layer`, this module and :mod:`._torch_common`, the config,
+    the sizes, the mask's shape, the opset and the dtypes exported side by side.  A file
+    is the exporter's own graph as :func:`export_models` cut it, written atomically; one
+    that does not parse or does not have the expected inputs and outputs is ignored and
+    exported again.  tests/frameworks/test_onnx.py checks that a cached graph is byte for
+    byte the one exported, and that the stages are identical.
+    """
+
+    def __init__(self, folder: Path | None = None, *, enabled: bool = True) -> None:
+        """``folder`` (default: the cache directory's ``torch-onnx``); ``enabled=False``: no cache."""
+        import onnxscript
+
+        self.folder = (cache.cache_dir("torch-onnx") if folder is None else folder) if enabled else None
+        self._versions = (torch.__version__, onnxscript.__version__, onnx.__version__, _export_source())
+        self.hits = self.writes = 0
+
+    def _path(self, key: tuple, dtype: str) -> Path:
+        return self.folder / f"{cache.key_digest('torch-onnx', self._versions, EXPORT_DTYPES, key)}.{dtype}.onnx"
+
+    def load(self, key: tuple, dtype: str, masked: bool) -> onnx.ModelProto | None:
+        """The cached graph of ``key`` in ``dtype``, or None (not cached, unreadable, not this graph)."""
+        if self.folder is None:
+            return None
+        data = cache.read(self._path(key, dtype))
+        if data is None:
+            return None
+        try:
+            model = onnx.load_from_string(data)
+        except Exception:  # noqa: BLE001 - a damaged file is a miss, never an error
+            return None
+        graph = model.graph
+        if ([o.name for o in graph.output] != list(STAGES)
+                or [i.name for i in graph.input] != list(_INPUTS[: 3 + masked])):
+            return None
+        self.hits += 1
+        return model
+
+    def store(self, key: tuple, models: Mapping[str, onnx.ModelProto]) -> None:
+        if self.folder is None:
+            return
+        for dtype, model in models.items():
+            self.writes += cache.write(self._path(key, dtype), model.SerializeToString())
+
+
 def case_mask(case: Case) -> np.ndarray | None:
     """The case's explicit mask as ``(B|1, 1, T, S)`` bool (True = may attend), or None."""
     mask = case.inputs.mask
@@ -354,9 +415,12 @@ class TorchOnnxAdapter:
     known_deviations = [Deviation(_SCALE_F32, dtype="float64", stage=s)
                         for s in ("scores", "attn_weights", "head_outputs", "concat", "output")]
 
-    def __init__(self, *, opset: int = EXPORT_OPSET, optimize: bool = False, threads: int = 1) -> None:
+    def __init__(self, *, opset: int = EXPORT_OPSET, optimize: bool = False, threads: int = 1,
+                 cache: bool = True) -> None:
         """``optimize=True`` exports as ``torch.onnx.export`` does by default (onnxscript's optimizer
-        folds the weight transposes), once per case with its weights: slower, the same stages."""
+        folds the weight transposes), once per case with its weights: slower, the same stages.
+        ``cache=False`` exports every structure afresh instead of reading earlier runs'
+        exports from the cache folder (:class:`ExportCache`)."""
         import onnxruntime  # noqa: F401  (imported here, not in the first case's time budget)
         import onnxscript  # noqa: F401  (what torch.onnx.export translates with)
 
@@ -364,6 +428,7 @@ class TorchOnnxAdapter:
         #: exported graphs (zero weights) by structure, then dtype; exports and sessions made so far
         self._exported: dict[tuple, dict[str, onnx.ModelProto]] = {}
         self.exports = self.sessions = 0
+        self.cache = ExportCache(enabled=cache and not optimize)
 
     def supports(self, case: Case) -> bool | str:
         if case.dtype == "bfloat16":
@@ -382,10 +447,16 @@ class TorchOnnxAdapter:
             key = (case.config.model_dump_json(), *shape.values())
             exported = self._exported.setdefault(key, {})
             if case.dtype not in exported:
-                self.exports += 1
-                if case.dtype in EXPORT_DTYPES:  # every dtype of this structure, from one export
-                    exported.update(export_models(case.config, EXPORT_DTYPES, **shape))
+                cached = self.cache.load(key, case.dtype, mask is not None)
+                if cached is not None:
+                    exported[case.dtype] = cached
+                elif case.dtype in EXPORT_DTYPES:  # every dtype of this structure, from one export
+                    self.exports += 1
+                    models = export_models(case.config, EXPORT_DTYPES, **shape)
+                    exported.update(models)
+                    self.cache.store(key, models)
                 else:
+                    self.exports += 1
                     exported[case.dtype] = export_model(case.config, case.dtype, **shape)
             model = replace_initializers(exported[case.dtype], canonical_to_initializers(case.weights, case.dtype))
         return model, _feed(case, mask)
