@@ -238,7 +238,7 @@ def bench_adapters(args: argparse.Namespace, folder: Path) -> None:
 
 
 def tox_envs() -> dict[str, tuple[list[str], dict]]:
-    """env -> (commands, set_env) from tox.ini, {toxworkdir} and {posargs} filled in."""
+    """env -> (commands, set_env) from tox.ini, {toxworkdir}, {envdir} and {posargs} filled in."""
     ini = configparser.ConfigParser(interpolation=None)
     ini.read(ROOT / "tox.ini")
     names = [n.strip() for n in ini["tox"]["env_list"].split(",")]
@@ -251,11 +251,12 @@ def tox_envs() -> dict[str, tuple[list[str], dict]]:
         env = {}
         for line in section.get("set_env", ini["testenv"].get("set_env", "")).splitlines():
             line = line.strip()
-            if "=" in line and not line.startswith("{"):
+            if "=" in line and not line.startswith(("{", "#")):
                 key, value = (p.strip() for p in line.split("=", 1))
                 env[key] = value
         for line in ini["testenv"].get("set_env", "").splitlines():
-            if "=" in line:
+            line = line.strip()
+            if "=" in line and not line.startswith("#"):
                 key, value = (p.strip() for p in line.split("=", 1))
                 env.setdefault(key, value)
         env = {k: v for k, v in env.items() if v}

@@ -134,6 +134,20 @@ def test_a_precision_is_never_served_another_precisions_program(tmp_path: Path) 
     assert len(entries(tmp_path / "cache" / "jax")) == first["programs"] + 2
 
 
+def test_a_damaged_entry_is_compiled_anew_never_loaded(tmp_path: Path) -> None:
+    """An entry cut short (a process interrupted while JAX wrote it) fails to decompress: JAX warns and compiles."""
+    folder = tmp_path / "cache"
+    plan = [("jax", "self_basic", "float32", "forward")]
+    first = run(plan, tmp_path, str(folder))
+    assert entries(folder / "jax")
+    for entry in entries(folder / "jax"):
+        data = entry.read_bytes()
+        entry.write_bytes(data[: len(data) // 2])
+    again = run(plan, tmp_path, str(folder))
+    assert again["hits"] == 0 and again["programs"] == first["programs"]
+    assert again["digests"] == first["digests"]
+
+
 def test_a_users_own_jax_cache_is_left_alone(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     plan = [("jax", "self_basic", "float32", "forward")]
