@@ -35,7 +35,8 @@ other in the current interpreter's environment, which has every framework instal
 time a warm env spends in its commands, without tox's own packaging.  `{envdir}` (the jax
 env's MHASPEC_CACHE_DIR) is a folder per env under $TMPDIR/bench-tox, kept between runs
 like a tox env's: the first run fills the cache, later ones find it warm (`--fresh-cache`
-empties it first); each env's line says how many entries its cache had.  It prints each
+empties it first; `--tox-cache off` runs without); each env's line says how many entries
+its cache had.  It prints each
 command's wall and CPU time, each env's total, the sum, and the `tox -p` estimate on
 2 quiet cores: the larger of the env with the most CPU time and half the total.  `--tox` runs the
 real `tox -p` (its envs must exist already: warm) and prints tox's per-env times.
@@ -270,13 +271,15 @@ def tox_envs() -> dict[str, tuple[list[str], dict]]:
 def cache_state(env: dict) -> str:
     """What the env's MHASPEC_CACHE_DIR holds now (JAX's entries), for the env's first line."""
     value = env.get("MHASPEC_CACHE_DIR")
-    if not value:
+    if value is None:
         return "MHASPEC_CACHE_DIR unset"
+    if value.strip().lower() in ("", "0", "off", "none", "false", "no"):
+        return f"MHASPEC_CACHE_DIR={value!r}: no cache"
     n = len(list((Path(value) / "jax").glob("*-cache")))
     return f"MHASPEC_CACHE_DIR={value}: {n} JAX entries ({'warm' if n else 'cold'})"
 
 
-def bench_tox_commands(only: list[str] | None = None, fresh_cache: bool = False) -> None:
+def bench_tox_commands(only: list[str] | None = None, fresh_cache: bool = False, cache: str | None = None) -> None:
     bin_dir = Path(sys.executable).parent
     totals = {}
     print(f"\nevery tox env's commands, one after the other, in this venv ({sys.prefix})")
@@ -286,7 +289,10 @@ def bench_tox_commands(only: list[str] | None = None, fresh_cache: bool = False)
         env = environ(ROOT / "src")
         env.update(extra)
         env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
-        if fresh_cache and extra.get("MHASPEC_CACHE_DIR"):
+        if cache is not None:
+            extra = {**extra, "MHASPEC_CACHE_DIR": cache}
+            env["MHASPEC_CACHE_DIR"] = cache
+        if fresh_cache and extra.get("MHASPEC_CACHE_DIR") and cache is None:
             shutil.rmtree(extra["MHASPEC_CACHE_DIR"], ignore_errors=True)
         print(f"  {name:<11} {cache_state(env)}", flush=True)
         env_wall = env_cpu = 0.0
@@ -336,6 +342,8 @@ def main() -> None:
     parser.add_argument("--envs", help="with --tox-commands: only these envs (comma-separated)")
     parser.add_argument("--fresh-cache", action="store_true",
                         help="with --tox-commands: empty each env's MHASPEC_CACHE_DIR first (a cold run)")
+    parser.add_argument("--tox-cache", metavar="VALUE",
+                        help="with --tox-commands: MHASPEC_CACHE_DIR for every env instead of tox.ini's (e.g. off)")
     parser.add_argument("--tox", action="store_true", help="time a warm `tox -p` (its envs must exist)")
     args = parser.parse_args()
 
@@ -344,7 +352,7 @@ def main() -> None:
         if not args.no_adapters:
             bench_adapters(args, Path(tmp))
     if args.tox_commands:
-        bench_tox_commands(args.envs.split(",") if args.envs else None, args.fresh_cache)
+        bench_tox_commands(args.envs.split(",") if args.envs else None, args.fresh_cache, args.tox_cache)
     if args.tox:
         bench_tox()
 
