@@ -33,6 +33,7 @@ class Variant:
     tiled_online_softmax: bool = False  # FlashAttention-style: blocks of 16 keys, float32 running max/sum/acc
     log_sum_exp: bool = False  # p = exp(s - logsumexp(s)) instead of e / Σe
     fused_float32: bool = False  # nothing stored in the dtype until the end: every stage kept in the accumulator
+    scale_float32: bool = False  # a known deviation, not a bug: the scale taken in float32 whatever the dtype
     # bugs
     no_scale: bool = False
     scale_by_d_model: bool = False
@@ -103,6 +104,8 @@ class Variant:
         K, V = K[:, kv_of], V[:, kv_of]
 
         scale = cfg.scale
+        if self.scale_float32:  # as Keras and the ONNX exporters do in float64 (declared there)
+            scale = float(np.float32(scale))
         if self.no_scale:
             scale = 1.0
         if self.scale_by_d_model:

@@ -42,6 +42,18 @@ class Deviation:
     rows where frameworks give uniform or NaN weights): the stage is a known
     deviation only if every element *outside* those rows passes; a failure
     anywhere else is still a failure.  Such a deviation needs no case names.
+
+    ``within`` bounds its size, so that it cannot hide a bug at the same stage:
+
+    * a dtype (``"float32"``): the stage must still pass with that dtype's
+      tolerances — for a run that does a step in a narrower dtype than asked
+      (a float64 scale or softmax taken in float32);
+    * ``"worst-case"``: the stage must still pass the worst-case precision
+      contract in its own dtype — for a sum accumulated in the dtype itself
+      (a bfloat16 bias gradient summed in bfloat16).
+
+    Beyond that the stage is a plain failure ("beyond its declared
+    deviation").  ``None`` (the default) excuses an error of any size.
     """
 
     reason: str
@@ -49,6 +61,7 @@ class Deviation:
     dtype: str = "*"
     stage: str = "*"
     rows: str | None = None
+    within: str | None = None
 
     def matches(self, case: str, dtype: str, stage: str) -> bool:
         return (
@@ -60,11 +73,15 @@ class Deviation:
     @property
     def pattern(self) -> str:
         rows = f" (rows: {self.rows})" if self.rows else ""
-        return f"{self.case}/{self.dtype}/{self.stage}{rows}"
+        within = f" (within: {self.within})" if self.within else ""
+        return f"{self.case}/{self.dtype}/{self.stage}{rows}{within}"
 
 
 #: Values of :attr:`Deviation.rows`.
 DEVIATION_ROWS = ("fully_masked",)
+
+#: Values of :attr:`Deviation.within`: a dtype, or the worst-case precision contract.
+DEVIATION_WITHIN = (*DTYPES, "worst-case")
 
 
 def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Deviation]:
@@ -72,7 +89,7 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
 
     Accepted: a mapping ``"CASE[/DTYPE[/STAGE]]" -> reason``; or an iterable of
     :class:`Deviation` or of dicts with ``reason`` and optional ``case``,
-    ``dtype``, ``stage``.
+    ``dtype``, ``stage``, ``rows``, ``within``.
     """
     if declared is None:
         return []
@@ -100,6 +117,12 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
     for dev in out:
         if dev.rows is not None and dev.rows not in DEVIATION_ROWS:
             raise AdapterError(f"{where}: deviation {dev.pattern}: rows must be one of {DEVIATION_ROWS}")
+        if dev.within is not None and dev.within not in DEVIATION_WITHIN:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: within must be one of "
+                               f"{', '.join(DEVIATION_WITHIN)}, not {dev.within!r}")
+        if dev.within is not None and dev.rows is not None:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: rows and within cannot be combined (rows "
+                               "already confines it: everything outside those rows must pass)")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
         if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES + BACKWARD_STAGES):

@@ -31,6 +31,7 @@ import numpy as np
 from ..spec import Case, MHAConfig, Weights
 from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, REDUCE_SUM_FLOAT16, TF_DISTRIBUTION, attend_mask,
                          numpy_dtype, tf, to_numpy, to_tensor)
+from .base import Deviation
 
 
 class TFMultiHeadAttention(tf.Module):
@@ -112,11 +113,11 @@ class TensorFlowMHAAdapter:
 
     name = "tensorflow"
     framework = TF_DISTRIBUTION  # "tensorflow" or "tensorflow-cpu"
-    known_deviations = {
-        "large_logits/float32/attn_weights": ONEDNN_SOFTMAX,
-        "large_logits/float32/d_scores": ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX,
-        "key_padding/float16/d_b_q": REDUCE_SUM_FLOAT16,
-    }
+    known_deviations = [
+        Deviation(ONEDNN_SOFTMAX, case="large_logits", dtype="float32", stage="attn_weights"),
+        Deviation(ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX, case="large_logits", dtype="float32", stage="d_scores"),
+        Deviation(REDUCE_SUM_FLOAT16, case="key_padding", dtype="float16", stage="d_b_q", within="worst-case"),
+    ]
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         module = TFMultiHeadAttention(case.config, case.dtype)

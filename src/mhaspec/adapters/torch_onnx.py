@@ -412,7 +412,7 @@ class TorchOnnxAdapter:
 
     name = "torch-onnx"
     framework = "torch"
-    known_deviations = [Deviation(_SCALE_F32, dtype="float64", stage=s)
+    known_deviations = [Deviation(_SCALE_F32, dtype="float64", stage=s, within="float32")
                         for s in ("scores", "attn_weights", "head_outputs", "concat", "output")]
 
     def __init__(self, *, opset: int = EXPORT_OPSET, optimize: bool = False, threads: int = 1,

@@ -20,8 +20,8 @@ from .diagnose import diagnose
 from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
-from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, golden_bounds, local_references,
-                        worst_case_tolerances)
+from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
+                        local_references, worst_case_tolerances)
 from .tolerance_backward import backward_bounds
 from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
@@ -269,6 +269,18 @@ class Session:
                 own[stage] = arr
         local = local_references(golden, own, dtype, self.precision)
         worst: dict[str, Any] = {}  # the worst-case bounds, computed only if something fails
+        within_tolerances: dict[str, dict[str, np.ndarray]] = {}  # by Deviation.within, when one is asked
+
+        def within_judge(within: str, selected: np.ndarray | None, stage: str) -> StageResult:
+            """``stage`` against the golden with the tolerances a bounded deviation allows."""
+            if within not in within_tolerances:
+                if within == "worst-case":
+                    within_tolerances[within] = golden.with_reference_error(worst_case_tolerances(golden, dtype))
+                else:
+                    wider = golden.with_reference_error(golden_bounds(golden, within, self.precision))
+                    within_tolerances[within] = {k: b.tolerance(LAMBDA) for k, b in wider.items()}
+            return compare_stage(stage, returned[stage], golden.stages[stage], within_tolerances[within][stage],
+                                 dtype, selected)
 
         stages: list[StageResult] = []
         for stage in STAGES:
@@ -293,7 +305,8 @@ class Session:
 
             visible = golden.visible if stage == "scores" else None
             res = judge(visible)
-            self._apply_deviations(res, golden, dtype, visible, judge)
+            self._apply_deviations(res, golden, dtype, visible, judge,
+                                   lambda within, selected, stage=stage: within_judge(within, selected, stage))
             stages.append(res)
         return stages
 
@@ -343,6 +356,18 @@ class Session:
         forward_bounds = last[2] if last is not None and last[0] is golden and last[1] == dtype else None
         bounds = backward_bounds(golden, dtype, forward_bounds, precision=self.precision)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
+        within_bounds: dict[str, dict[str, Bound]] = {}  # by Deviation.within, when one is asked
+
+        def within_judge(within: str, selected: np.ndarray | None, stage: str) -> StageResult:
+            """``stage`` against the golden with the bounds a bounded deviation allows."""
+            if within not in within_bounds:
+                if within == "worst-case":
+                    within_bounds[within] = backward_bounds(golden, dtype, precision="worst-case")
+                else:
+                    within_bounds[within] = backward_bounds(golden, within, precision=self.precision)
+            precision = "worst-case" if within == "worst-case" else self.precision
+            return judge_stage(stage, returned[stage], golden, within_bounds[within][stage], dtype, precision, selected)
+
         for res in results:
             if res.verdict == NOT_EXPOSED:
                 continue
@@ -351,7 +376,8 @@ class Session:
                 return judge_stage(stage, returned[stage], golden, bounds[stage], dtype, self.precision, selected)
 
             visible = golden.visible if res.stage == "d_attn_weights" else None
-            self._apply_deviations(res, golden, dtype, visible, judge)
+            self._apply_deviations(res, golden, dtype, visible, judge,
+                                   lambda within, selected, stage=res.stage: within_judge(within, selected, stage))
         return results, "", seconds
 
     def _apply_deviations(
@@ -361,13 +387,17 @@ class Session:
         dtype: str,
         visible: np.ndarray | None,
         judge: Callable[[np.ndarray | None], StageResult],
+        judge_within: Callable[[str, np.ndarray | None], StageResult],
     ) -> None:
         """Turn a failing ``res`` into a known deviation when the first applicable declaration excuses it.
 
         A row-scoped declaration applies only where the case has rows that see
         no key, and excuses the failure only if ``judge`` passes everything
-        outside those rows.
+        outside those rows.  A bounded one (``within``) excuses it only if
+        ``judge_within`` passes the stage with the tolerances it names: an
+        error beyond them is a bug the deviation cannot account for.
         """
+        beyond = ""
         for i, dev in enumerate(self.deviations):
             if not dev.matches(golden.id, dtype, res.stage):
                 continue
@@ -379,6 +409,22 @@ class Session:
             if res.verdict != FAIL:
                 self._passed_matching.add(i)
                 return
+            if dev.within is not None:
+                # rows that a row-scoped declaration of this stage excuses are left to it (a uniform row
+                # and a float32 scale, say, in the same case): the bound holds for everything else
+                selected, rows_excused = visible, ""
+                if any(o.rows == "fully_masked" and o.matches(golden.id, dtype, res.stage) for o in self.deviations):
+                    outside_rows = _outside_blind_rows(golden, res.stage)
+                    if outside_rows is not None and not outside_rows.all():
+                        selected = outside_rows if visible is None else outside_rows & visible
+                        rows_excused = "; the query rows that see no key are left to its row-scoped declaration"
+                bounded = judge_within(dev.within, selected)
+                if bounded.verdict == FAIL:
+                    what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
+                    ratio = "" if bounded.worst_ratio is None else f", worst ratio {bounded.worst_ratio:.3g}"
+                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{ratio} — "
+                              f"a bug the deviation cannot account for")
+                    continue
             if outside is not None:
                 rest = judge(outside if visible is None else outside & visible)
                 if rest.verdict == FAIL:
@@ -390,9 +436,12 @@ class Session:
                 else:
                     res.message += (f"; outside the query rows that see no key every element passes "
                                     f"(worst ratio {rest.worst_ratio:.3g})")
+            if dev.within is not None:
+                res.message += rows_excused
             res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
             self._used.add(i)
             return
+        res.message += beyond
 
     def deviation_warnings(self) -> list[str]:
         """Declared deviations that match no catalog case, or that never occurred in this run."""
