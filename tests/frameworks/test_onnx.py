@@ -476,3 +476,32 @@ def test_torch_onnx_legacy_weights_read_back_from_the_export(torch_onnx, case_id
     scale = [n for n in model.graph.node if n.op_type == "Constant"
              and n.attribute[0].t.data_type == TensorProto.DOUBLE and not n.attribute[0].t.dims]
     assert any(numpy_helper.to_array(n.attribute[0].t) == case.config.scale for n in scale), "a double scale"
+
+
+def test_torch_onnx_float64_scale_deviation_does_not_hide_a_bug(torch_onnx) -> None:
+    """The float32-scale deviation is bounded (``within="float32"``): the exported graph with a
+    bug on top (the output bias dropped) fails in float64 where the deviation applies; the same
+    declaration unbounded would have called it a known deviation."""
+    import dataclasses
+
+    from mhaspec.conformance import FAIL, KNOWN_DEVIATION
+
+    class DropsOutputBias(torch_onnx.TorchOnnxAdapter):
+        name = "torch-onnx+no_b_o"
+
+        def run(self, case):
+            stages = super().run(case)
+            if case.weights.b_o is not None:
+                stages["output"] = stages["output"].astype(np.float64) - case.weights.b_o
+            return stages
+
+    cases = ["large_logits", "cross_attention"]  # D_k = 8 and 6: float32 cannot hold 1/sqrt(D_k)
+    honest = mhaspec.check("torch-onnx", dtypes=["float64"], cases=cases)
+    assert honest.ok and {r.verdict for r in honest.results} == {KNOWN_DEVIATION}, honest.table()
+    buggy = mhaspec.check(DropsOutputBias(), dtypes=["float64"], cases=cases)
+    for r in buggy.results:
+        assert r.verdict == FAIL and r.first_failing_stage == "output", (r.case, r.verdict)
+        assert "beyond its declared deviation" in r.stage("output").message
+    unbounded = DropsOutputBias()
+    unbounded.known_deviations = [dataclasses.replace(d, within=None) for d in DropsOutputBias.known_deviations]
+    assert {r.verdict for r in mhaspec.check(unbounded, dtypes=["float64"], cases=cases).results} == {KNOWN_DEVIATION}

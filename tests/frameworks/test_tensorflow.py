@@ -247,3 +247,35 @@ def test_native_stderr_is_silenced_only_inside(capfd):
         os.write(2, b"native noise\n")
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"
+
+
+def test_keras_float64_scale_deviation_does_not_hide_a_bug():
+    """The float32-scale deviation is bounded (``within="float32"``): Keras with a real bug on top
+    (the output bias dropped) fails in float64 on the very cases the deviation covers, where an
+    unbounded declaration would have reported a known deviation."""
+    import dataclasses
+
+    from mhaspec.conformance import FAIL, KNOWN_DEVIATION, check
+
+    class DropsOutputBias(keras_mha.KerasMHAAdapter):
+        name = "keras+no_b_o"
+
+        def run(self, case):
+            stages = super().run(case)
+            if case.weights.b_o is not None:
+                stages["output"] = np.asarray(stages["output"], dtype=np.float64) - case.weights.b_o
+            return stages
+
+    covered = [c for c in keras_mha._SCALE_INEXACT_IN_FLOAT32 if next(s for s in CATALOG if s.id == c).config.bias]
+    cases = covered[:2]
+    assert cases
+    honest = check("keras", dtypes=["float64"], cases=cases)
+    assert honest.ok and {r.verdict for r in honest.results} == {KNOWN_DEVIATION}, honest.table()
+    buggy = check(DropsOutputBias(), dtypes=["float64"], cases=cases)
+    for r in buggy.results:
+        assert r.verdict == FAIL and r.first_failing_stage == "output", (r.case, r.verdict)
+        assert "beyond its declared deviation" in r.stage("output").message
+    unbounded = DropsOutputBias()
+    unbounded.known_deviations = [dataclasses.replace(d, within=None) for d in DropsOutputBias.known_deviations]
+    hidden = check(unbounded, dtypes=["float64"], cases=cases)
+    assert {r.verdict for r in hidden.results} == {KNOWN_DEVIATION}, "what the bound is for"
