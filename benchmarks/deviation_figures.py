@@ -9,8 +9,10 @@ realistic bug of tests/variants.py (every stage exposed, and output only).  Thre
 * ``unbounded``: float32 scale + the same deviation without ``within`` (before it existed).
 
 Per dtype, the share of case × dtype rejected (fail or error) where the bug changes the
-float64 result.  Also checks that the correct implementations with the float32 scale
-conform under the bounded declaration.
+float64 result.  Then the same for the backward bugs of tests/backward_variants.py (the
+float32 scale in the forward and the backward, declared for every float64 stage), counted
+where the bug alone is rejected.  Also checks that the correct implementations with the
+float32 scale conform under the bounded declaration.
 
     python benchmarks/deviation_figures.py
 """
@@ -27,6 +29,7 @@ import mhaspec  # noqa: E402
 from mhaspec.adapters import Deviation  # noqa: E402
 from mhaspec.conformance import ERROR, FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
+from tests.backward_variants import BUGS as BACKWARD_BUGS  # noqa: E402
 from tests.variants import BUGS, CORRECT, OUTPUT_ONLY_BUGS  # noqa: E402
 from tests.zoo import applies, visible_cases  # noqa: E402
 
@@ -41,6 +44,11 @@ class Declared:
 
     def run(self, case):
         return self.variant.run(case)
+
+
+class DeclaredBackward(Declared):
+    def backward(self, case):
+        return self.variant.backward(case)
 
 
 def caught(adapter, variant) -> dict[str, tuple[int, int]]:
@@ -73,6 +81,24 @@ def main() -> None:
         print(f"  {name}: done", file=sys.stderr)
     print("bugs rejected where they change the float64 result (all bugs, full and output-only):")
     for way, per in totals.items():
+        print(f"  {way:<15} " + ", ".join(f"{d} {c}/{n} = {c / n:.1%}" for d, (c, n) in per.items()))
+
+    # backward: the same float32 scale (forward and backward stages) on each backward bug, counted on
+    # the case × dtype where the bug alone is rejected
+    back = {way: {d: [0, 0] for d in DTYPES} for way in ("within float32", "unbounded")}
+    for name, (variant, _) in sorted(BACKWARD_BUGS.items()):
+        alone = {(r.case, r.dtype) for r in mhaspec.check(variant, timeout=None, backward=True).results
+                 if r.verdict in (FAIL, ERROR)}
+        deviating = replace(variant, name=variant.name + "+scale_f32", scale_float32=True)
+        for way, declared in (("within float32", bounded), ("unbounded", unbounded)):
+            report = mhaspec.check(DeclaredBackward(deviating, declared), timeout=None, backward=True)
+            for r in report.results:
+                if (r.case, r.dtype) in alone:
+                    back[way][r.dtype][0] += r.verdict in (FAIL, ERROR)
+                    back[way][r.dtype][1] += 1
+        print(f"  backward {name}: done", file=sys.stderr)
+    print(f"backward bugs ({len(BACKWARD_BUGS)}), with a float32 scale, rejected where the bug alone is:")
+    for way, per in back.items():
         print(f"  {way:<15} " + ", ".join(f"{d} {c}/{n} = {c / n:.1%}" for d, (c, n) in per.items()))
 
 

@@ -19,6 +19,8 @@ from mhaspec.adapters import Deviation
 from mhaspec.conformance import ERROR, FAIL, KNOWN_DEVIATION, PASS
 from mhaspec.spec import DTYPES
 
+from .backward_variants import BUGS as BACKWARD_BUGS
+from .backward_variants import CORRECT as BACKWARD_CORRECT
 from .variants import BUGS, NATIVE, OUTPUT_ONLY_BUGS, Variant
 from .zoo import visible_cases
 
@@ -33,6 +35,13 @@ class Declared:
 
     def run(self, case):
         return self.variant.run(case)
+
+
+class DeclaredBackward(Declared):
+    """The same, with the variant's backward."""
+
+    def backward(self, case):
+        return self.variant.backward(case)
 
 
 def rejected(report) -> set[tuple[str, str]]:
@@ -104,3 +113,26 @@ def test_a_bounded_and_a_row_scoped_deviation_compose_and_still_catch_a_bug():
     report = mhaspec.check(Declared(buggy, declared), cases=[case], timeout=None)
     assert {r.dtype for r in report.results if r.verdict == FAIL} == set(DTYPES)
     assert report.result(case, "float64").first_failing_stage == "attn_weights"
+
+
+@pytest.mark.parametrize("bug", sorted(BACKWARD_BUGS))
+def test_a_backward_bug_beyond_a_bounded_deviation_fails_in_every_dtype(bug: str):
+    # the bound holds in the backward stages too: a float32 scale declared for every float64
+    # stage (forward and backward, as Keras does) hides none of the backward bugs
+    variant, stage = BACKWARD_BUGS[bug]
+    alone = rejected(mhaspec.check(variant, timeout=None, backward=True))
+    assert {d for _, d in alone} == set(DTYPES)
+    deviating = replace(variant, name=variant.name + "+scale_f32", scale_float32=True)
+    bounded = mhaspec.check(DeclaredBackward(deviating, [Deviation(SCALE_F32, dtype="float64", within="float32")]),
+                            timeout=None, backward=True)
+    assert rejected(bounded) == alone
+    float64 = [r for r in bounded.results if r.dtype == "float64" and r.verdict == FAIL]
+    assert float64 and all(r.first_failing_stage == stage for r in float64), {r.first_failing_stage for r in float64}
+
+
+def test_a_float32_scale_bounded_deviation_passes_forward_and_backward():
+    honest = replace(BACKWARD_CORRECT["plain"][0], name="plain+scale_f32", scale_float32=True)
+    report = mhaspec.check(DeclaredBackward(honest, [Deviation(SCALE_F32, dtype="float64", within="float32")]),
+                           timeout=None, backward=True)
+    assert report.ok, report.table()
+    assert {r.dtype for r in report.results if r.verdict == KNOWN_DEVIATION} == {"float64"}
