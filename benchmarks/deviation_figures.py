@@ -30,25 +30,11 @@ from mhaspec.adapters import Deviation  # noqa: E402
 from mhaspec.conformance import ERROR, FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
 from tests.backward_variants import BUGS as BACKWARD_BUGS  # noqa: E402
+from tests.test_deviations import Declared, DeclaredBackward  # noqa: E402  (the adapter with declarations)
 from tests.variants import BUGS, CORRECT, OUTPUT_ONLY_BUGS  # noqa: E402
 from tests.zoo import applies, visible_cases  # noqa: E402
 
 REASON = "the scale is taken in float32 (test)"
-
-
-class Declared:
-    """``variant`` with ``known_deviations`` declared."""
-
-    def __init__(self, variant, deviations) -> None:
-        self.variant, self.name, self.known_deviations = variant, variant.name, deviations
-
-    def run(self, case):
-        return self.variant.run(case)
-
-
-class DeclaredBackward(Declared):
-    def backward(self, case):
-        return self.variant.backward(case)
 
 
 def caught(adapter, variant) -> dict[str, tuple[int, int]]:
