@@ -236,3 +236,25 @@ def test_a_renamed_tensor_is_named(tmp_path):
 
 def test_the_shipped_fixtures_are_still_current():
     assert check() == [] and len(GoldenSet()) == len(CATALOG)
+
+
+def test_the_early_check_waits_for_a_write_in_progress(tmp_path):
+    # generate checks the folder before computing; a concurrent generate swapping it in between
+    # the listing and the manifest read made a golden folder look foreign (seen in CI): the early
+    # check takes the writers' lock too
+    import fcntl
+    import os
+    import threading
+
+    from mhaspec.fixtures import precheck_replaceable
+
+    writer = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # a write in progress
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (precheck_replaceable(tmp_path / "g"), done.set()), daemon=True)
+    thread.start()
+    try:
+        assert not done.wait(0.5), "the early check must wait for the write"
+    finally:
+        os.close(writer)
+    assert done.wait(10)

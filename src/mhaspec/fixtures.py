@@ -457,6 +457,21 @@ def check_replaceable(folder: Path) -> None:
                            f"({', '.join(foreign[:5])}{', …' if len(foreign) > 5 else ''})")
 
 
+def precheck_replaceable(folder: Path) -> None:
+    """:func:`check_replaceable` before the work, under the same lock as the write: a concurrent
+    generate swapping the folder in between listing its files and reading its manifest would
+    otherwise make a golden folder look foreign.  The write checks again (the folder may change
+    in between)."""
+    folder = Path(folder).absolute()
+    if not folder.parent.is_dir():
+        return  # nothing there yet
+    try:
+        with _folder_lock(folder.parent):
+            check_replaceable(folder)
+    except OSError as exc:
+        raise FixtureError(f"{folder}: cannot read the golden folder ({exc.strerror or exc})") from None
+
+
 def _swap_in(folder: Path, files: Mapping[str, bytes]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
     try:

@@ -16,7 +16,7 @@ from ..fixtures import (
     encode_manifest,
     fixture_data_bytes,
     require_memory,
-    check_replaceable,
+    precheck_replaceable,
     sha256,
     write_folder_atomically,
 )
@@ -105,7 +105,7 @@ def generate(out: Path | str | None = None, catalog: Catalog = CATALOG,
             f"{folder}: refusing to write a custom catalog over the fixtures shipped with mhaspec "
             "(they come only from the built-in catalog); give --out DIR"
         )
-    check_replaceable(folder.absolute())  # fail before computing; checked again under the lock
+    precheck_replaceable(folder)  # fail before computing; checked again when writing
     write_folder_atomically(folder, build_files(catalog, progress))
     return folder
 
