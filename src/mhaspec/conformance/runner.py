@@ -425,6 +425,7 @@ class Session:
                     beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{ratio} — "
                               f"a bug the deviation cannot account for")
                     continue
+                res.message += rows_excused  # (within and rows never combine: outside is None here)
             if outside is not None:
                 rest = judge(outside if visible is None else outside & visible)
                 if rest.verdict == FAIL:
@@ -436,8 +437,6 @@ class Session:
                 else:
                     res.message += (f"; outside the query rows that see no key every element passes "
                                     f"(worst ratio {rest.worst_ratio:.3g})")
-            if dev.within is not None:
-                res.message += rows_excused
             res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
             self._used.add(i)
             return
