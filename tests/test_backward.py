@@ -19,6 +19,7 @@ from mhaspec.reference import backward as reference_backward
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, STAGES, MHAConfig, backward_stage_shapes
 
 from .backward_variants import BUGS, CORRECT, BackwardVariant
+from .reports import report_of
 
 GOLDEN = GoldenSet()
 
@@ -292,7 +293,7 @@ def test_pytest_plugin_collects_backward_stages(tmp_path):
 @pytest.mark.parametrize("name", sorted(CORRECT))
 def test_correct_backward_implementations_pass_every_case_and_dtype(name):
     adapter, precision = CORRECT[name]
-    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
+    report = report_of(adapter, precision, backward=True)
     assert report.ok, report.table()
     assert len(report.results) == len(DTYPES) * len(CATALOG)
     judged = {st.stage for r in report.results for st in r.stages if st.verdict == PASS}
@@ -305,7 +306,7 @@ def test_correct_backward_implementations_pass_every_case_and_dtype(name):
 @pytest.mark.parametrize("name", sorted(BUGS))
 def test_backward_bugs_are_rejected_in_every_dtype_at_the_right_stage(name, precision):
     adapter, stage = BUGS[name]
-    report = mhaspec.check(adapter, timeout=None, backward=True, precision=precision)
+    report = report_of(adapter, precision, backward=True)
     failing = [r for r in report.results if r.verdict == FAIL]
     assert {r.dtype for r in failing} == set(DTYPES), f"bug {name} passes in some dtype"
     wrong = {(r.case, r.dtype): r.first_failing_stage for r in failing if r.first_failing_stage != stage}

@@ -11,8 +11,6 @@ dtype cannot resolve is "uninformative", never a pass.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import pytest
 
@@ -23,13 +21,11 @@ from mhaspec.conformance.tolerance import KAPPA
 from mhaspec.fixtures import GoldenCase
 from mhaspec.spec import CATALOG, DTYPES, CaseSpec, MHAConfig
 
+from .reports import report_of
 from .variants import BUGS, CORRECT, NATIVE, OUTPUT_ONLY_BUGS, Variant, output_only
 from .zoo import applies, visible_cases
 
 
-@lru_cache(maxsize=None)
-def report_of(adapter: Variant, precision: str = "standard"):
-    return mhaspec.check(adapter, timeout=None, precision=precision)
 
 
 def _stage_stats(report):
@@ -275,3 +271,100 @@ def test_large_cases_get_a_timeout_scaled_by_their_size():
     assert all(case_timeout(60.0, c) == 60.0 for c in CATALOG)
     assert case_timeout(60.0, case(4096)) == 60.0 * 64
     assert case_timeout(None, case(4096)) is None and case_timeout(0.0, case(4096)) == 0.0
+
+
+def _general_only(monkeypatch) -> None:
+    """Every chunk through the general (np.where) functions: the fast in-place ones decline."""
+    from mhaspec.conformance import tolerance as tol
+
+    for name in ("_attention_chunk_fast", "_local_scores_fast", "_local_weights_fast", "_local_outputs_fast"):
+        monkeypatch.setattr(tol, name, lambda *args, **kwargs: False)
+
+
+def _assert_same_bounds(fast, general, rtol: float) -> None:
+    golden_f, local_f = fast
+    golden_g, local_g = general
+    assert golden_f.keys() == golden_g.keys() and local_f.keys() == local_g.keys()
+    for name in golden_g:
+        for part in ("sigma", "worst"):
+            np.testing.assert_allclose(getattr(golden_f[name], part), getattr(golden_g[name], part), rtol=rtol,
+                                       atol=0, err_msg=f"golden {name} {part}")
+    for name in local_g:
+        (ref_f, b_f), (ref_g, b_g) = local_f[name], local_g[name]
+        np.testing.assert_array_equal(np.isfinite(ref_f), np.isfinite(ref_g), err_msg=f"local {name}")
+        np.testing.assert_allclose(ref_f, ref_g, rtol=rtol, atol=0, err_msg=f"local {name} reference")
+        for part in ("sigma", "worst"):
+            np.testing.assert_allclose(getattr(b_f, part), getattr(b_g, part), rtol=rtol, atol=0,
+                                       err_msg=f"local {name} {part}")
+
+
+def _own_with_special_values(golden: GoldenCase) -> dict[str, np.ndarray]:
+    """An adapter's stages as many return them: float32-rounded, -inf at masked scores."""
+    own = {k: v.astype(np.float32).astype(np.float64) for k, v in golden.stages.items()}
+    own["scores"] = np.where(golden.visible, own["scores"], -np.inf)
+    return own
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_bounds_equal_the_general_ones_on_every_case(dtype, monkeypatch):
+    """The in-place path of the chunk loops (tolerance._attention_chunk_fast and the local
+    ones) computes the general functions' bounds, to the rounding of the bounds' own
+    arithmetic, on every catalog case (masks, blind rows, large logits, GQA)."""
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.fixtures import GoldenSet
+
+    golden_set = GoldenSet()
+    fast = {}
+    for case_id in golden_set.ids():
+        golden = golden_set.load(case_id)
+        own = _own_with_special_values(golden)
+        fast[case_id] = (tol.golden_bounds(golden, dtype), tol.local_references(golden, own, dtype))
+    _general_only(monkeypatch)
+    for case_id in golden_set.ids():
+        golden = golden_set.load(case_id)
+        general = (tol.golden_bounds(golden, dtype), tol.local_references(golden, _own_with_special_values(golden), dtype))
+        _assert_same_bounds(fast[case_id], general, rtol=1e-9)
+
+
+def test_chunks_with_special_values_take_the_general_path(monkeypatch):
+    """An adapter's NaN and inf in some chunks: those chunks' local bounds are the general
+    functions' (NaN and inf where they put them), the other chunks' too, to rounding."""
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.fixtures import GoldenSet
+
+    golden = GoldenSet().load("self_basic")
+    own = _own_with_special_values(golden)
+    own["scores"][0, 0, 1, 2] = np.nan
+    own["attn_weights"][0, 1, 0, 0] = np.inf
+    own["q_proj"][0, 2, 0] = np.inf
+    fast = (tol.golden_bounds(golden, "float32"), tol.local_references(golden, own, "float32"))
+    clean = tol.local_references(golden, _own_with_special_values(golden), "float32")
+    assert not np.array_equal(fast[1]["attn_weights"][0][0, 0, 1], clean["attn_weights"][0][0, 0, 1])
+    assert not np.isfinite(fast[1]["head_outputs"][0][0, 1, 0]).all()
+    assert not np.isfinite(fast[1]["scores"][0]).all()
+    _general_only(monkeypatch)
+    _assert_same_bounds(fast, (tol.golden_bounds(golden, "float32"), tol.local_references(golden, own, "float32")),
+                        rtol=1e-9)
+
+
+def test_threaded_chunks_give_the_single_thread_bounds_bit_for_bit(monkeypatch):
+    """A case large enough for the threaded chunk loop: the same bounds, bit for bit, on one
+    thread and on several (the chunks write disjoint slices), and the general functions' to
+    rounding."""
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.reference.onthefly import golden_case
+
+    spec = CaseSpec(id="threads", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1, tgt_len=300,
+                    src_len=300, inputs="self", seed=3)
+    golden = golden_case(spec)
+    own = _own_with_special_values(golden)
+    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 4096)  # 13 query rows a chunk
+    assert len(tol._chunks(2, 300, 300)) >= tol.THREADED_MIN_CHUNKS
+    monkeypatch.setattr(tol, "_threads", lambda: 3)
+    threaded = (tol.golden_bounds(golden, "bfloat16"), tol.local_references(golden, own, "bfloat16"))
+    monkeypatch.setattr(tol, "_threads", lambda: 1)
+    single = (tol.golden_bounds(golden, "bfloat16"), tol.local_references(golden, own, "bfloat16"))
+    _assert_same_bounds(threaded, single, rtol=0)
+    _general_only(monkeypatch)
+    _assert_same_bounds(threaded, (tol.golden_bounds(golden, "bfloat16"),
+                                   tol.local_references(golden, own, "bfloat16")), rtol=1e-9)

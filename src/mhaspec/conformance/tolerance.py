@@ -45,7 +45,10 @@ heads (B,H,T,E), concat (B,T,H·E), output (B,T,d_out).
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -84,6 +87,9 @@ class Bound(NamedTuple):
 
 def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
     """γ(n) = n·u / (1 - n·u): the relative bound of a length-n sum (inf once n·u >= 1)."""
+    if isinstance(n, (int, np.integer)):  # one length (most calls): the same value, without arrays
+        nu = float(n) * u
+        return np.float64(nu / (1 - nu) if nu < 1 else np.inf)  # type: ignore[return-value]
     nu = np.asarray(n, dtype=np.float64) * u
     with np.errstate(divide="ignore"):
         return np.where(nu < 1, nu / np.maximum(1 - nu, 0), np.inf)
@@ -208,7 +214,7 @@ def _second_order(p: np.ndarray, tau: np.ndarray) -> np.ndarray:
 
 #: Elements of the (B, H, T, S) stages handled at once by :func:`golden_bounds`: its
 #: element-wise work then stays in the processor's cache (a whole stage of a large case does not).
-CHUNK_ELEMENTS = 1 << 15
+CHUNK_ELEMENTS = 1 << 16
 
 
 def _one_blas_thread() -> Any:
@@ -224,12 +230,58 @@ def _one_blas_thread() -> Any:
     return threadpool_limits(1, user_api="blas")
 
 
+class _Scratch:
+    """Work arrays reused by every chunk of one bounds computation (one allocation per name)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.size < size or flat.dtype != dtype:
+            flat = self._flat[name] = np.empty(size, dtype)
+        return flat[:size].reshape(shape)
+
+
+#: Threads of the chunk loops of a large case (at most; never more than the CPUs this process
+#: may use).  NumPy and BLAS release the GIL in each operation, and the chunks write disjoint
+#: slices, so the bounds do not depend on the number of threads.
+MAX_THREADS = 4
+
+#: A case with fewer chunks than this runs them on the calling thread.
+THREADED_MIN_CHUNKS = 16
+
+
+def _threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
 def _each_chunk(N: int, T: int, S: int, fn: Any) -> None:
-    """``fn(heads, rows)`` on every chunk (:func:`_chunks`), BLAS on one thread when there are many."""
+    """``fn(heads, rows, scratch)`` on every chunk (:func:`_chunks`).  Many chunks: BLAS on one
+    thread, the chunks shared among :func:`_threads` threads, each with its own work arrays."""
     chunks = _chunks(N, T, S)
-    with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
-        for n, r in chunks:
-            fn(n, r)
+    threads = _threads() if len(chunks) >= THREADED_MIN_CHUNKS else 1
+    if threads == 1:
+        scratch = _Scratch()
+        with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
+            for n, r in chunks:
+                fn(n, r, scratch)
+        return
+
+    def share(part: list[tuple[slice, slice]]) -> None:
+        scratch = _Scratch()
+        for n, r in part:
+            fn(n, r, scratch)
+
+    step = -(-len(chunks) // threads)
+    with _one_blas_thread(), ThreadPoolExecutor(threads) as pool:
+        for future in [pool.submit(share, chunks[i:i + step]) for i in range(0, len(chunks), step)]:
+            future.result()
 
 
 def _chunks(N: int, T: int, S: int) -> list[tuple[slice, slice]]:
@@ -329,6 +381,287 @@ def _attention_chunk(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK:
         dst[...] = src
 
 
+# --- the fast path of the chunk loops: the same formulas, in place, without np.where ----------
+#
+# The functions below compute exactly what :func:`_attention_chunk` and the local checks'
+# chunk functions compute (tests/test_tolerance_model.py compares them), but in place on work
+# arrays reused from chunk to chunk, and without ``np.where`` on chunks that need no mask:
+# ``np.where`` costs about ten in-place passes, a fresh array a page fault per 4 KiB.  Masked
+# entries need no mask where the formula multiplies by the attention weight, which is 0
+# there.  A chunk where anything is not finite (an adapter's own wild values) is left to the
+# general functions, which handle every special value; the fast functions then return False.
+
+
+def _finite(*arrays: np.ndarray) -> bool:
+    """Every value finite (two reductions each: the max or the min is NaN or ±inf when a value is)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return all(a.size == 0 or (np.isfinite(a.max()) and np.isfinite(a.min())) for a in arrays)
+
+
+def _product32(a: np.ndarray, b: _Pair, factor: float, out: np.ndarray) -> bool:
+    """``out = factor · _upper32(a, b)`` (float64), False when the float32 product is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        m = a.astype(np.float32) @ b.f32
+    if not np.isfinite(m.max()):
+        return False
+    np.multiply(m, factor * (1 + 2 * float(gamma(a.shape[-1] + 2, _U32))), out=out, dtype=np.float64)
+    return True
+
+
+def _row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: _Scratch) -> np.ndarray:
+    """max over the visible entries of each row of the non-negative ``x`` (0 where none)."""
+    if visf is None:
+        return x.max(axis=-1, keepdims=True)
+    t = buf("rowmax", x.shape)
+    np.multiply(x, visf, out=t)
+    return t.max(axis=-1, keepdims=True)
+
+
+def _second_order_into(p: np.ndarray, tau: np.ndarray, positive: np.ndarray | None, out: np.ndarray,
+                       buf: _Scratch) -> None:
+    """:func:`_second_order` (``p``, ``tau`` finite, non-negative) into ``out``; ``positive``:
+    where p > 0, None when it is everywhere."""
+    shape = p.shape
+    ptau = buf("so_ptau", shape)
+    np.multiply(p, tau, out=ptau)
+    row = ptau.sum(axis=-1, keepdims=True)
+    ell = buf("so_ell", shape)
+    np.add(tau, row, out=ell)
+    ptau *= 2
+    ell -= ptau  # ℓ = τ + row − 2pτ >= τ(1 − p) >= 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        ell_max = (ell.max(axis=-1) if positive is None
+                   else np.max(np.multiply(ell, positive, out=buf("so_pos", shape)), axis=-1))
+        if (ell_max > SECOND_ORDER_CLOSED_FORM).all():  # every row takes the exact bound (X >= ℓ)
+            _exact_second_into(p, tau, ell, positive, out, buf)
+            return
+        t = buf("so_t", shape)
+        np.minimum(ell, 350.0, out=t)
+        np.exp(t, out=t)
+        e = buf("so_e", shape)
+        np.multiply(p, ell, out=e)
+        e *= ell
+        e *= t
+        rho = 0.5 * e.sum(axis=-1, keepdims=True)
+        x = buf("so_x", shape)
+        np.add(ell, rho, out=x)
+        np.minimum(x, 350.0, out=t)
+        np.exp(t, out=t)
+        np.multiply(x, 0.5, out=out)
+        out *= x
+        out *= t
+        out += rho
+        out *= p
+        x_max = (x.max(axis=-1) if positive is None
+                 else np.max(np.multiply(x, positive, out=buf("so_pos", shape)), axis=-1))
+    exact_rows = x_max > SECOND_ORDER_CLOSED_FORM
+    if not exact_rows.any():
+        return
+    if exact_rows.all():
+        _exact_second_into(p, tau, ell, positive, out, buf)
+        return
+    rows = np.nonzero(exact_rows)
+    sub = np.empty(p[rows].shape)
+    _exact_second_into(p[rows], tau[rows], ell[rows], None if positive is None else positive[rows], sub,
+                       _Scratch())
+    out[rows] = sub
+
+
+def _exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive: np.ndarray | None,
+                       out: np.ndarray, buf: _Scratch) -> None:
+    """``max(_softmax_worst(p, tau) − p·ℓ, 0)`` into ``out`` (the exact rows of :func:`_second_order`)."""
+    shape = p.shape
+    up, down = buf("sw_up", shape), buf("sw_down", shape)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        np.minimum(tau, 350.0, out=up)
+        np.negative(up, out=down)
+        np.exp(up, out=up)
+        np.exp(down, out=down)
+        for e, name in ((up, "sw_lo"), (down, "sw_hi")):
+            t = buf(name, shape)
+            np.multiply(p, e, out=t)
+            total = t.sum(axis=-1, keepdims=True)
+            np.subtract(total, t, out=t)
+            np.maximum(t, 0.0, out=t)
+            t *= e
+            t += p
+            np.divide(p, t, out=t)  # lo (up), hi (down)
+        lo, hi = buf("sw_lo", shape), buf("sw_hi", shape)
+        hi -= p
+        np.subtract(p, lo, out=lo)
+        np.maximum(hi, lo, out=out)
+        np.fmin(out, 1.0, out=out)  # fmin: NaN (0/0, inf/inf) -> 1
+        if positive is not None:
+            np.copyto(out, 0.0, where=~positive)
+        np.multiply(p, ell, out=lo)
+        out -= lo
+        np.maximum(out, 0.0, out=out)
+
+
+class _WeightsParts(NamedTuple):
+    pp: np.ndarray  # p²
+    q: np.ndarray  # p²·t_s²
+    pk: np.ndarray  # Σ_S p²·t_s² (per row)
+    p_round: np.ndarray  # the softmax's own rounding, worst-case
+    second: np.ndarray  # the second-order term
+
+
+def _weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.ndarray | None, u: float,
+                  ua: float, g_s: float, floor: float, cap: bool, sig_out: np.ndarray, wor_out: np.ndarray,
+                  buf: _Scratch) -> _WeightsParts:
+    """Bound of the attention weights ``p`` whose scores have error variances ``ts2`` (any finite
+    value where masked: p is 0 there): sigma and worst into ``sig_out`` and ``wor_out``, 0 where
+    masked (``visf``: the visibility as 0/1, None when all visible).  ``cap``: the worst part is
+    at most 1 (+ floor).  As :func:`_attention_chunk` step 3 and the local weights check."""
+    shape, u2 = p.shape, u * u
+    pp, q = buf("w_pp", shape), buf("w_q", shape)
+    np.multiply(p, p, out=pp)
+    np.multiply(pp, ts2, out=q)
+    pk = q.sum(axis=-1, keepdims=True)
+    # sigma = p·sqrt((1 − p)² t² + max(pk − p² t², 0) + u² + U64²)  (:func:`_softmax_rel2`)
+    t, d = buf("w_t", shape), buf("w_d", shape)
+    np.subtract(1.0, p, out=t)
+    np.multiply(t, t, out=t)
+    t *= ts2
+    np.subtract(pk, q, out=d)
+    np.maximum(d, 0.0, out=d)
+    t += d
+    t += u2
+    t += U64**2
+    np.sqrt(t, out=t)
+    np.multiply(p, t, out=sig_out)
+    # the softmax's own rounding: p (g_s + ua (|s| + max_visible |s|))
+    p_round = buf("w_round", shape)
+    np.add(abs_s, _row_max_visible(abs_s, visf, buf), out=p_round)
+    p_round *= ua
+    p_round += g_s
+    p_round *= p
+    # the second-order term, scores moving by up to LAMBDA·sqrt(t²)
+    tau = buf("w_tau", shape)
+    np.sqrt(ts2, out=tau)
+    tau *= LAMBDA
+    if visf is not None:
+        tau *= visf
+    positive = None if p.min() > 0 else np.greater(p, 0.0, out=buf("w_pos", shape, bool))
+    second = buf("w_second", shape)
+    _second_order_into(p, tau, positive, second, buf)
+    np.add(p_round, second, out=wor_out)
+    if cap:
+        np.minimum(wor_out, 1.0, out=wor_out)
+    wor_out += floor
+    if visf is not None:
+        wor_out *= visf
+    return _WeightsParts(pp, q, pk, p_round, second)
+
+
+def _attention_chunk_fast(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: _Pair, aK: _Pair,
+                          V: np.ndarray, V2: np.ndarray, aV: _Pair, tV2: _Pair, s: np.ndarray, p: np.ndarray,
+                          o: np.ndarray, vis: np.ndarray, out: tuple[np.ndarray, ...], buf: _Scratch) -> bool:
+    """:func:`_attention_chunk`, in place (see above); False (nothing to trust in ``out``) where a
+    value is not finite."""
+    u, u2 = c.u, c.u**2
+    shape = s.shape
+    sig_s, wor_s, sig_p, wor_p, o2_out, wo_out = out
+    visf = None if vis.all() else vis.astype(np.float64)
+    # 2. scores
+    s2, ws = buf("a_s2", shape), buf("a_ws", shape)
+    if not _product32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK, c.scale**2 * u2, s2):
+        return False
+    t = buf("a_t", shape)
+    np.multiply(s, s, out=t)
+    t *= 2 * u2 + U64**2  # _stored(u, s, s)
+    s2 += t
+    np.sqrt(s2, out=sig_s)
+    if not _product32(np.abs(Q), aK, c.g_d * c.scale, ws):
+        return False
+    np.add(ws, c.floor, out=wor_s)
+    # 3. attention weights
+    ts2 = buf("a_ts2", shape)
+    np.multiply(ws, ws, out=ts2)
+    ts2 += s2
+    abs_s = np.abs(s, out=t)
+    w = _weights_into(p, ts2, abs_s, visf, u, c.ua, c.g_s, c.floor, True, sig_p, wor_p, buf)
+    # 4. head outputs (see _attention_chunk)
+    lhs = buf("a_lhs", shape)
+    np.multiply(w.pp, u2 + U64**2, out=lhs)
+    np.add(w.q, lhs, out=lhs)
+    np.multiply(w.p_round, w.p_round, out=t)
+    lhs += t
+    var_v2 = lhs @ V2
+    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * _upper32(w.pp, tV2) + _stored(u, o, o))
+    np.multiply(p, c.g_s, out=lhs)
+    np.add(w.second, lhs, out=lhs)
+    o2_out[...] = o2
+    wo_out[...] = _upper32(lhs, aV)
+    return _finite(sig_s, wor_s, sig_p, wor_p, o2_out, wo_out)
+
+
+def _local_scores_fast(q: np.ndarray, K: np.ndarray, K2: _Pair, aK: _Pair, scale: float, u: float, g_d: float,
+                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+    """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
+    sigma, worst); False where a value is not finite."""
+    ref, sig, wor = out
+    np.matmul(q, _t(K), out=ref)
+    ref *= scale
+    if not _product32(q * q, K2, 2 * scale**2 * u * u, sig):
+        return False
+    t = buf("ls_t", ref.shape)
+    np.multiply(ref, ref, out=t)
+    t *= 2 * u * u + U64**2  # _stored(u, x, x)
+    sig += t
+    np.sqrt(sig, out=sig)
+    if not _product32(np.abs(q), aK, g_d * scale, wor):
+        return False
+    wor += floor
+    return _finite(ref, sig, wor)
+
+
+def _local_weights_fast(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+    """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
+    ref, sig, wor = out
+    if vis.all():
+        if not _finite(s):
+            return False
+        visf = None
+        np.subtract(s, s.max(axis=-1, keepdims=True), out=ref)
+        np.exp(ref, out=ref)
+        ref /= ref.sum(axis=-1, keepdims=True)  # >= 1: the row's peak
+    else:
+        ref[...] = softmax_visible(s, vis)
+        clean = buf("lw_s", s.shape)
+        np.copyto(clean, s)
+        np.copyto(clean, 0.0, where=~vis)  # masked scores (often -inf) take no part in the bounds
+        if not _finite(clean):
+            return False
+        s, visf = clean, vis.astype(np.float64)
+    ts2, abs_s = buf("lw_ts2", s.shape), buf("lw_abs", s.shape)
+    np.multiply(s, s, out=ts2)
+    ts2 *= U64**2 + u * u  # _stored(u, s)
+    np.abs(s, out=abs_s)
+    _weights_into(ref, ts2, abs_s, visf, u, ua, g_s, floor, False, sig, wor, buf)
+    return _finite(sig, wor)
+
+
+def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: float, g_s: float,
+                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+    """The local head-outputs check of one chunk from the adapter's own weights ``pc``."""
+    ref, sig, wor = out
+    if not _finite(pc):
+        return False
+    np.matmul(pc, V, out=ref)
+    t = buf("lo_t", pc.shape)
+    np.multiply(pc, pc, out=t)
+    if not _product32(t, V2, 2 * u * u, sig):
+        return False
+    sig += _stored(u, ref, ref)
+    np.sqrt(sig, out=sig)
+    if not _product32(np.abs(pc, out=t), aV, g_s, wor):
+        return False
+    wor += floor
+    return _finite(ref, sig, wor)
+
+
 def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
                   table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, Bound]:
     """The allowed error of every element of every stage of ``golden`` in ``dtype``."""
@@ -384,10 +717,12 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
-    def chunk(n: slice, r: slice) -> None:
-        _attention_chunk(cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n],
-                         sN[n, r], pN[n, r], oN[n, r], visN[n, r],
-                         out=(sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r]))
+    def chunk(n: slice, r: slice, buf: _Scratch) -> None:
+        args = (cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n], sN[n, r], pN[n, r], oN[n, r],
+                visN[n, r])
+        out = (sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r])
+        if not _attention_chunk_fast(*args, out=out, buf=buf):
+            _attention_chunk(*args, out=out)
 
     _each_chunk(N, T, S, chunk)
     o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
@@ -516,7 +851,9 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     N = B * H
     visN = golden.visible.reshape(N, T, S)
 
-    def each(fn: Any) -> None:  # fn(n, r) on every chunk of (N, T, ·) rows
+    fast = not worst_case  # the in-place path (standard contract), the general one where it cannot
+
+    def each(fn: Any) -> None:  # fn(n, r, scratch) on every chunk of (N, T, ·) rows
         _each_chunk(N, T, S, fn)
 
     def finish(ref: np.ndarray, sig: np.ndarray, wor: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, Bound]:
@@ -529,8 +866,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_d = float(gamma(cfg.D_k + k, ua))
 
-            def scores(n: slice, r: slice) -> None:
+            def scores(n: slice, r: slice, buf: _Scratch) -> None:
                 q = Q[n, r]
+                if fast and _local_scores_fast(q, K[n], K2[n], aK[n], scale, u, g_d, floor,
+                                               (ref[n, r], sig[n, r], wor[n, r]), buf):
+                    return
                 x = scale * (q @ _t(K[n]))
                 var = (2 * scale**2 * u2) * _upper32(q * q, K2[n]) + _stored(u, x, x)
                 b = bound(var, (g_d * scale) * _upper32(np.abs(q), aK[n]))
@@ -543,8 +883,10 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_s = float(gamma(S + k, ua))
 
-            def weights(n: slice, r: slice) -> None:
+            def weights(n: slice, r: slice, buf: _Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
+                if fast and _local_weights_fast(s_, vis, u, ua, g_s, floor, (ref[n, r], sig[n, r], wor[n, r]), buf):
+                    return
                 x = softmax_visible(s_, vis)
                 s2 = np.where(vis, _stored(u, s_), 0.0)  # the scores as returned may be rounded copies
                 row_max = np.max(np.where(vis, np.abs(s_), 0.0), axis=-1, keepdims=True)
@@ -567,8 +909,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
             g_s = float(gamma(S + k, ua))
 
-            def outputs(n: slice, r: slice) -> None:
+            def outputs(n: slice, r: slice, buf: _Scratch) -> None:
                 pc = P[n, r]
+                if fast and _local_outputs_fast(pc, V[n], V2[n], aV[n], u, g_s, floor,
+                                                (ref[n, r], sig[n, r], wor[n, r]), buf):
+                    return
                 x = pc @ V[n]
                 var = (2 * u2) * _upper32(pc * pc, V2[n]) + _stored(u, x, x)
                 b = bound(var, g_s * _upper32(np.abs(pc), aV[n]))
