@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,20 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(f), out, f.astype(np.float64))
 
 
+_WORK = threading.local()
+
+
+def _work(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A float64 work array of ``shape`` for :func:`compare_stage`'s intermediate results, reused
+    from call to call (per thread): a fresh array of a large stage costs its page faults."""
+    pool = _WORK.__dict__.setdefault("pool", {})
+    size = math.prod(shape)
+    flat = pool.get(name)
+    if flat is None or flat.size < size:
+        flat = pool[name] = np.empty(size)
+    return flat[:size].reshape(shape)
+
+
 def representable(values: np.ndarray, dtype: str) -> np.ndarray:
     """Boolean mask: which finite float64 ``values`` are exactly representable in ``dtype``."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -129,7 +145,7 @@ def as_float_array(value: Any) -> tuple[np.ndarray | None, str]:
     if not kind_ok:
         return None, f"dtype {arr.dtype} is not a floating-point dtype"
     try:
-        return arr.astype(np.float64), ""
+        return arr.astype(np.float64, copy=False), ""  # read only: no copy of a float64 array
     except Exception as exc:
         return None, f"dtype {arr.dtype} cannot be converted to float64 ({exc})"
 
@@ -169,11 +185,13 @@ def compare_stage(
     if values.shape != golden.shape:
         return StageResult(stage, FAIL, message=f"shape {values.shape}, expected {golden.shape}")
 
-    if visible is None:  # every element: flat views, no fancy indexing
+    if visible is not None and visible.all():
+        visible = None  # the same elements in the same order, without the gathers
+    if visible is None:  # every element, in the stage's shape: no copy of a strided block's view
         flat = None
 
         def pick(a: np.ndarray) -> np.ndarray:
-            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)
+            return a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)
     else:
         flat = np.flatnonzero(np.broadcast_to(visible, golden.shape))
 
@@ -186,13 +204,20 @@ def compare_stage(
         result.message = "nothing to compare (every entry is masked)"
         return result
 
+    # Each test below has a fast form for the common case (every value finite, every tolerance,
+    # golden value and sigma positive) that computes the same numbers without np.where and
+    # fancy indexing, which cost ten passes over a large stage.
     problems = []
     finite = np.isfinite(v)
-    nonfinite = int(np.count_nonzero(~finite & np.isfinite(g)))
+    all_finite = bool(finite.all())
+    nonfinite = 0 if all_finite else int(np.count_nonzero(~finite & np.isfinite(g)))
     if nonfinite:
         problems.append(f"{nonfinite} NaN/inf value(s) where the golden is finite")
     result.nonfinite = nonfinite
-    not_exact = int(np.count_nonzero(finite & ~representable(v, dtype))) if value_checks else 0
+    if not value_checks or dtype == "float64":  # every float64 value is representable in float64
+        not_exact = 0
+    else:
+        not_exact = int(np.count_nonzero(~representable(v, dtype) if all_finite else finite & ~representable(v, dtype)))
     if not_exact:
         problems.append(
             f"{not_exact} of {v.size} values are not representable in {dtype}: computed or returned in a wider dtype"
@@ -202,30 +227,47 @@ def compare_stage(
         problems.append(narrower)
 
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        err = np.abs(v - g)
-        err = np.where(np.isnan(err), np.inf, err)
-        ratio = np.where(tol > 0, err / tol, np.where(err > 0, np.inf, 0.0))
-        rel = np.where(g != 0, err / np.abs(g), np.where(err > 0, np.inf, 0.0))
+        err = np.subtract(v, g, out=_work("err", v.shape))
+        np.abs(err, out=err)
+        max_err = err.max()
+        if np.isnan(max_err):  # NaN error (NaN or inf - inf): infinitely wrong
+            np.copyto(err, np.inf, where=np.isnan(err))
+            max_err = np.inf
+        if tol.min() > 0:
+            ratio = np.divide(err, tol, out=_work("ratio", v.shape))
+        else:
+            ratio = np.where(tol > 0, err / tol, np.where(err > 0, np.inf, 0.0))
+        absolute = np.abs(g, out=_work("spare", v.shape))
+        if absolute.min() > 0:
+            rel_max = np.divide(err, absolute, out=absolute).max()
+        else:
+            rel_max = np.where(g != 0, err / absolute, np.where(err > 0, np.inf, 0.0)).max()
     worst = int(np.argmax(ratio))
-    result.max_abs_err = float(err.max())
-    result.max_rel_err = float(rel.max())
-    result.worst_ratio = float(ratio[worst])
+    result.max_abs_err = float(max_err)
+    result.max_rel_err = float(rel_max)
+    result.worst_ratio = float(ratio.flat[worst])
     result.worst_index = tuple(int(i) for i in np.unravel_index(worst if flat is None else flat[worst], golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
         at = result.worst_index
         problems.append(
-            f"{over} of {v.size} elements exceed the tolerance; worst at {at}: got {v[worst]:.9g}, "
-            f"expected {g[worst]:.9g}, |error| {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
+            f"{over} of {v.size} elements exceed the tolerance; worst at {at}: got {v.flat[worst]:.9g}, "
+            f"expected {g.flat[worst]:.9g}, |error| {err.flat[worst]:.3g} > tolerance {tol.flat[worst]:.3g}"
         )
     if noise is not None and rms_limit is not None:
         sigma, worst_part = (pick(a) for a in noise)
-        positive = sigma > 0
-        n_rms = int(np.count_nonzero(positive))
+        every = bool(sigma.min() > 0)
+        positive = None if every else sigma > 0
+        n_rms = sigma.size if every else int(np.count_nonzero(positive))
         if n_rms >= rms_min_elements:
             with np.errstate(over="ignore", invalid="ignore"):
-                z = np.maximum(err[positive] - worst_part[positive], 0.0) / sigma[positive]
-                result.rms_ratio = float(np.sqrt(np.mean(np.square(z))))
+                if every:
+                    z = np.subtract(err, worst_part, out=_work("spare", v.shape))
+                    np.maximum(z, 0.0, out=z)
+                    z /= sigma
+                else:
+                    z = np.maximum(err[positive] - worst_part[positive], 0.0) / sigma[positive]
+                result.rms_ratio = float(np.sqrt(np.mean(np.square(z, out=z))))
             if result.rms_ratio > rms_limit and result.worst_ratio <= 1:
                 problems.append(
                     f"systematic error: root-mean-square of error/sigma {result.rms_ratio:.3g} over {n_rms} elements "
@@ -245,7 +287,11 @@ def compare_stage(
 def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
                     rms_limit: float | None, rms_min_elements: int) -> bool:
     """True when an all-zero result would pass against ``expected`` (and ``expected`` is not all zero)."""
-    absolute = np.abs(expected)
+    absolute = np.abs(expected, out=_work("spare", np.shape(expected)))
+    head = min(absolute.size, 4096)  # usually decided by the first elements: the rest is not read
+    if head and np.any(absolute.flat[:head] > (tol if np.shape(tol) == absolute.shape
+                                                else np.broadcast_to(tol, absolute.shape)).flat[:head]):
+        return False
     if not np.any(absolute > 0):
         return False
     if np.any(absolute > tol):

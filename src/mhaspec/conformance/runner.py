@@ -289,11 +289,12 @@ class Session:
                 continue
 
             def judge(selected: np.ndarray | None, stage: str = stage) -> StageResult:
-                res = compare_stage(stage, returned[stage], golden.stages[stage], tolerances[stage], dtype, selected,
+                got = own.get(stage, returned[stage])  # converted to float64 once
+                res = compare_stage(stage, got, golden.stages[stage], tolerances[stage], dtype, selected,
                                     noise=bounds[stage], rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS)
                 if stage in local:
                     ref, bound = local[stage]
-                    fold_local(res, compare_stage(stage, returned[stage], ref, bound.tolerance(LAMBDA), dtype,
+                    fold_local(res, compare_stage(stage, got, ref, bound.tolerance(LAMBDA), dtype,
                                                       selected, noise=bound, rms_limit=rms_limit,
                                                       rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False),
                                LOCAL_INPUTS[stage])
