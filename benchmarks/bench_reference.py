@@ -3,7 +3,9 @@
 Targets (issue #11), for B = 1, H = 8, T = S = 2048, D = 64 (d_model = 512):
 the fast reference (every stage plus the bound of its own error) costs <= 3x a
 plain float64 BLAS forward of the same size in the same process, and the
-tolerance computation (``stage_tolerances`` for one dtype) <= 3x as well.
+tolerance computation (``stage_tolerances`` for one dtype) <= 3x as well.  Also times what
+``mhaspec run`` does with such a case: judge a correct result (the golden rounded to the
+dtype) in the runner's blocks of query rows, bounds, local checks and comparisons together.
 Also prints the exact reference's estimated cost at this size (extrapolated
 from a smaller run: it is far too slow to run here).
 
@@ -35,6 +37,15 @@ def plain_forward(config, inputs, weights) -> np.ndarray:
     o = s @ V
     c = o.transpose(0, 2, 1, 3).reshape(B, T, H * config.D_v)
     return c @ weights["w_o"] + weights["b_o"]
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (as an adapter in that dtype returns it), as float64."""
+    if dtype == "bfloat16":
+        from mhaspec.conformance.compare import round_to_bfloat16
+
+        return round_to_bfloat16(x)
+    return x.astype(dtype).astype(np.float64)
 
 
 CPU: dict[int, float] = {}  # id(fn) -> best CPU seconds of its runs (all threads of the process)
@@ -74,7 +85,11 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="also time the exact reference at T=S=128 (~30 s)")
     args = parser.parse_args()
 
+    from mhaspec.conformance import Session
+    from mhaspec.conformance.blocks import judge_in_blocks
     from mhaspec.conformance.tolerance import local_references, stage_tolerances
+    from mhaspec.reference.onthefly import OnTheFlyGolden
+    from mhaspec.spec import Catalog
     from mhaspec.reference.fast import forward_fast
     from mhaspec.reference.onthefly import golden_case
     from mhaspec.spec import CaseSpec, MHAConfig
@@ -102,6 +117,7 @@ def main() -> None:
         print(f"exact reference (fsum/decimal) at T=S={small}: {exact_small:.2f} s; "
               f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas[0]:.0f}x BLAS)")
     golden = golden_case(spec)
+    session = Session("numpy", golden=OnTheFlyGolden(Catalog([spec])), timeout=None, isolate=False)
     for dtype in args.dtype.split(","):
         tol = timed(f"golden tolerances ({dtype}, + reference error)",
                     lambda: golden.with_reference_error(stage_tolerances(golden, dtype)), args.repeat, blas)
@@ -111,6 +127,13 @@ def main() -> None:
         print(f"{'tolerance computation in all (' + dtype + ')':<48} wall {tol[0] + loc[0]:8.3f} s  cpu "
               f"{tol[1] + loc[1]:8.3f} s  = {(tol[0] + loc[0]) / blas[0]:5.2f}x BLAS wall, "
               f"{(tol[1] + loc[1]) / blas[1]:5.2f}x BLAS cpu (target <= 3x each)")
+        # what `mhaspec run` does with a large case: blocks of query rows, bounds and comparisons
+        returned = {name: round_to(stage, dtype) for name, stage in golden.stages.items()}
+        verdicts: set[str] = set()
+        timed(f"judging a correct result ({dtype}, runner's blocks)",
+              lambda: verdicts.update(st.verdict for st in judge_in_blocks(
+                  golden, returned, lambda g, r: session.judge_stages(g, dtype, r))), args.repeat, blas)
+        print(f"{'':<48} verdicts: {', '.join(sorted(verdicts))}")
 
 
 if __name__ == "__main__":
