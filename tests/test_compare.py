@@ -73,3 +73,43 @@ def test_bfloat16_results_in_a_float16_run_are_recognised():
     # data whose float16 values already fit 8 bits (here: small integers) is not informative
     ints = np.arange(64.0).reshape(4, 16)
     assert compare_stage("q_proj", ints, ints, tol, "float16").verdict == PASS
+
+
+def _expected(got, g, tol, sigma, worst_part):
+    """compare_stage's figures from their definitions (docs/spec.md §5), by plain numpy."""
+    err = np.abs(got - g)
+    ratio = np.where(tol > 0, err / np.where(tol > 0, tol, 1), np.where(err > 0, np.inf, 0.0))
+    rel = np.where(g != 0, err / np.where(g != 0, np.abs(g), 1), np.where(err > 0, np.inf, 0.0))
+    keep = sigma > 0
+    z = np.maximum(err[keep] - worst_part[keep], 0.0) / sigma[keep]
+    worst = np.unravel_index(int(np.argmax(ratio)), g.shape)
+    return err.max(), rel.max(), ratio.max(), worst, float(np.sqrt(np.mean(z * z)))
+
+
+def test_the_fast_and_the_general_forms_give_the_defined_figures_and_leave_the_arguments_alone():
+    """Every value finite and every tolerance, golden value and sigma positive (the fast forms),
+    then one zero of each (the general forms): the same figures as their definitions, and no
+    argument written (float64 arrays are not copied on the way in)."""
+    rng = np.random.default_rng(5)
+    shape = (2, 3, 40, 50)
+    g = rng.normal(size=shape)
+    got = g + rng.normal(scale=1e-3, size=shape)
+    sigma = rng.uniform(1e-4, 1e-3, size=shape)
+    worst_part = rng.uniform(0, 1e-4, size=shape)
+    tol = 8 * sigma + worst_part
+    for zero in (False, True):
+        if zero:
+            g[0, 0, 0, 0] = got[0, 0, 0, 0] = 0.0
+            sigma[1, 2, 3, 4] = 0.0
+            tol[1, 1, 1, 1] = 0.0
+            got[1, 1, 1, 1] = g[1, 1, 1, 1]
+        args = [a.copy() for a in (got, g, tol, sigma, worst_part)]
+        res = compare_stage("head_outputs", got, g, tol, "float64", noise=(sigma, worst_part), rms_limit=1.0,
+                            rms_min_elements=16)
+        for before, after in zip(args, (got, g, tol, sigma, worst_part)):
+            np.testing.assert_array_equal(before, after)
+        max_err, max_rel, max_ratio, worst, rms = _expected(got, g, tol, sigma, worst_part)
+        assert res.max_abs_err == max_err and res.worst_index == worst
+        np.testing.assert_allclose([res.max_rel_err, res.worst_ratio, res.rms_ratio], [max_rel, max_ratio, rms],
+                                   rtol=1e-14)
+        assert res.verdict == (FAIL if max_ratio > 1 or rms > 1 else PASS)
