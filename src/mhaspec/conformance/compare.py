@@ -80,18 +80,32 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(f), out, f.astype(np.float64))
 
 
+class Scratch:
+    """Work arrays reused from call to call, one per name: a fresh array of a large stage costs
+    its page faults.  Used by the tolerance chunk loops (one per thread) and by
+    :func:`compare_stage` (one per thread, kept between calls)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.size < size or flat.dtype != dtype:
+            flat = self._flat[name] = np.empty(size, dtype)
+        return flat[:size].reshape(shape)
+
+
 _WORK = threading.local()
 
 
 def _work(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A float64 work array of ``shape`` for :func:`compare_stage`'s intermediate results, reused
-    from call to call (per thread): a fresh array of a large stage costs its page faults."""
-    pool = _WORK.__dict__.setdefault("pool", {})
-    size = math.prod(shape)
-    flat = pool.get(name)
-    if flat is None or flat.size < size:
-        flat = pool[name] = np.empty(size)
-    return flat[:size].reshape(shape)
+    """A float64 work array of ``shape`` for :func:`compare_stage`'s intermediate results (this
+    thread's :class:`Scratch`)."""
+    scratch = _WORK.__dict__.get("scratch")
+    if scratch is None:
+        scratch = _WORK.scratch = Scratch()
+    return scratch(name, shape)
 
 
 def representable(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -45,7 +45,6 @@ heads (B,H,T,E), concat (B,T,H·E), output (B,T,d_out).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .compare import Scratch
 
 PRECISIONS = ("standard", "worst-case")
 
@@ -230,20 +230,6 @@ def _one_blas_thread() -> Any:
     return threadpool_limits(1, user_api="blas")
 
 
-class _Scratch:
-    """Work arrays reused by every chunk of one bounds computation (one allocation per name)."""
-
-    def __init__(self) -> None:
-        self._flat: dict[str, np.ndarray] = {}
-
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
-        size = math.prod(shape)
-        flat = self._flat.get(name)
-        if flat is None or flat.size < size or flat.dtype != dtype:
-            flat = self._flat[name] = np.empty(size, dtype)
-        return flat[:size].reshape(shape)
-
-
 #: Threads of the chunk loops of a large case (at most; never more than the CPUs this process
 #: may use).  NumPy and BLAS release the GIL in each operation, and the chunks write disjoint
 #: slices, so the bounds do not depend on the number of threads.
@@ -267,14 +253,14 @@ def _each_chunk(N: int, T: int, S: int, fn: Any) -> None:
     chunks = _chunks(N, T, S)
     threads = _threads() if len(chunks) >= THREADED_MIN_CHUNKS else 1
     if threads == 1:
-        scratch = _Scratch()
+        scratch = Scratch()
         with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
             for n, r in chunks:
                 fn(n, r, scratch)
         return
 
     def share(part: list[tuple[slice, slice]]) -> None:
-        scratch = _Scratch()
+        scratch = Scratch()
         for n, r in part:
             fn(n, r, scratch)
 
@@ -408,7 +394,7 @@ def _product32(a: np.ndarray, b: _Pair, factor: float, out: np.ndarray) -> bool:
     return True
 
 
-def _row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: _Scratch) -> np.ndarray:
+def _row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: Scratch) -> np.ndarray:
     """max over the visible entries of each row of the non-negative ``x`` (0 where none)."""
     if visf is None:
         return x.max(axis=-1, keepdims=True)
@@ -418,7 +404,7 @@ def _row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: _Scratch) -> n
 
 
 def _second_order_into(p: np.ndarray, tau: np.ndarray, positive: np.ndarray | None, out: np.ndarray,
-                       buf: _Scratch) -> None:
+                       buf: Scratch) -> None:
     """:func:`_second_order` (``p``, ``tau`` finite, non-negative) into ``out``; ``positive``:
     where p > 0, None when it is everywhere."""
     shape = p.shape
@@ -463,12 +449,12 @@ def _second_order_into(p: np.ndarray, tau: np.ndarray, positive: np.ndarray | No
     rows = np.nonzero(exact_rows)
     sub = np.empty(p[rows].shape)
     _exact_second_into(p[rows], tau[rows], ell[rows], None if positive is None else positive[rows], sub,
-                       _Scratch())
+                       Scratch())
     out[rows] = sub
 
 
 def _exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive: np.ndarray | None,
-                       out: np.ndarray, buf: _Scratch) -> None:
+                       out: np.ndarray, buf: Scratch) -> None:
     """``max(_softmax_worst(p, tau) − p·ℓ, 0)`` into ``out`` (the exact rows of :func:`_second_order`)."""
     shape = p.shape
     up, down = buf("sw_up", shape), buf("sw_down", shape)
@@ -508,7 +494,7 @@ class _WeightsParts(NamedTuple):
 
 def _weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.ndarray | None, u: float,
                   ua: float, g_s: float, floor: float, cap: bool, sig_out: np.ndarray, wor_out: np.ndarray,
-                  buf: _Scratch) -> _WeightsParts:
+                  buf: Scratch) -> _WeightsParts:
     """Bound of the attention weights ``p`` whose scores have error variances ``ts2`` (any finite
     value where masked: p is 0 there): sigma and worst into ``sig_out`` and ``wor_out``, 0 where
     masked (``visf``: the visibility as 0/1, None when all visible).  ``cap``: the worst part is
@@ -556,7 +542,7 @@ def _weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nd
 
 def _attention_chunk_fast(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: _Pair, aK: _Pair,
                           V: np.ndarray, V2: np.ndarray, aV: _Pair, tV2: _Pair, s: np.ndarray, p: np.ndarray,
-                          o: np.ndarray, vis: np.ndarray, out: tuple[np.ndarray, ...], buf: _Scratch) -> bool:
+                          o: np.ndarray, vis: np.ndarray, out: tuple[np.ndarray, ...], buf: Scratch) -> bool:
     """:func:`_attention_chunk`, in place (see above); False (nothing to trust in ``out``) where a
     value is not finite."""
     u, u2 = c.u, c.u**2
@@ -597,7 +583,7 @@ def _attention_chunk_fast(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray
 
 
 def _local_scores_fast(q: np.ndarray, K: np.ndarray, K2: _Pair, aK: _Pair, scale: float, u: float, g_d: float,
-                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
     sigma, worst); False where a value is not finite."""
     ref, sig, wor = out
@@ -617,7 +603,7 @@ def _local_scores_fast(q: np.ndarray, K: np.ndarray, K2: _Pair, aK: _Pair, scale
 
 
 def _local_weights_fast(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
-                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
     ref, sig, wor = out
     if vis.all():
@@ -644,7 +630,7 @@ def _local_weights_fast(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s
 
 
 def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: float, g_s: float,
-                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: _Scratch) -> bool:
+                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """The local head-outputs check of one chunk from the adapter's own weights ``pc``."""
     ref, sig, wor = out
     if not _finite(pc):
@@ -717,7 +703,7 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
-    def chunk(n: slice, r: slice, buf: _Scratch) -> None:
+    def chunk(n: slice, r: slice, buf: Scratch) -> None:
         args = (cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n], sN[n, r], pN[n, r], oN[n, r],
                 visN[n, r])
         out = (sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r])
@@ -866,7 +852,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_d = float(gamma(cfg.D_k + k, ua))
 
-            def scores(n: slice, r: slice, buf: _Scratch) -> None:
+            def scores(n: slice, r: slice, buf: Scratch) -> None:
                 q = Q[n, r]
                 if fast and _local_scores_fast(q, K[n], K2[n], aK[n], scale, u, g_d, floor,
                                                (ref[n, r], sig[n, r], wor[n, r]), buf):
@@ -883,7 +869,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_s = float(gamma(S + k, ua))
 
-            def weights(n: slice, r: slice, buf: _Scratch) -> None:
+            def weights(n: slice, r: slice, buf: Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
                 if fast and _local_weights_fast(s_, vis, u, ua, g_s, floor, (ref[n, r], sig[n, r], wor[n, r]), buf):
                     return
@@ -909,7 +895,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
             g_s = float(gamma(S + k, ua))
 
-            def outputs(n: slice, r: slice, buf: _Scratch) -> None:
+            def outputs(n: slice, r: slice, buf: Scratch) -> None:
                 pc = P[n, r]
                 if fast and _local_outputs_fast(pc, V[n], V2[n], aV[n], u, g_s, floor,
                                                 (ref[n, r], sig[n, r], wor[n, r]), buf):
