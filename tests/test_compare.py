@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
+from mhaspec.conformance import compare
 from mhaspec.conformance.compare import FAIL, PASS, compare_stage, representable, round_to_bfloat16
 
 
@@ -113,3 +115,56 @@ def test_the_fast_and_the_general_forms_give_the_defined_figures_and_leave_the_a
         np.testing.assert_allclose([res.max_rel_err, res.worst_ratio, res.rms_ratio], [max_rel, max_ratio, rms],
                                    rtol=1e-14)
         assert res.verdict == (FAIL if max_ratio > 1 or rms > 1 else PASS)
+
+
+@pytest.mark.parametrize("chunk", [37, 50, 2000])
+def test_a_large_stage_judged_in_chunks_gets_the_whole_stage_figures(monkeypatch, chunk):
+    """Above COMPARE_CHUNK elements a passing stage is judged chunk by chunk (on strided views
+    of a block too); the result is the one the whole-stage forms give, and anything out of the
+    ordinary (an element over its tolerance, NaN, a zero tolerance, a value wider than the dtype)
+    is judged whole, with the same messages."""
+    rng = np.random.default_rng(11)
+    shape = (2, 3, 40, 50)
+    base = rng.normal(size=shape)
+    g = base.astype(np.float32).astype(np.float64)  # representable in float32: the exact answer
+    sigma = rng.uniform(1e-7, 1e-6, size=shape)
+    worst_part = rng.uniform(0, 1e-7, size=shape)
+    tol = 8 * sigma + worst_part
+    got = (g + rng.normal(scale=1e-7, size=shape)).astype(np.float32).astype(np.float64)
+    big = got.copy()
+    big[1, 2, 30, 7] += 1.0  # one element far over its tolerance
+    nan = got.copy()
+    nan[0, 1, 2, 3] = np.nan
+    wide = got.copy()
+    wide[1, 0, 5, 5] += 1e-12  # not representable in float32
+    zero_tol = tol.copy()
+    zero_tol[0, 2, 11, 13] = 0.0
+    rows = (slice(None), slice(None), slice(7, 33))  # a block of query rows: strided views
+    cases = [(got, tol), (big, tol), (nan, tol), (wide, tol), (got, zero_tol),
+             (got[rows], tol[rows]), (big[rows], tol[rows])]
+
+    def judged(value, tolerance, **kw):
+        index = rows if value.shape != shape else ()
+        g_, s_, w_ = (a[index] for a in (g, sigma, worst_part))
+        return compare_stage("attn_weights", value, g_, tolerance, "float32", noise=(s_, w_), rms_limit=1.0,
+                             rms_min_elements=16, **kw).to_json()
+
+    taken = []
+    chunks = compare._passing_in_chunks
+    monkeypatch.setattr(compare, "_passing_in_chunks", lambda *a: taken.append(chunks(*a)) or taken[-1])
+    for value, tolerance in cases:
+        for kw in ({}, {"value_checks": False}):
+            whole = judged(value, tolerance, **kw)
+            monkeypatch.setattr(compare, "COMPARE_CHUNK", chunk)
+            chunked = judged(value, tolerance, **kw)
+            monkeypatch.setattr(compare, "COMPARE_CHUNK", 1 << 40)
+            rms_whole, rms_chunked = whole.pop("rms_ratio"), chunked.pop("rms_ratio")
+            assert chunked == whole
+            if isinstance(rms_whole, float):
+                assert rms_chunked == pytest.approx(rms_whole, rel=1e-13)
+            else:
+                assert rms_chunked == rms_whole
+    assert judged(got, tol)["verdict"] == PASS and judged(big, tol)["verdict"] == FAIL
+    # the chunks judged the passing stages (the whole one, the block, `wide` without value checks)
+    # and left the others to the whole-stage forms
+    assert sum(t is not None for t in taken) == 5 and sum(t is None for t in taken) == 9

@@ -218,6 +218,25 @@ def compare_stage(
         result.message = "nothing to compare (every entry is masked)"
         return result
 
+    sigma, worst_part = (None, None) if noise is None else (pick(a) for a in noise)
+    chunked = None
+    if flat is None and v.size > COMPARE_CHUNK:
+        chunked = _passing_in_chunks(v, g, tol, None if sigma is None or rms_limit is None else (sigma, worst_part),
+                                     dtype if value_checks else "float64")
+    if chunked is not None:  # every element ordinary and within its tolerance: the figures, chunk by chunk
+        result.max_abs_err, result.max_rel_err, result.worst_ratio, worst_flat, z2_sum = chunked
+        result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
+        problems = []
+        narrower = narrower_precision(v, g, dtype) if value_checks else ""
+        if narrower:
+            problems.append(narrower)
+        if noise is not None and rms_limit is not None and v.size >= rms_min_elements:
+            result.rms_ratio = float(np.sqrt(z2_sum / v.size))
+            if result.rms_ratio > rms_limit:
+                problems.append(_systematic(result.rms_ratio, v.size, rms_limit))
+        return _conclude(result, problems, g, tol, None if noise is None else (sigma, worst_part), rms_limit,
+                         rms_min_elements)
+
     # Each test below has a fast form for the common case (every value finite, every tolerance,
     # golden value and sigma positive) that computes the same numbers without np.where and
     # fancy indexing, which cost ten passes over a large stage.
@@ -268,8 +287,7 @@ def compare_stage(
             f"{over} of {v.size} elements exceed the tolerance; worst at {at}: got {v.flat[worst]:.9g}, "
             f"expected {g.flat[worst]:.9g}, |error| {err.flat[worst]:.3g} > tolerance {tol.flat[worst]:.3g}"
         )
-    if noise is not None and rms_limit is not None:
-        sigma, worst_part = (pick(a) for a in noise)
+    if sigma is not None and worst_part is not None and rms_limit is not None:
         every = bool(sigma.min() > 0)
         positive = None if every else sigma > 0
         n_rms = sigma.size if every else int(np.count_nonzero(positive))
@@ -283,29 +301,107 @@ def compare_stage(
                     z = np.maximum(err[positive] - worst_part[positive], 0.0) / sigma[positive]
                 result.rms_ratio = float(np.sqrt(np.mean(np.square(z, out=z))))
             if result.rms_ratio > rms_limit and result.worst_ratio <= 1:
-                problems.append(
-                    f"systematic error: root-mean-square of error/sigma {result.rms_ratio:.3g} over {n_rms} elements "
-                    f"exceeds {rms_limit:.3g} (rounding noise stays below 0.58: the error is not rounding)"
-                )
+                problems.append(_systematic(result.rms_ratio, n_rms, rms_limit))
+    return _conclude(result, problems, g, tol, None if noise is None else (sigma, worst_part), rms_limit,
+                     rms_min_elements)
+
+
+def _systematic(rms: float, n: int, limit: float) -> str:
+    return (f"systematic error: root-mean-square of error/sigma {rms:.3g} over {n} elements "
+            f"exceeds {limit:.3g} (rounding noise stays below 0.58: the error is not rounding)")
+
+
+def _conclude(result: StageResult, problems: list[str], g: np.ndarray, tol: np.ndarray,
+              noise: tuple[np.ndarray, np.ndarray] | None, rms_limit: float | None,
+              rms_min_elements: int) -> StageResult:
+    """The verdict: fail with ``problems``, else uninformative where a zero result would pass."""
     if problems:
         result.verdict = FAIL
         result.message = "; ".join(problems)
-    elif would_pass_zero(g, tol, None if noise is None else
-                         tuple(pick(a) for a in noise),  # type: ignore[arg-type]
-                         rms_limit, rms_min_elements):
+    elif would_pass_zero(g, tol, noise, rms_limit, rms_min_elements):
         result.verdict = UNINFORMATIVE
         result.message = "a zero result would pass: the tolerance is at least |expected| at every element"
     return result
 
 
+#: A stage of more elements than this is judged in chunks of this many elements (when nothing
+#: in it is out of the ordinary): the chunk's intermediate results stay in the processor's cache,
+#: where a whole large stage's would go to memory and back once per operation.
+COMPARE_CHUNK = 1 << 16
+
+
+def _chunks_of(shape: tuple[int, ...]) -> list[tuple[int, tuple[Any, ...]]]:
+    """(flat offset, index) of consecutive blocks of about :data:`COMPARE_CHUNK` elements that
+    cover an array of ``shape`` in C order (each index gives a view, never a copy)."""
+    inner = 1
+    axis = len(shape)
+    while axis > 0 and inner * shape[axis - 1] <= COMPARE_CHUNK:
+        axis -= 1
+        inner *= shape[axis]
+    if axis == 0:
+        return [(0, ())]
+    step = max(1, COMPARE_CHUNK // inner)
+    out = []
+    for lead in np.ndindex(*shape[: axis - 1]):
+        base = int(np.ravel_multi_index(lead, shape[: axis - 1])) * shape[axis - 1] * inner if lead else 0
+        for r in range(0, shape[axis - 1], step):
+            out.append((base + r * inner, (*lead, slice(r, r + step))))
+    return out
+
+
+def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
+                       noise: tuple[np.ndarray, np.ndarray] | None,
+                       dtype: str) -> tuple[float, float, float, int, float] | None:
+    """(max |error|, max relative error, worst error/tolerance, its flat index, Σ z²) of a stage
+    where every value is finite and (unless ``dtype`` is float64) representable in ``dtype``,
+    every tolerance, golden value and sigma is positive, and no element exceeds its tolerance —
+    computed chunk by chunk, the same numbers as :func:`compare_stage`'s fast forms (Σ z² only
+    summed in another order).  None as soon as a chunk is not so: the caller judges the whole
+    stage, with every message.  (On one thread: shared among threads it measured slower.)"""
+    max_err = rel_max = worst_ratio = z2 = 0.0
+    worst_flat = 0
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for i, (offset, index) in enumerate(_chunks_of(v.shape)):
+            vc, gc, tc = v[index], g[index], tol[index]
+            if dtype != "float64" and not representable(vc, dtype).all():
+                return None
+            err = np.subtract(vc, gc, out=_work("c_err", vc.shape))
+            np.abs(err, out=err)
+            chunk_max = err.max()
+            if not np.isfinite(chunk_max) or not tc.min() > 0:
+                return None  # a NaN/inf value, or a zero tolerance
+            ratio = np.divide(err, tc, out=_work("c_ratio", vc.shape))
+            at = int(np.argmax(ratio))
+            r = float(ratio.flat[at])
+            if r > 1:
+                return None
+            spare = np.abs(gc, out=_work("c_spare", vc.shape))
+            if not spare.min() > 0:
+                return None
+            rel = float(np.divide(err, spare, out=spare).max())
+            if noise is not None:
+                sc, wc = noise[0][index], noise[1][index]
+                if not sc.min() > 0:
+                    return None
+                z = np.subtract(err, wc, out=spare)
+                np.maximum(z, 0.0, out=z)
+                z /= sc
+                z2 += float(np.dot(z.reshape(-1), z.reshape(-1)))
+            max_err = max(max_err, float(chunk_max))
+            rel_max = max(rel_max, rel)
+            if r > worst_ratio or i == 0:
+                worst_ratio, worst_flat = r, offset + at
+    return max_err, rel_max, worst_ratio, worst_flat, z2
+
+
 def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
                     rms_limit: float | None, rms_min_elements: int) -> bool:
     """True when an all-zero result would pass against ``expected`` (and ``expected`` is not all zero)."""
-    absolute = np.abs(expected, out=_work("spare", np.shape(expected)))
-    head = min(absolute.size, 4096)  # usually decided by the first elements: the rest is not read
-    if head and np.any(absolute.flat[:head] > (tol if np.shape(tol) == absolute.shape
-                                                else np.broadcast_to(tol, absolute.shape)).flat[:head]):
+    head = min(np.size(expected), 4096)  # usually decided by the first elements: the rest is not read
+    if head and np.any(np.abs(np.asarray(expected).flat[:head]) > (
+            tol if np.shape(tol) == np.shape(expected) else np.broadcast_to(tol, np.shape(expected))).flat[:head]):
         return False
+    absolute = np.abs(expected, out=_work("spare", np.shape(expected)))
     if not np.any(absolute > 0):
         return False
     if np.any(absolute > tol):

@@ -82,7 +82,11 @@ class Bound(NamedTuple):
     worst: np.ndarray  # worst-case part (accumulation, second order, floor)
 
     def tolerance(self, lam: float) -> np.ndarray:
-        return lam * self.sigma + self.worst
+        out = np.multiply(self.sigma, lam)
+        if np.shape(out) == np.broadcast_shapes(np.shape(out), np.shape(self.worst)):
+            out += self.worst  # one new array, not two (``lam * sigma + worst``): the same numbers
+            return out
+        return out + self.worst
 
 
 def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
@@ -379,9 +383,11 @@ def _attention_chunk(c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK:
 
 
 def _finite(*arrays: np.ndarray) -> bool:
-    """Every value finite (two reductions each: the max or the min is NaN or ±inf when a value is)."""
+    """Every value finite: one reduction each, the sum, which is NaN or ±inf when a value is.  A sum
+    of finite values that overflows says False too, and such a chunk takes the general path (the
+    same bounds, only slower)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return all(a.size == 0 or (np.isfinite(a.max()) and np.isfinite(a.min())) for a in arrays)
+        return all(a.size == 0 or np.isfinite(a.sum()) for a in arrays)
 
 
 def _product32(a: np.ndarray, b: _Pair, factor: float, out: np.ndarray) -> bool:
