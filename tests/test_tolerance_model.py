@@ -377,3 +377,34 @@ def test_threaded_chunks_give_the_single_thread_bounds_bit_for_bit(monkeypatch):
     _general_only(monkeypatch)
     _assert_same_bounds(threaded, (tol.golden_bounds(golden, "bfloat16"),
                                    tol.local_references(golden, own, "bfloat16")), rtol=1e-9)
+
+
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
+def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(precision, monkeypatch):
+    """judging_bounds and stage_tolerances form the (B, H, T, S) stages' tolerances in the
+    chunks; they are exactly LAMBDA·sigma + worst of golden_bounds, with the reference error
+    where it is asked (an on-the-fly golden has one), in every dtype, also on several threads."""
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.reference.onthefly import golden_case
+
+    spec = CaseSpec(id="fused", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=2, tgt_len=80,
+                    src_len=80, inputs="self", seed=4)
+    goldens = [GoldenSet().load("self_basic"), GoldenSet().load("custom_mask"), golden_case(spec)]
+    assert goldens[-1].reference_error is not None and isinstance(goldens[-1].reference_error["attn_weights"],
+                                                                  np.ndarray)
+    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 1024)  # several chunks, on three threads
+    monkeypatch.setattr(tol, "THREADED_MIN_CHUNKS", 2)
+    monkeypatch.setattr(tol, "_threads", lambda: 3)
+    for golden in goldens:
+        for dtype in DTYPES:
+            bounds = tol.golden_bounds(golden, dtype, precision)
+            expected = {k: b.tolerance(tol.LAMBDA) for k, b in golden.with_reference_error(bounds).items()}
+            raw, fused = tol.judging_bounds(golden, dtype, precision)
+            plain = tol.stage_tolerances(golden, dtype, precision=precision)
+            assert list(fused) == list(expected) == list(plain) == list(raw)
+            for name in expected:
+                np.testing.assert_array_equal(fused[name], expected[name], err_msg=f"{golden.spec.id} {dtype} {name}")
+                np.testing.assert_array_equal(plain[name], bounds[name].tolerance(tol.LAMBDA))
+                np.testing.assert_array_equal(raw[name].sigma, bounds[name].sigma)
+                np.testing.assert_array_equal(raw[name].worst, bounds[name].worst)

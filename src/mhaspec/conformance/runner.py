@@ -21,7 +21,7 @@ from .blocks import judge_in_blocks
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
-                        local_references, worst_case_tolerances)
+                        judging_bounds, local_references, worst_case_tolerances)
 from .tolerance_backward import backward_bounds
 from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
 
@@ -257,10 +257,9 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
-        raw = golden_bounds(golden, dtype, self.precision)
+        raw, tolerances = judging_bounds(golden, dtype, self.precision)  # tolerances: + the golden's own error
         self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
         bounds = golden.with_reference_error(raw)  # fast reference: + its error
-        tolerances = {name: b.tolerance(LAMBDA) for name, b in bounds.items()}
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
         for stage, value in returned.items():

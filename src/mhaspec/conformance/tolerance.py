@@ -657,9 +657,33 @@ def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: 
 def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
                   table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, Bound]:
     """The allowed error of every element of every stage of ``golden`` in ``dtype``."""
+    return _golden(golden, dtype, precision, table, bounds=True, tolerances=False)[0]
+
+
+def judging_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
+                   table: ToleranceTable = DEFAULT_TOLERANCES) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
+    """(:func:`golden_bounds`, the tolerance of every stage of the golden with its own error).
+
+    The tolerances are those of ``golden.with_reference_error(bounds)`` (``LAMBDA·sigma +
+    (worst + reference error)``, the same numbers); those of the (B, H, T, S) stages are
+    formed chunk by chunk with their bounds, while they are in the processor's cache."""
+    return _golden(golden, dtype, precision, table, bounds=True, tolerances=True, reference_error=True)
+
+
+def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTable, *, bounds: bool,
+            tolerances: bool, reference_error: bool = False) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
+    """(bounds, tolerances) of the golden stages, each only where asked (otherwise {}).  The
+    tolerances are ``LAMBDA·sigma + worst``, with the golden's reference error in ``worst``
+    where ``reference_error``; without ``bounds``, the bounds of the (B, H, T, S) stages are not
+    kept."""
+    def tolerances_of(raw: Mapping[str, Bound]) -> dict[str, np.ndarray]:
+        widened = golden.with_reference_error(raw) if reference_error else raw
+        return {name: b.tolerance(LAMBDA) for name, b in widened.items()}
+
     if precision == "worst-case":
         tol = worst_case_tolerances(golden, dtype, table)
-        return {k: Bound(np.zeros_like(v), v) for k, v in tol.items()}
+        raw = {k: Bound(np.zeros_like(v), v) for k, v in tol.items()}
+        return raw, (tolerances_of(raw) if tolerances else {})
     if precision != "standard":
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     un = _units(dtype, table)
@@ -704,17 +728,28 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     V2, aV, tV2 = V * V, _Pair.of(np.abs(V)), _Pair.of(tV2 / u2)
     sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
     floor = table.dtypes[dtype].floor
-    sig_s, wor_s, sig_p, wor_p = (np.empty((N, T, S)) for _ in range(4))
+    big = (np.empty((N, T, S)) for _ in range(4)) if bounds else (None for _ in range(4))
+    sig_s, wor_s, sig_p, wor_p = big  # None: per-chunk work arrays only
     o2, wo = np.empty((N, T, E)), np.empty((N, T, E))
+    tol_s, tol_p = (np.empty((N, T, S)), np.empty((N, T, S))) if tolerances else (None, None)
+    error = golden.reference_error if reference_error else None
+    extra_s, extra_p = ((0.0, 0.0) if error is None else
+                        (np.broadcast_to(e, (B, H, T, S)).reshape(N, T, S) if isinstance(e, np.ndarray) else e
+                         for e in (error["scores"], error["attn_weights"])))
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
     def chunk(n: slice, r: slice, buf: Scratch) -> None:
         args = (cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n], sN[n, r], pN[n, r], oN[n, r],
                 visN[n, r])
-        out = (sig_s[n, r], wor_s[n, r], sig_p[n, r], wor_p[n, r], o2[n, r], wo[n, r])
+        shape = sN[n, r].shape
+        out = tuple(buf(f"g_out{i}", shape) if a is None else a[n, r]
+                    for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))) + (o2[n, r], wo[n, r])
         if not _attention_chunk_fast(*args, out=out, buf=buf):
             _attention_chunk(*args, out=out)
+        if tol_s is not None and tol_p is not None:
+            for sig, wor, e, dst in ((out[0], out[1], extra_s, tol_s[n, r]), (out[2], out[3], extra_p, tol_p[n, r])):
+                _tolerance_into(sig, wor, e if isinstance(e, float) else e[n, r], dst, buf)
 
     _each_chunk(N, T, S, chunk)
     o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
@@ -733,11 +768,32 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
     }
     out = {name: Bound(_inf_for_nan(np.sqrt(np.maximum(var, 0.0))), _inf_for_nan(worst + floor))
            for name, (var, worst) in raw.items()}
+    order = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "head_outputs", "concat", "output")
+    tols: dict[str, np.ndarray] = {}
+    if tolerances:
+        tols = tolerances_of(out)
+        assert tol_s is not None and tol_p is not None
+        tols["scores"], tols["attn_weights"] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
+        tols = {name: tols[name] for name in order}
+    if not bounds:
+        return {}, tols
     # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
+    assert sig_s is not None and wor_s is not None and sig_p is not None and wor_p is not None
     out["scores"] = Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S))
     out["attn_weights"] = Bound(sig_p.reshape(B, H, T, S), wor_p.reshape(B, H, T, S))
-    return {name: out[name] for name in ("q_proj", "k_proj", "v_proj", "scores", "attn_weights",
-                                         "head_outputs", "concat", "output")}
+    return {name: out[name] for name in order}, tols
+
+
+def _tolerance_into(sigma: np.ndarray, worst: np.ndarray, extra: Any, out: np.ndarray, buf: Scratch) -> None:
+    """``out = LAMBDA·sigma + (worst + extra)`` (``extra``: a reference error), in place: the numbers
+    of ``Bound(sigma, worst)`` widened by :meth:`GoldenCase.with_reference_error`, then
+    :meth:`Bound.tolerance`."""
+    if isinstance(extra, float) and extra == 0.0:
+        w = worst
+    else:
+        w = np.add(worst, extra, out=buf("tol_w", worst.shape))
+    np.multiply(sigma, LAMBDA, out=out)
+    out += w
 
 
 def worst_case_tolerances(golden: GoldenCase, dtype: str,
@@ -790,8 +846,9 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
 
 def stage_tolerances(golden: GoldenCase, dtype: str, table: ToleranceTable = DEFAULT_TOLERANCES,
                      precision: str = "standard") -> dict[str, np.ndarray]:
-    """The element-wise tolerance of every golden stage (``LAMBDA·sigma + worst``)."""
-    return {k: b.tolerance(LAMBDA) for k, b in golden_bounds(golden, dtype, precision, table).items()}
+    """The element-wise tolerance of every golden stage (``LAMBDA·sigma + worst``); those of the
+    (B, H, T, S) stages are formed chunk by chunk, and their bounds are not kept."""
+    return _golden(golden, dtype, precision, table, bounds=False, tolerances=True)[1]
 
 
 # --- local bounds: each stage from the adapter's own previous stage(s) ---------------------
