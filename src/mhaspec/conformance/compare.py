@@ -386,7 +386,7 @@ def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
                 z = np.subtract(err, wc, out=spare)
                 np.maximum(z, 0.0, out=z)
                 z /= sc
-                z2 += float(np.dot(z.reshape(-1), z.reshape(-1)))
+                z2 += float(np.square(z, out=z).sum())  # not np.dot: BLAS would wake its threads
             max_err = max(max_err, float(chunk_max))
             rel_max = max(rel_max, rel)
             if r > worst_ratio or i == 0:
