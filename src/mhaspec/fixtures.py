@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,10 +115,24 @@ class GoldenCase:
     #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
     reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
+    #: What the blocks of query rows of one batch entry share while one result is judged
+    #: (:meth:`memoised`; set by mhaspec.conformance.blocks); None: nothing is kept.
+    memo: dict[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.spec.id
+
+    def memoised(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, computed once for every block of query rows of a batch entry when
+        this case is such a block (the keys' and values' side of the bounds: the same in every
+        block), every time otherwise.  The memo lives while one adapter result is judged, so
+        what ``compute`` reads of that result is the same in every block."""
+        if self.memo is None:
+            return compute()
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     def with_reference_error(self, bounds: Mapping[str, Any]) -> dict[str, Any]:
         """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).

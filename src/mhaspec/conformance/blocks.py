@@ -62,8 +62,9 @@ def _slice_stage(stage: str, x: Any, b: int, t0: int, t1: int) -> Any:
     return x[tuple(index)]
 
 
-def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
-    """The golden rows [t0, t1) of batch entry ``b``, as a case of its own (B = 1, T = t1 - t0)."""
+def block_case(golden: GoldenCase, b: int, t0: int, t1: int, memo: dict[Any, Any] | None = None) -> GoldenCase:
+    """The golden rows [t0, t1) of batch entry ``b``, as a case of its own (B = 1, T = t1 - t0);
+    ``memo``: what the blocks of this batch entry share (:meth:`GoldenCase.memoised`)."""
     error = golden.reference_error
     return GoldenCase(
         spec=golden.spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
@@ -73,6 +74,7 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
         visible=golden.visible[b : b + 1, :, t0:t1],
         path=golden.path,
         reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
+        memo=memo,
     )
 
 
@@ -143,9 +145,12 @@ def judge_in_blocks(
             return judge(golden, returned)  # a wrong shape fails whole, with the shapes in the message
         arrays[stage] = array
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
+    memos: dict[int, dict[Any, Any]] = {}  # of the batch entry being judged: its keys' and values' side
     for b, t0, t1 in blocks:
+        if b not in memos:
+            memos = {b: {}}
         sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
-        for res in judge(block_case(golden, b, t0, t1), sub):
+        for res in judge(block_case(golden, b, t0, t1, memos[b]), sub):
             if ROW_AXIS[res.stage] is None and t0 > 0:
                 continue  # key/value projections: judged once per batch entry
             per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))

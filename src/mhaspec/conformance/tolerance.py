@@ -708,8 +708,6 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
         return _stored(u, xw, y), gamma(w[wn].shape[0] + k, ua) * mag
 
     q2, wq = projection(inp["query"], "w_q", "b_q", g["q_proj"])
-    k2, wk = projection(inp["key"], "w_k", "b_k", g["k_proj"])
-    v2, wv = projection(inp["value"], "w_v", "b_v", g["v_proj"])
 
     # 2.–4. the (B, H, T, S) stages, one chunk of heads × query rows at a time (see
     #    :func:`_attention_chunk`); every formula is element-wise or per row, so chunking
@@ -718,14 +716,23 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
     B, _, T, S = s.shape
     E = o.shape[-1]
     N = B * H
-    Q, K = heads(g["q_proj"], H).reshape(N, T, -1), heads(g["k_proj"], G, group).reshape(N, S, -1)
-    tQ2, tK2 = heads(q2 + wq**2, H).reshape(N, T, -1), heads(k2 + wk**2, G, group).reshape(N, S, -1)
-    V = heads(g["v_proj"], G, group).reshape(N, S, E)
-    tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
     u2 = u**2
-    KK = _Pair.of(_t(np.concatenate([K * K, tK2 / u2], axis=-1)))  # see _attention_chunk
-    aK = _Pair.of(_t(np.abs(K)))
-    V2, aV, tV2 = V * V, _Pair.of(np.abs(V)), _Pair.of(tV2 / u2)
+
+    def key_side() -> tuple[Any, ...]:
+        """The keys' and values' bounds and the operands made of them (shared by the blocks of
+        query rows of one batch entry: :meth:`GoldenCase.memoised`)."""
+        k2, wk = projection(inp["key"], "w_k", "b_k", g["k_proj"])
+        v2, wv = projection(inp["value"], "w_v", "b_v", g["v_proj"])
+        K = heads(g["k_proj"], G, group).reshape(N, S, -1)
+        tK2 = heads(k2 + wk**2, G, group).reshape(N, S, -1)
+        V = heads(g["v_proj"], G, group).reshape(N, S, E)
+        tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
+        KK = _Pair.of(_t(np.concatenate([K * K, tK2 / u2], axis=-1)))  # see _attention_chunk
+        return k2, wk, v2, wv, KK, _Pair.of(_t(np.abs(K))), V, V * V, _Pair.of(np.abs(V)), _Pair.of(tV2 / u2)
+
+    k2, wk, v2, wv, KK, aK, V, V2, aV, tV2 = golden.memoised(("golden key side", dtype, u, ua, k), key_side)
+    Q = heads(g["q_proj"], H).reshape(N, T, -1)
+    tQ2 = heads(q2 + wq**2, H).reshape(N, T, -1)
     sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
     floor = table.dtypes[dtype].floor
     big = (np.empty((N, T, S)) for _ in range(4)) if bounds else (None for _ in range(4))
@@ -910,8 +917,12 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if has("q_proj", "k_proj"):
-            Q, K = heads(own["q_proj"], H).reshape(N, T, -1), heads(own["k_proj"], G, group).reshape(N, S, -1)
-            K2, aK = _Pair.of(_t(K * K)), _Pair.of(_t(np.abs(K)))
+            def keys() -> tuple[np.ndarray, _Pair, _Pair]:  # shared by the blocks of a batch entry
+                K = heads(own["k_proj"], G, group).reshape(N, S, -1)
+                return K, _Pair.of(_t(K * K)), _Pair.of(_t(np.abs(K)))
+
+            Q = heads(own["q_proj"], H).reshape(N, T, -1)
+            K, K2, aK = golden.memoised(("local keys",), keys)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_d = float(gamma(cfg.D_k + k, ua))
 
@@ -951,10 +962,13 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             each(weights)
             out["attn_weights"] = finish(ref, sig, wor, (B, H, T, S))
         if has("attn_weights", "v_proj"):
+            def values() -> tuple[np.ndarray, _Pair, _Pair]:  # shared by the blocks of a batch entry
+                V = heads(own["v_proj"], G, group).reshape(N, S, -1)
+                return V, _Pair.of(V * V), _Pair.of(np.abs(V))
+
             P = own["attn_weights"].reshape(N, T, S)
-            V = heads(own["v_proj"], G, group).reshape(N, S, -1)
+            V, V2, aV = golden.memoised(("local values",), values)
             E = V.shape[-1]
-            V2, aV = _Pair.of(V * V), _Pair.of(np.abs(V))
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
             g_s = float(gamma(S + k, ua))
 
