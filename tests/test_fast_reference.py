@@ -117,3 +117,29 @@ def test_run_catalog_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["run", "numpy", "--catalog", bad, "--golden", str(tmp_path)]) == 2
     assert main(["run", "numpy", "--catalog", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_run_catalog_says_what_it_does_not_judge(tmp_path):
+    """A user's --catalog has no backward golden: --backward says its backward stages were not
+    judged (one warning, not silence). An adapter's deviations that name built-in catalog cases
+    are not reported as matching nothing; a name that is in neither still is."""
+    import mhaspec
+    from mhaspec.adapters import Deviation
+
+    from .variants import Variant
+
+    golden = OnTheFlyGolden(_catalog(tmp_path, CASES[:1]))
+    report = mhaspec.check("numpy", dtypes=["float32"], golden=golden, timeout=None, backward=True)
+    assert report.ok
+    assert [w for w in report.warnings if "no backward golden" in w] == [
+        "--backward: 1 case×dtype have no backward golden (the cases of --catalog are computed on the fly, "
+        "forward only: docs/backward.md); their backward stages were not judged"]
+    assert {s.stage for r in report.results for s in r.stages} <= set(STAGES)
+
+    class Declared(Variant):
+        known_deviations = [Deviation("built-in case", case="custom_mask", stage="output"),
+                            Deviation("typo", case="custom_msak", stage="output")]
+
+    report = mhaspec.check(Declared(name="declared"), dtypes=["float32"], golden=golden, timeout=None)
+    assert [w for w in report.warnings if "matches no case" in w] == [
+        "known deviation custom_msak/*/output matches no case in the golden folder or the catalog"]

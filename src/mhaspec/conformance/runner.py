@@ -14,7 +14,7 @@ import numpy as np
 from ..adapters import Deviation, load_adapter
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
-from ..spec import BACKWARD_STAGES, DTYPES, STAGES
+from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, STAGES
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
@@ -144,6 +144,7 @@ class Session:
         self._current: tuple[str, str] | None = None
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()
+        self._no_backward_golden = 0  # case×dtype judged with --backward whose golden has no backward stages
         self._results: dict[tuple[str, str], CaseResult] = {}
 
     def close(self) -> None:
@@ -340,6 +341,8 @@ class Session:
     ) -> tuple[list[StageResult], str, float]:
         """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
         if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
+            if self._has_backward:
+                self._no_backward_golden += 1
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
@@ -446,9 +449,12 @@ class Session:
         """Declared deviations that match no catalog case, or that never occurred in this run."""
         out = []
         ids = self.golden.ids()
+        # a case of the built-in catalog is a case too: an adapter's deviations name them, and a user's own
+        # golden folder or --catalog need not hold them
+        known = ids + [c.id for c in CATALOG]
         for i, dev in enumerate(self.deviations):
-            if not any(fnmatch.fnmatchcase(c, dev.case) for c in ids):
-                out.append(f"known deviation {dev.pattern} matches no case in the golden folder")
+            if not any(fnmatch.fnmatchcase(c, dev.case) for c in known):
+                out.append(f"known deviation {dev.pattern} matches no case in the golden folder or the catalog")
             elif i in self._passed_matching and i not in self._used:
                 out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
         return out
@@ -459,6 +465,10 @@ class Session:
         warnings = self.deviation_warnings()
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
+        elif self.backward and self._no_backward_golden:
+            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden (the cases "
+                            f"of --catalog are computed on the fly, forward only: docs/backward.md); their backward "
+                            f"stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,
