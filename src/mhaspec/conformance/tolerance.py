@@ -735,8 +735,8 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
     tQ2 = heads(q2 + wq**2, H).reshape(N, T, -1)
     sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
     floor = table.dtypes[dtype].floor
-    big = (np.empty((N, T, S)) for _ in range(4)) if bounds else (None for _ in range(4))
-    sig_s, wor_s, sig_p, wor_p = big  # None: per-chunk work arrays only
+    # None: the chunks' bounds go to work arrays only
+    sig_s, wor_s, sig_p, wor_p = [np.empty((N, T, S)) if bounds else None for _ in range(4)]
     o2, wo = np.empty((N, T, E)), np.empty((N, T, E))
     tol_s, tol_p = (np.empty((N, T, S)), np.empty((N, T, S))) if tolerances else (None, None)
     error = golden.reference_error if reference_error else None
