@@ -408,3 +408,36 @@ def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(pre
                 np.testing.assert_array_equal(plain[name], bounds[name].tolerance(tol.LAMBDA))
                 np.testing.assert_array_equal(raw[name].sigma, bounds[name].sigma)
                 np.testing.assert_array_equal(raw[name].worst, bounds[name].worst)
+
+
+def test_the_exact_softmax_bound_of_a_key_that_holds_its_row_is_not_lost_to_cancellation():
+    """_softmax_worst needs Σ_{k≠j} p_k e^{±τ_k} for every key j.  Formed as Σ_k − (the j-th term),
+    it is the sum's rounding error where key j holds nearly all of its row (it came out 0 or a
+    fraction of the true value: a tolerance up to 9x too tight on large_logits in bfloat16).  Each
+    key's bound is compared with the one formed from the other keys' terms alone (math.fsum)."""
+    import math
+
+    from mhaspec.conformance.tolerance import _exact_second_into, _softmax_worst
+    from mhaspec.conformance.compare import Scratch
+
+    rng = np.random.default_rng(7)
+    s = rng.normal(size=(6, 40))
+    s[:, 3] += 35.0  # key 3 holds each row: the others' weights are ~1e-15
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    tau = rng.uniform(5.0, 25.0, size=p.shape)  # scores that may move a lot (float16/bfloat16, large logits)
+    expected = np.zeros_like(p)
+    for i in range(p.shape[0]):
+        for j in range(p.shape[1]):
+            up = math.fsum(p[i, k] * math.exp(tau[i, k]) for k in range(p.shape[1]) if k != j)
+            down = math.fsum(p[i, k] * math.exp(-tau[i, k]) for k in range(p.shape[1]) if k != j)
+            lo = p[i, j] / (p[i, j] + math.exp(tau[i, j]) * up)
+            hi = p[i, j] / (p[i, j] + math.exp(-tau[i, j]) * down)
+            expected[i, j] = min(max(hi - p[i, j], p[i, j] - lo), 1.0)
+    got = _softmax_worst(p, tau)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    assert (expected[:, 3] > 0.05).all()  # the dominant weight may fall a long way: the bound says so
+    ell = np.zeros_like(p)
+    fast = np.empty_like(p)
+    _exact_second_into(p, tau, ell, None, fast, Scratch())  # the in-place form (ℓ = 0: the bound itself)
+    np.testing.assert_allclose(fast, expected, rtol=1e-12, atol=0)

@@ -161,6 +161,23 @@ def _softmax_sigma2(p: np.ndarray, sigma2_s: np.ndarray) -> np.ndarray:
     return p**2 * _softmax_rel2(p, sigma2_s)
 
 
+def _others(a: np.ndarray) -> np.ndarray:
+    """Σ_{k≠j} a_k for every j of each row of the non-negative ``a`` (NaN where the row is not finite).
+
+    Not ``Σ_k a_k − a_j``: where a_j holds nearly all of its row, that difference is the sum's
+    own rounding error, which can come out 0 and hide everything the other keys can do.  The
+    row's largest term is taken out of the sum instead and added back for the other keys."""
+    top_at = np.argmax(a, axis=-1)[..., None]
+    top = np.take_along_axis(a, top_at, -1)
+    rest = a.copy()
+    np.put_along_axis(rest, top_at, 0.0, -1)
+    rest_sum = rest.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        out = np.maximum((rest_sum - a) + top, 0.0)  # the terms but a_j: the others, and the top one
+    np.put_along_axis(out, top_at, rest_sum, -1)
+    return out
+
+
 def _softmax_worst(p: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Exact bound on |p'_j − p_j| when each visible score moves by at most t_j.
 
@@ -171,8 +188,7 @@ def _softmax_worst(p: np.ndarray, t: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         tt = np.minimum(t, 350.0)
         up, down = np.exp(tt), np.exp(-tt)
-        others_up = np.maximum(np.sum(p * up, axis=-1, keepdims=True) - p * up, 0.0)
-        others_down = np.maximum(np.sum(p * down, axis=-1, keepdims=True) - p * down, 0.0)
+        others_up, others_down = _others(p * up), _others(p * down)
         lo = p / (p + up * others_up)
         hi = p / (p + down * others_down)
         err = np.maximum(hi - p, p - lo)
@@ -472,9 +488,7 @@ def _exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive
         for e, name in ((up, "sw_lo"), (down, "sw_hi")):
             t = buf(name, shape)
             np.multiply(p, e, out=t)
-            total = t.sum(axis=-1, keepdims=True)
-            np.subtract(total, t, out=t)
-            np.maximum(t, 0.0, out=t)
+            t[...] = _others(t)
             t *= e
             t += p
             np.divide(p, t, out=t)  # lo (up), hi (down)
