@@ -3,7 +3,9 @@
 Targets (issue #11), for B = 1, H = 8, T = S = 2048, D = 64 (d_model = 512):
 the fast reference (every stage plus the bound of its own error) costs <= 3x a
 plain float64 BLAS forward of the same size in the same process, and the
-tolerance computation (``stage_tolerances`` for one dtype) <= 3x as well.  Also times what
+tolerance computation (``stage_tolerances`` for one dtype, with the golden's own error, as the
+runner forms it) <= 3x as well: with the compiled chunk loop (numba, the ``fast`` extra;
+``MHASPEC_NUMBA=off`` times the NumPy loops).  Also times what
 ``mhaspec run`` does with such a case: judge a correct result (the golden rounded to the
 dtype) in the runner's blocks of query rows, bounds, local checks and comparisons together.
 Also prints the exact reference's estimated cost at this size (extrapolated
@@ -118,9 +120,21 @@ def main() -> None:
               f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas[0]:.0f}x BLAS)")
     golden = golden_case(spec)
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([spec])), timeout=None, isolate=False)
+    from mhaspec.conformance import tolerance
+
+    compiled = tolerance._kernels(H, L, L)
+    if compiled is None:
+        print("tolerance chunk loop: NumPy (numba not installed, or MHASPEC_NUMBA=off)")
+    else:
+        import numba
+
+        start = time.perf_counter()
+        stage_tolerances(golden, args.dtype.split(",")[0], reference_error=True)
+        print(f"tolerance chunk loop: compiled (numba {numba.__version__}); its first call, compiling: "
+              f"{time.perf_counter() - start:.2f} s (once per process)")
     for dtype in args.dtype.split(","):
         tol = timed(f"golden tolerances ({dtype}, + reference error)",
-                    lambda: golden.with_reference_error(stage_tolerances(golden, dtype)), args.repeat, blas)
+                    lambda: stage_tolerances(golden, dtype, reference_error=True), args.repeat, blas)
         own = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
         loc = timed(f"local references ({dtype}, every stage exposed)",
                     lambda: local_references(golden, own, dtype), args.repeat, blas)

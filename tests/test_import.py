@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "ml_dtypes", "onnx", "onnxruntime", "onnxscript"]
+# and numba: the compiled tolerance loop (the fast extra) is imported only when a large case is judged
+FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "ml_dtypes", "onnx", "onnxruntime", "onnxscript",
+              "numba"]
 
 
 def _frameworks_loaded_after(code: str) -> list[str]:

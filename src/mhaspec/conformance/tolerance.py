@@ -267,11 +267,13 @@ def _threads() -> int:
     return max(1, min(MAX_THREADS, cpus))
 
 
-def _each_chunk(N: int, T: int, S: int, fn: Any) -> None:
-    """``fn(heads, rows, scratch)`` on every chunk (:func:`_chunks`).  Many chunks: BLAS on one
-    thread, the chunks shared among :func:`_threads` threads, each with its own work arrays."""
-    chunks = _chunks(N, T, S)
-    threads = _threads() if len(chunks) >= THREADED_MIN_CHUNKS else 1
+def _each_chunk(N: int, T: int, S: int, fn: Any, elements: int | None = None) -> None:
+    """``fn(heads, rows, scratch)`` on every chunk (:func:`_chunks`, of about ``elements``, by default
+    :data:`CHUNK_ELEMENTS`).  Many chunks: BLAS on one thread, the chunks shared among
+    :func:`_threads` threads, each with its own work arrays."""
+    elements = CHUNK_ELEMENTS if elements is None else elements
+    chunks = _chunks(N, T, S, elements)
+    threads = _threads() if len(chunks) >= max(2, THREADED_MIN_CHUNKS * CHUNK_ELEMENTS // elements) else 1
     if threads == 1:
         scratch = Scratch()
         with _one_blas_thread() if len(chunks) > 8 else contextlib.nullcontext():
@@ -290,12 +292,14 @@ def _each_chunk(N: int, T: int, S: int, fn: Any) -> None:
             future.result()
 
 
-def _chunks(N: int, T: int, S: int) -> list[tuple[slice, slice]]:
-    """(head slice, query-row slice) of each chunk of a (N, T, S) array, N = B·H."""
-    if T * S <= CHUNK_ELEMENTS:
-        step = max(1, CHUNK_ELEMENTS // max(T * S, 1))
+def _chunks(N: int, T: int, S: int, elements: int | None = None) -> list[tuple[slice, slice]]:
+    """(head slice, query-row slice) of each chunk of a (N, T, S) array, N = B·H, of about
+    ``elements`` (by default :data:`CHUNK_ELEMENTS`)."""
+    elements = CHUNK_ELEMENTS if elements is None else elements
+    if T * S <= elements:
+        step = max(1, elements // max(T * S, 1))
         return [(slice(n, min(N, n + step)), slice(None)) for n in range(0, N, step)]
-    rows = max(1, CHUNK_ELEMENTS // max(S, 1))
+    rows = max(1, elements // max(S, 1))
     return [(slice(n, n + 1), slice(t, min(T, t + rows))) for n in range(N) for t in range(0, T, rows)]
 
 
@@ -668,6 +672,83 @@ def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: 
     return _finite(ref, sig, wor)
 
 
+#: A case with more elements than this per (B, H, T, S) stage (eight chunks of 2^16) takes the
+#: compiled chunk loop when numba is installed (:func:`_kernels`); the committed catalog's
+#: cases (at most 2^15) never do.
+COMPILED_MIN_ELEMENTS = 1 << 19
+
+#: Elements of a chunk of the compiled loop: it sweeps each row three times in the L1 cache
+#: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
+#: 2^18: 0.86 s for the golden tolerances at T = S = 2048, docs/tolerances.md).
+COMPILED_CHUNK_ELEMENTS = 1 << 18
+
+#: ``MHASPEC_NUMBA=off`` (or ``0``, ``no``, ``false``): the NumPy chunk loops even where numba is installed.
+NUMBA_ENV = "MHASPEC_NUMBA"
+
+
+def _kernels(N: int, T: int, S: int) -> Any:
+    """The compiled chunk loops (:mod:`._kernels`) for a (N, T, S) case, or None: a small case, numba
+    not installed (the ``fast`` extra), or switched off by :data:`NUMBA_ENV`."""
+    if N * T * S <= COMPILED_MIN_ELEMENTS:
+        return None
+    if os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
+        return None
+    try:
+        from . import _kernels as compiled
+    except ImportError:  # numba absent (or unusable with this NumPy): the NumPy loops, same bounds
+        return None
+    return compiled
+
+
+_DUMMY = np.empty((1, 1, 1))
+
+
+def _attention_chunk_compiled(kernels: Any, c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: _Pair,
+                              aK: _Pair, V: np.ndarray, V2: np.ndarray, aV: _Pair, tV2: _Pair, s: np.ndarray,
+                              p: np.ndarray, o: np.ndarray, vis: np.ndarray, *,
+                              bounds: tuple[np.ndarray, ...] | None, tolerances: tuple[np.ndarray, ...] | None,
+                              extras: tuple[Any, Any], out: tuple[np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """:func:`_attention_chunk_fast` by the compiled loop (:mod:`._kernels`): the bounds of the scores and
+    the attention weights into ``bounds`` (sigma and worst of each) and/or their tolerances with the
+    reference error ``extras`` into ``tolerances`` (``_tolerance_into``), (variance, worst) of the head
+    outputs into ``out``; False (nothing to trust) where a value is not finite."""
+    u2 = c.u**2
+    shape = s.shape
+    S = shape[-1]
+    lhs_in = np.concatenate([tQ2 / u2, Q * Q], axis=-1)
+    m1, m2 = buf("k_m1", shape, np.float32), buf("k_m2", shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.matmul(lhs_in.astype(np.float32), KK.f32, out=m1)  # the products of :func:`_upper32`, factors in c1, c2
+        np.matmul(np.abs(Q).astype(np.float32), aK.f32, out=m2)
+    c1 = c.scale**2 * u2 * (1 + 2 * float(gamma(lhs_in.shape[-1] + 2, _U32)))
+    c2 = c.g_d * c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, _U32)))
+    lhs, q, pk = buf("k_lhs", shape), buf("k_q", shape), buf("k_pk", shape[:-1])
+    pp32, lhs32 = buf("k_pp32", shape, np.float32), buf("k_lhs32", shape, np.float32)
+    # the reference errors: both arrays, or both values (the two arrays of a float64 golden are 0)
+    arrays = not all(isinstance(e, float) for e in extras)
+    ext: list[Any] = [arrays]
+    for e in extras:
+        ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = kernels.attention_chunk(
+            s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
+            bounds is not None, *(bounds or (_DUMMY,) * 4), tolerances is not None,
+            *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
+            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
+        if not ok:
+            return False
+        # 4. head outputs, as :func:`_attention_chunk_fast`
+        f32 = 1 + 2 * float(gamma(S + 2, _U32))
+        o2 = (np.maximum(lhs @ V2 - 2 * o * (q @ V) + o * o * pk[..., None], 0.0)
+              + (u2 * f32) * (pp32 @ tV2.f32) + _stored(c.u, o, o))
+        wo = lhs32 @ aV.f32
+        if not _finite(o2, wo):
+            return False
+    out[0][...] = o2
+    np.multiply(wo, f32, out=out[1], dtype=np.float64)
+    return True
+
+
 def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
                   table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, Bound]:
     """The allowed error of every element of every stage of ``golden`` in ``dtype``."""
@@ -760,9 +841,17 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
+    compiled = _kernels(N, T, S)
+
     def chunk(n: slice, r: slice, buf: Scratch) -> None:
         args = (cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n], sN[n, r], pN[n, r], oN[n, r],
                 visN[n, r])
+        if compiled is not None and _attention_chunk_compiled(
+                compiled, *args, bounds=None if sig_s is None else tuple(a[n, r] for a in (sig_s, wor_s, sig_p, wor_p)),
+                tolerances=None if tol_s is None else (tol_s[n, r], tol_p[n, r]),
+                extras=tuple(e if isinstance(e, float) else e[n, r] for e in (extra_s, extra_p)),
+                out=(o2[n, r], wo[n, r]), buf=buf):
+            return
         shape = sN[n, r].shape
         out = tuple(buf(f"g_out{i}", shape) if a is None else a[n, r]
                     for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))) + (o2[n, r], wo[n, r])
@@ -772,7 +861,7 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
             for sig, wor, e, dst in ((out[0], out[1], extra_s, tol_s[n, r]), (out[2], out[3], extra_p, tol_p[n, r])):
                 _tolerance_into(sig, wor, e if isinstance(e, float) else e[n, r], dst, buf)
 
-    _each_chunk(N, T, S, chunk)
+    _each_chunk(N, T, S, chunk, CHUNK_ELEMENTS if compiled is None else COMPILED_CHUNK_ELEMENTS)
     o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
 
     # 5. concat relabels the heads; output = concat @ W_o + b_o.
@@ -866,10 +955,12 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
 
 
 def stage_tolerances(golden: GoldenCase, dtype: str, table: ToleranceTable = DEFAULT_TOLERANCES,
-                     precision: str = "standard") -> dict[str, np.ndarray]:
+                     precision: str = "standard", reference_error: bool = False) -> dict[str, np.ndarray]:
     """The element-wise tolerance of every golden stage (``LAMBDA·sigma + worst``); those of the
-    (B, H, T, S) stages are formed chunk by chunk, and their bounds are not kept."""
-    return _golden(golden, dtype, precision, table, bounds=False, tolerances=True)[1]
+    (B, H, T, S) stages are formed chunk by chunk, and their bounds are not kept.  With
+    ``reference_error``, the golden's own error is in them: the numbers of
+    ``golden.with_reference_error(stage_tolerances(golden, dtype))``, formed in the chunks."""
+    return _golden(golden, dtype, precision, table, bounds=False, tolerances=True, reference_error=reference_error)[1]
 
 
 # --- local bounds: each stage from the adapter's own previous stage(s) ---------------------
@@ -957,8 +1048,13 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_s = float(gamma(S + k, ua))
 
+            compiled = _kernels(N, T, S) if fast else None
+
             def weights(n: slice, r: slice, buf: Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
+                if compiled is not None and compiled.local_weights_chunk(
+                        s_, vis, u2, ua, g_s, floor, ref[n, r], sig[n, r], wor[n, r], buf("k_rows", (8, S))):
+                    return
                 if fast and _local_weights_fast(s_, vis, u, ua, g_s, floor, (ref[n, r], sig[n, r], wor[n, r]), buf):
                     return
                 x = softmax_visible(s_, vis)

@@ -1,0 +1,152 @@
+"""The compiled chunk loop (numba, the ``fast`` extra) gives the NumPy loop's bounds.
+
+Both compute the same formulas; they differ in the order of the bounds' own float64
+roundings (row sums), in one exponential (exp(ℓ)·exp(ρ), rounded up, for exp(ℓ + ρ)) and,
+through those, in an occasional float32 rounding of a bound product.  So the bounds agree
+to a relative 1e-6 at worst (the head outputs' variance is a difference of products) and the
+(B, H, T, S) ones to 1e-7; the verdicts are the same (benchmarks/compiled_figures.py shows it
+on every variant of tests/variants.py, per dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mhaspec.conformance import tolerance as tol
+from mhaspec.reference.onthefly import golden_case
+from mhaspec.spec import DTYPES, CaseSpec, MHAConfig
+from mhaspec.spec.case import MaskSpec
+
+kernels = pytest.importorskip("mhaspec.conformance._kernels", reason="numba (the fast extra) is not installed")
+
+CASES = {
+    # T·S·H well above the compiled path's threshold; masks with fully masked rows, GQA, T != S
+    "self_causal": CaseSpec(id="k_self", config=MHAConfig(d_model=32, num_heads=4, causal=True),
+                            batch=2, tgt_len=300, src_len=300, inputs="self", seed=3),
+    "cross_gqa_padding": CaseSpec(
+        id="k_cross", config=MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, kdim=20, vdim=12),
+        batch=2, tgt_len=130, src_len=520, inputs="distinct", seed=4,
+        mask=MaskSpec(kind="key_padding", lengths=(520, 311))),
+    "random_mask_blind_rows": CaseSpec(
+        id="k_random", config=MHAConfig(d_model=16, num_heads=2, bias=False),
+        batch=1, tgt_len=600, src_len=700, inputs="shared_kv", seed=5, input_exponent=2,
+        mask=MaskSpec(kind="random", density=0.5, fully_masked=((0, 7), (0, 599)))),
+}
+
+
+@pytest.fixture(scope="module")
+def goldens():
+    return {name: golden_case(spec) for name, spec in CASES.items()}
+
+
+def _both(golden, dtype, monkeypatch, **kw):
+    """(NumPy loop, compiled loop) results of tol._golden, and how many chunks the compiled loop took."""
+    calls = []
+    real = tol._attention_chunk_compiled
+
+    def counted(*args, **kwargs):
+        ok = real(*args, **kwargs)
+        calls.append(ok)
+        return ok
+
+    monkeypatch.setattr(tol, "_attention_chunk_compiled", counted)
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    numpy_loop = tol._golden(golden, dtype, "standard", tol.DEFAULT_TOLERANCES, **kw)
+    assert calls == []
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    compiled = tol._golden(golden, dtype, "standard", tol.DEFAULT_TOLERANCES, **kw)
+    return numpy_loop, compiled, calls
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a == 0, b == 0)
+    fin = np.isfinite(a) & (a != 0)
+    return float(np.max(np.abs(a[fin] - b[fin]) / np.abs(a[fin]), initial=0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, name, dtype, monkeypatch):
+    golden = goldens[name]
+    (b0, t0), (b1, t1), calls = _both(golden, dtype, monkeypatch, bounds=True, tolerances=True,
+                                      reference_error=True)
+    assert calls and all(calls), "the compiled loop must have judged every chunk"
+    assert list(b0) == list(b1) and list(t0) == list(t1)
+    for stage in b0:
+        limit = 1e-7 if stage in ("scores", "attn_weights") else 1e-6
+        assert _rel(b0[stage].sigma, b1[stage].sigma) <= limit, stage
+        assert _rel(b0[stage].worst, b1[stage].worst) <= limit, stage
+        assert _rel(t0[stage], t1[stage]) <= limit, stage
+    # masked weights: no allowance at all, in both
+    hidden = ~golden.visible
+    assert not b1["attn_weights"].sigma[hidden].any() and not b1["attn_weights"].worst[hidden].any()
+
+
+def test_tolerances_alone_are_those_formed_with_the_bounds(goldens, monkeypatch):
+    golden = goldens["cross_gqa_padding"]
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    _, with_bounds = tol.judging_bounds(golden, "bfloat16")
+    alone = tol.stage_tolerances(golden, "bfloat16", reference_error=True)
+    for stage, t in with_bounds.items():
+        assert np.array_equal(t, alone[stage]), stage
+
+
+def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, monkeypatch):
+    golden = goldens["self_causal"]
+    s = golden.stages["scores"].copy()
+    s[0, 1, 200, 3] = np.inf  # an adapter's wild value, as a local check or a deviation bound may see
+    wild = dataclasses.replace(golden, stages={**golden.stages, "scores": s})
+    # the general path takes float64 products for a whole chunk with a value that is not finite:
+    # the same chunks in both runs, so that the same rows do
+    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", tol.COMPILED_CHUNK_ELEMENTS)
+    (b0, t0), (b1, t1), calls = _both(wild, "float32", monkeypatch, bounds=True, tolerances=True,
+                                      reference_error=True)
+    assert False in calls and True in calls  # that chunk fell back, the others did not
+    for stage in b0:
+        assert _rel(t0[stage], t1[stage]) <= 1e-6, stage
+
+
+def test_small_cases_and_the_switch_keep_the_numpy_loop(monkeypatch):
+    monkeypatch.delenv(tol.NUMBA_ENV, raising=False)
+    assert tol._kernels(8, 128, 128) is None  # the committed catalog's sizes: bit-identical bounds
+    assert tol._kernels(8, 2048, 2048) is kernels
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    assert tol._kernels(8, 2048, 2048) is None
+
+
+def test_the_kernels_constants_are_the_tolerance_models():
+    assert kernels.LAMBDA == tol.LAMBDA
+    assert kernels.U64_2 == tol.U64**2
+    assert kernels.SECOND_ORDER_CLOSED_FORM == tol.SECOND_ORDER_CLOSED_FORM
+    # exp(a)·exp(b), each within an ulp, and their product's rounding: below exp(a + b) by < 2^-51
+    assert kernels.EXP_PRODUCT >= 1 + 2.0**-51
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype, monkeypatch):
+    """The local attention-weights check from an adapter's own scores (rounded to the dtype; masked
+    ones -inf, as many kernels return them): the same reference and bound."""
+    golden = goldens[name]
+    s = golden.stages["scores"].astype(np.float32).astype(np.float64)
+    s[~golden.visible] = -np.inf
+    calls = []
+    real = kernels.local_weights_chunk
+
+    def counted(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(kernels, "local_weights_chunk", counted)
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    ref0, b0 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
+    assert calls == []
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    ref1, b1 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
+    assert calls and all(calls)
+    assert _rel(ref0, ref1) <= 1e-14  # the softmax itself: the exponentials' last bits
+    assert _rel(b0.sigma, b1.sigma) <= 1e-7 and _rel(b0.worst, b1.worst) <= 1e-7
