@@ -150,3 +150,29 @@ def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype
     assert calls and all(calls)
     assert _rel(ref0, ref1) <= 1e-14  # the softmax itself: the exponentials' last bits
     assert _rel(b0.sigma, b1.sigma) <= 1e-7 and _rel(b0.worst, b1.worst) <= 1e-7
+
+
+def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(goldens, monkeypatch):
+    golden = goldens["self_causal"]
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    expected = tol.stage_tolerances(golden, "float16", reference_error=True)
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setattr(tol, "_COMPILE_FAILED", [])
+
+    tries = []
+
+    def broken(*args):
+        from numba.core.errors import TypingError
+
+        tries.append(1)
+        raise TypingError("Failed in nopython mode pipeline (step: nopython frontend)\nmore")
+
+    monkeypatch.setattr(kernels, "attention_chunk", broken)
+    with pytest.warns(RuntimeWarning, match="numba could not compile the tolerance loop .*TypingError") as caught:
+        got = tol.stage_tolerances(golden, "float16", reference_error=True)
+    assert len([w for w in caught if "numba" in str(w.message)]) == 1
+    # once per thread at most (those that started before the first failure), not once per chunk
+    assert len(tries) <= min(tol._threads(), len(tol._chunks(8, 300, 300, tol.COMPILED_CHUNK_ELEMENTS)) - 1)
+    for stage, t in expected.items():
+        assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
+    assert tol._kernels(8, 2048, 2048) is None  # not tried again in this process

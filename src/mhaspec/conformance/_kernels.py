@@ -20,6 +20,10 @@ Everything here is imported only when a large case is judged and numba is instal
 import math
 
 import numba as nb
+from numba.core.errors import NumbaError
+
+#: What a failed compilation raises: the caller then switches to the NumPy loops (same bounds).
+ERRORS = (NumbaError,)
 
 LAMBDA = 8.0  # tolerance.LAMBDA (tests/test_kernels.py checks they agree)
 U64_2 = 2.0**-106  # tolerance.U64 squared

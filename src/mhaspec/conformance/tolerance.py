@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -686,10 +688,15 @@ COMPILED_CHUNK_ELEMENTS = 1 << 18
 NUMBA_ENV = "MHASPEC_NUMBA"
 
 
+#: The first compilation error of the compiled loops in this process (they are not tried again).
+_COMPILE_FAILED: list[str] = []
+_COMPILE_LOCK = threading.Lock()
+
+
 def _kernels(N: int, T: int, S: int) -> Any:
     """The compiled chunk loops (:mod:`._kernels`) for a (N, T, S) case, or None: a small case, numba
-    not installed (the ``fast`` extra), or switched off by :data:`NUMBA_ENV`."""
-    if N * T * S <= COMPILED_MIN_ELEMENTS:
+    not installed (the ``fast`` extra), switched off by :data:`NUMBA_ENV`, or failed to compile."""
+    if N * T * S <= COMPILED_MIN_ELEMENTS or _COMPILE_FAILED:
         return None
     if os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
         return None
@@ -701,6 +708,23 @@ def _kernels(N: int, T: int, S: int) -> Any:
 
 
 _DUMMY = np.empty((1, 1, 1))
+
+
+def _compiled(kernels: Any, name: str, *args: Any) -> bool:
+    """``kernels.name(*args)``; False (the caller takes the NumPy loop) where numba cannot compile it,
+    which then warns once and switches the compiled loops off for the rest of the process."""
+    if _COMPILE_FAILED:  # an earlier chunk's: numba would try (and fail) to compile it again
+        return False
+    try:
+        return bool(getattr(kernels, name)(*args))
+    except kernels.ERRORS as exc:
+        with _COMPILE_LOCK:
+            if not _COMPILE_FAILED:
+                _COMPILE_FAILED.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+                warnings.warn(f"mhaspec: numba could not compile the tolerance loop ({_COMPILE_FAILED[0]}); "
+                              f"the NumPy loops are used instead (the same verdicts, slower)", RuntimeWarning,
+                              stacklevel=2)
+        return False
 
 
 def _attention_chunk_compiled(kernels: Any, c: _AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: _Pair,
@@ -730,8 +754,8 @@ def _attention_chunk_compiled(kernels: Any, c: _AttentionConstants, Q: np.ndarra
     for e in extras:
         ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
     with np.errstate(over="ignore", invalid="ignore"):
-        ok = kernels.attention_chunk(
-            s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
+        ok = _compiled(
+            kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
             bounds is not None, *(bounds or (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
             lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
@@ -1052,8 +1076,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def weights(n: slice, r: slice, buf: Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
-                if compiled is not None and compiled.local_weights_chunk(
-                        s_, vis, u2, ua, g_s, floor, ref[n, r], sig[n, r], wor[n, r], buf("k_rows", (8, S))):
+                if compiled is not None and _compiled(compiled, "local_weights_chunk", s_, vis, u2, ua, g_s, floor,
+                                                      ref[n, r], sig[n, r], wor[n, r], buf("k_rows", (8, S))):
                     return
                 if fast and _local_weights_fast(s_, vis, u, ua, g_s, floor, (ref[n, r], sig[n, r], wor[n, r]), buf):
                     return
