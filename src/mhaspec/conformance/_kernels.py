@@ -38,7 +38,7 @@ EXP_PRODUCT = 1 + 2.0**-50
 FASTMATH = {"reassoc", "nsz", "contract"}
 
 
-@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH, inline="always")
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _emit(h, i, S, sig, wor, want_bounds, sig_out, wor_out, want_tol, ext_arrays, ext, ext_val, tol_out):
     """One row's sigma and worst into the bounds, and/or its tolerances LAMBDA·sigma + (worst + ext)."""
     if want_bounds:
@@ -54,7 +54,7 @@ def _emit(h, i, S, sig, wor, want_bounds, sig_out, wor_out, want_tol, ext_arrays
                 tol_out[h, i, j] = sig[j] * LAMBDA + (wor[j] + ext_val)
 
 
-@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH, inline="always")
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
     """tolerance._second_order of one row into ``out``: the closed form, or the exact pairwise bound
     less its first-order part where some X_j = ℓ_j + ρ of a key with p > 0 exceeds

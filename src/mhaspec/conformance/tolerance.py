@@ -674,10 +674,11 @@ def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: 
     return _finite(ref, sig, wor)
 
 
-#: A case with more elements than this per (B, H, T, S) stage (eight chunks of 2^16) takes the
-#: compiled chunk loop when numba is installed (:func:`_kernels`); the committed catalog's
-#: cases (at most 2^15) never do.
-COMPILED_MIN_ELEMENTS = 1 << 19
+#: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24) takes the compiled
+#: chunk loop when numba is installed (:func:`_kernels`): numba compiles it once per process
+#: (about 2 s), which a run of the four dtypes wins back from about this size on
+#: (docs/tolerances.md).  The committed catalog's cases (at most 2^15) never do.
+COMPILED_MIN_ELEMENTS = 1 << 24
 
 #: Elements of a chunk of the compiled loop: it sweeps each row three times in the L1 cache
 #: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
