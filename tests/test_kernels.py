@@ -125,12 +125,18 @@ def test_small_cases_and_the_switch_keep_the_numpy_loop(monkeypatch):
     assert tol._kernels(8, 2048, 2048) is None
 
 
-def test_the_kernels_constants_are_the_tolerance_models():
-    assert kernels.LAMBDA == tol.LAMBDA
-    assert kernels.U64_2 == tol.U64**2
-    assert kernels.SECOND_ORDER_CLOSED_FORM == tol.SECOND_ORDER_CLOSED_FORM
-    # exp(a)·exp(b), each within an ulp, and their product's rounding: below exp(a + b) by < 2^-51
-    assert kernels.EXP_PRODUCT >= 1 + 2.0**-51
+def test_the_exponential_product_stays_above_the_exponential_of_the_sum():
+    """The closed form's exp(ℓ)·(exp(ρ)·EXP_PRODUCT), as the loop forms it, against exp(ℓ + ρ)
+    to 40 digits (decimal), over the range the loop uses."""
+    import decimal
+    import math
+
+    decimal.getcontext().prec = 40
+    rng = np.random.default_rng(11)
+    ell, rho = (rng.uniform(0, 350, 4000) * rng.random(4000) ** 8 for _ in range(2))  # most of them small
+    for a, b in zip(ell, rho):
+        got = math.exp(float(a)) * (math.exp(float(b)) * kernels.EXP_PRODUCT)
+        assert decimal.Decimal(got) >= (decimal.Decimal(float(a)) + decimal.Decimal(float(b))).exp(), (a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,9 +25,9 @@ from numba.core.errors import NumbaError
 #: What a failed compilation raises: the caller then switches to the NumPy loops (same bounds).
 ERRORS = (NumbaError,)
 
-LAMBDA = 8.0  # tolerance.LAMBDA (tests/test_kernels.py checks they agree)
-U64_2 = 2.0**-106  # tolerance.U64 squared
-SECOND_ORDER_CLOSED_FORM = 2.0**-10  # tolerance.SECOND_ORDER_CLOSED_FORM
+from .tolerance import LAMBDA, SECOND_ORDER_CLOSED_FORM, U64  # the model's own constants (compile-time here)
+
+U64_2 = U64**2
 #: exp(a)·exp(b)·EXP_PRODUCT >= exp(a + b): two exponentials within an ulp each, their product rounded
 EXP_PRODUCT = 1 + 2.0**-50
 

@@ -680,7 +680,7 @@ def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: 
 #: (docs/tolerances.md).  The committed catalog's cases (at most 2^15) never do.
 COMPILED_MIN_ELEMENTS = 1 << 24
 
-#: Elements of a chunk of the compiled loop: it sweeps each row three times in the L1 cache
+#: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
 #: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
 #: 2^18: 0.86 s for the golden tolerances at T = S = 2048, docs/tolerances.md).
 COMPILED_CHUNK_ELEMENTS = 1 << 18
