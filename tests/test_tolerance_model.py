@@ -379,6 +379,32 @@ def test_threaded_chunks_give_the_single_thread_bounds_bit_for_bit(monkeypatch):
                                    tol.local_references(golden, own, "bfloat16")), rtol=1e-9)
 
 
+def test_threaded_chunks_run_under_the_callers_floating_point_error_state(monkeypatch):
+    """An adapter's NaN in a threaded case: the chunks run under the caller's floating-point error
+    state (NumPy's is per thread), so the general path's NaN arithmetic raises no RuntimeWarning
+    in a thread when the caller silenced it."""
+    import warnings
+
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.reference.onthefly import golden_case
+
+    spec = CaseSpec(id="threads", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1, tgt_len=300,
+                    src_len=300, inputs="self", seed=3)
+    golden = golden_case(spec)
+    own = _own_with_special_values(golden)
+    own["scores"][0, 1, 250, 3] = np.nan
+    own["attn_weights"][0, 0, 280, 9] = np.nan
+    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 4096)
+    for threads in (1, 2):
+        monkeypatch.setattr(tol, "_threads", lambda threads=threads: threads)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # in any thread: a warning there is an error
+            refs = tol.local_references(golden, own, "float32")
+        assert not np.isfinite(refs["attn_weights"][1].worst).all(), threads
+        assert not np.isfinite(refs["head_outputs"][1].sigma).all() or \
+            not np.isfinite(refs["head_outputs"][1].worst).all(), threads
+
+
 @pytest.mark.parametrize("precision", ["standard", "worst-case"])
 def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(precision, monkeypatch):
     """judging_bounds and stage_tolerances form the (B, H, T, S) stages' tolerances in the

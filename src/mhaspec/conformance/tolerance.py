@@ -283,10 +283,13 @@ def _each_chunk(N: int, T: int, S: int, fn: Any, elements: int | None = None) ->
                 fn(n, r, scratch)
         return
 
+    state = np.geterr()  # the caller's floating-point error handling: a thread does not inherit it
+
     def share(part: list[tuple[slice, slice]]) -> None:
         scratch = Scratch()
-        for n, r in part:
-            fn(n, r, scratch)
+        with np.errstate(**state):
+            for n, r in part:
+                fn(n, r, scratch)
 
     step = -(-len(chunks) // threads)
     with _one_blas_thread(), ThreadPoolExecutor(threads) as pool:
