@@ -1,8 +1,8 @@
 """The compiled chunk loop (numba, the ``fast`` extra) gives the NumPy loop's bounds.
 
 Both compute the same formulas; they differ in the order of the bounds' own float64
-roundings (row sums), in one exponential (exp(ℓ)·exp(ρ), rounded up, for exp(ℓ + ρ)) and,
-through those, in an occasional float32 rounding of a bound product.  So the bounds agree
+roundings (row sums), in the exponentials (the loops' own, vectorisable, within EXP_ULPS like
+numpy's; exp(ℓ)·exp(ρ), rounded up, for exp(ℓ + ρ)) and, through those, in an occasional float32 rounding of a bound product.  So the bounds agree
 to a relative 1e-6 at worst (the head outputs' variance is a difference of products) and the
 (B, H, T, S) ones to 1e-7; the verdicts are the same (benchmarks/compiled_figures.py shows it
 on every variant of tests/variants.py, per dtype).
@@ -126,17 +126,62 @@ def test_small_cases_and_the_switch_keep_the_numpy_loop(monkeypatch):
 
 
 def test_the_exponential_product_stays_above_the_exponential_of_the_sum():
-    """The closed form's exp(ℓ)·(exp(ρ)·EXP_PRODUCT), as the loop forms it, against exp(ℓ + ρ)
-    to 40 digits (decimal), over the range the loop uses."""
+    """The closed form's exp(ℓ)·(exp(ρ)·EXP_PRODUCT), as the loop forms it (its own exponential),
+    against exp(ℓ + ρ) to 40 digits (decimal), over the range the loop uses."""
     import decimal
-    import math
 
     decimal.getcontext().prec = 40
     rng = np.random.default_rng(11)
     ell, rho = (rng.uniform(0, 350, 4000) * rng.random(4000) ** 8 for _ in range(2))  # most of them small
     for a, b in zip(ell, rho):
-        got = math.exp(float(a)) * (math.exp(float(b)) * kernels.EXP_PRODUCT)
+        got = kernels._exp(float(a)) * (kernels._exp(float(b)) * kernels.EXP_PRODUCT)
         assert decimal.Decimal(got) >= (decimal.Decimal(float(a)) + decimal.Decimal(float(b))).exp(), (a, b)
+
+
+def test_the_compiled_exponential_is_within_the_references_exp_ulps():
+    """The loops' own exponential (vectorisable, unlike libm's) against the correctly rounded exp
+    (decimal, 40 digits): within EXP_ULPS, the accuracy the model assumes of numpy's exp
+    (mhaspec.reference.fast), over the whole range, subnormal results included."""
+    import decimal
+
+    from mhaspec.reference.fast import EXP_ULPS
+
+    decimal.getcontext().prec = 40
+    rng = np.random.default_rng(12)
+    xs = np.concatenate([rng.uniform(-1, 1, 2000), rng.uniform(-745, 709.7, 3000),
+                         rng.uniform(-745.1, -708, 1000), rng.uniform(-1e-9, 1e-9, 200),
+                         [0.0, -0.0, 1.0, -1.0, 709.78, -744.4, 0.5 * np.log(2), -0.5 * np.log(2)]])
+    worst = 0.0
+    for x in xs:
+        exact = decimal.Decimal(float(x)).exp()
+        nearest = float(exact)  # the correctly rounded value
+        ulp = decimal.Decimal(float(np.spacing(nearest)))
+        worst = max(worst, float(abs(decimal.Decimal(kernels._exp(float(x))) - exact) / ulp))
+    assert worst <= EXP_ULPS, worst
+    assert np.isnan(kernels._exp(np.nan)) and kernels._exp(np.inf) == np.inf and kernels._exp(-np.inf) == 0.0
+    assert kernels._exp(709.8) == np.inf and kernels._exp(-746.0) == 0.0 and kernels._exp(0.0) == 1.0
+
+
+@pytest.mark.parametrize("row", [
+    [0.0, 1.0, 1e-20, 3e-17, 0.0],  # one key holds the row: Σ - a_j would be 0 for it
+    [0.25, 0.5, 0.5, 1e-18],  # the largest term twice: it counts for the other one
+    [0.0, 0.0, 0.0],  # a fully masked row
+    [2.0**-1074, 1e300, 7.0],
+])
+def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row):
+    """_others_sum (sum, top) gives Σ_{k≠j} a_k for every key j as tolerance._others does, which a
+    math.fsum over the other keys checks."""
+    import math
+
+    a = np.array(row)
+    total, top = kernels._others_sum(a, a.size)
+    assert top == a.max()
+    for j, x in enumerate(a):
+        others = total if x >= top else max((total - x) + top, 0.0)
+        exact = math.fsum(np.delete(a, j))
+        assert abs(others - exact) <= 4 * np.finfo(float).eps * exact, (j, others, exact)
+    assert np.allclose(tol._others(a[None]), [[total if x >= top else (total - x) + top for x in a]],
+                       rtol=4 * np.finfo(float).eps, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,3 +234,92 @@ def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(golde
     for stage, t in expected.items():
         assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
     assert tol._kernels(8, 2048, 2048) is None  # not tried again in this process
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch):
+    """The local scores check (from the adapter's own projections) and head-outputs check (from its
+    own weights), both rounded to the dtype: the same references and bounds, every chunk compiled."""
+    golden = goldens[name]
+    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
+           for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
+    calls = []
+    for fn in ("local_scores_chunk", "local_outputs_operands"):
+        real = getattr(kernels, fn)
+
+        def counted(*args, real=real, fn=fn):
+            calls.append((fn, real(*args)))
+            return calls[-1][1]
+
+        monkeypatch.setattr(kernels, fn, counted)
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    numpy_loop = tol.local_references(golden, own, dtype)
+    assert calls == []
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    compiled = tol.local_references(golden, own, dtype)
+    assert {fn for fn, _ in calls} == {"local_scores_chunk", "local_outputs_operands"} and all(ok for _, ok in calls)
+    assert set(numpy_loop) == set(compiled) >= {"scores", "head_outputs"}
+    for stage in ("scores", "head_outputs"):
+        (r0, b0), (r1, b1) = numpy_loop[stage], compiled[stage]
+        assert np.array_equal(r0, r1), stage  # the same BLAS products, the same scaling
+        assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage
+
+
+def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, monkeypatch):
+    golden = goldens["self_causal"]
+    own = {stage: golden.stages[stage].copy() for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
+    own["q_proj"][0, 5, 3] = np.inf
+    own["attn_weights"][1, 2, 7, 9] = np.nan
+    calls = []
+    for fn in ("local_scores_chunk", "local_outputs_operands"):
+        real = getattr(kernels, fn)
+
+        def counted(*args, real=real, fn=fn):
+            calls.append((fn, real(*args)))
+            return calls[-1][1]
+
+        monkeypatch.setattr(kernels, fn, counted)
+    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    numpy_loop = tol.local_references(golden, own, "float16")
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    compiled = tol.local_references(golden, own, "float16")
+    for fn in ("local_scores_chunk", "local_outputs_operands"):  # that chunk fell back, the others did not
+        assert {ok for f, ok in calls if f == fn} == {False, True}, fn
+    for stage in ("scores", "head_outputs"):
+        (r0, b0), (r1, b1) = numpy_loop[stage], compiled[stage]
+        assert np.array_equal(r0, r1, equal_nan=True), stage
+        assert not np.isfinite(b0.sigma).all() or not np.isfinite(b0.worst).all(), stage  # the wild value shows
+        assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage  # in both alike
+
+
+def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(goldens, monkeypatch):
+    """judge_in_blocks splits a large case into blocks of query rows below the compiled loop's
+    threshold; the loop is chosen by the whole case's size (what pays back its compilation), so
+    every block takes it, and the verdicts are those of the case judged at once."""
+    from mhaspec.conformance import Session
+    from mhaspec.conformance.blocks import judge_in_blocks
+    from mhaspec.reference.onthefly import OnTheFlyGolden
+    from mhaspec.spec import Catalog
+
+    golden = goldens["self_causal"]  # 2·4·300·300 = 720 000 elements, above the lowered 2^19
+    calls = []
+    real = tol._attention_chunk_compiled
+
+    def counted(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(tol, "_attention_chunk_compiled", counted)
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
+    returned = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
+
+    def judge(g, r):
+        return session.judge_stages(g, "float32", r)
+
+    blocked = judge_in_blocks(golden, returned, judge, max_elements=1 << 17)  # blocks of 40 rows
+    assert calls and all(calls), "every block must take the compiled loop"
+    whole = judge(golden, returned)
+    assert [(r.stage, r.verdict) for r in blocked] == [(r.stage, r.verdict) for r in whole]
+    assert {r.verdict for r in whole} == {"pass"}

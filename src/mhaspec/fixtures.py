@@ -118,6 +118,9 @@ class GoldenCase:
     #: What the blocks of query rows of one batch entry share while one result is judged
     #: (:meth:`memoised`; set by mhaspec.conformance.blocks); None: nothing is kept.
     memo: dict[Any, Any] | None = field(default=None, repr=False, compare=False)
+    #: (B, H, T, S) of the whole case when this case is one block of its query rows (set by
+    #: mhaspec.conformance.blocks); None: this is the whole case.
+    whole_shape: tuple[int, int, int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:

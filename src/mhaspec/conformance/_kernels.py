@@ -6,12 +6,16 @@ NumPy passes over the chunk: the bounds of the scores and of the attention weigh
 and 3 of docs/tolerances.md) and the operands of the head outputs' bound products (step 4),
 in a few sweeps of each row that stay in the processor's L1 cache;
 :func:`local_weights_chunk` does the same for the local attention-weights check
-(:func:`mhaspec.conformance.tolerance._local_weights_fast`).  The formulas are the
-same, term by term; what differs is only the order of the float64 roundings of the bounds
-themselves (row sums added in another order than NumPy's pairwise one) and one exponential: the
-closed-form second-order term takes ``exp(ℓ_j)·exp(ρ)·(1 + 2⁻⁵⁰)`` for ``exp(ℓ_j + ρ)``, never
-less (each exponential is within one ulp), so it stays an upper bound.  The tolerances
-differ from NumPy's in their last bits (tests/test_kernels.py measures by how much).
+(:func:`mhaspec.conformance.tolerance._local_weights_fast`), :func:`local_scores_chunk` and
+:func:`local_outputs_operands` for the element-wise passes of the local scores and head-outputs
+checks.  The formulas are the same, term by term; what differs is only the order of the float64
+roundings of the bounds themselves (row sums added in another order than NumPy's pairwise one,
+products fused with additions) and the exponentials: :func:`_exp`, this module's own, within
+two ulps like numpy's (libm's ``exp`` is a call per element, which keeps a loop from being
+vectorised), and ``exp(ℓ_j)·exp(ρ)·EXP_PRODUCT`` for ``exp(ℓ_j + ρ)`` in the closed-form
+second-order term (never less).  The tolerances differ from NumPy's in their last bits
+(tests/test_kernels.py measures by how much).  The loops are written so that LLVM vectorises
+them: no floating-point max reductions (:func:`_largest`), no index searches.
 
 Everything here is imported only when a large case is judged and numba is installed
 (:func:`mhaspec.conformance.tolerance._kernels`); ``import mhaspec`` never imports numba.
@@ -20,7 +24,11 @@ Everything here is imported only when a large case is judged and numba is instal
 import math
 
 import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
 from numba.core.errors import NumbaError
+from numba.extending import intrinsic
 
 #: What a failed compilation raises: the caller then switches to the NumPy loops (same bounds).
 ERRORS = (NumbaError,)
@@ -28,14 +36,67 @@ ERRORS = (NumbaError,)
 from .tolerance import LAMBDA, SECOND_ORDER_CLOSED_FORM, U64  # the model's own constants (compile-time here)
 
 U64_2 = U64**2
-#: exp(a)·exp(b)·EXP_PRODUCT >= exp(a + b): two exponentials within an ulp each, their product rounded
-EXP_PRODUCT = 1 + 2.0**-50
+#: exp(a)·exp(b)·EXP_PRODUCT >= exp(a + b): two exponentials (:func:`_exp`) within two ulps each,
+#: their product rounded
+EXP_PRODUCT = 1 + 2.0**-49
 
 
 #: Floating-point liberties allowed: sums reassociated (vectorised, in any order; the bounds' own
 #: sums are of non-negative terms but one) and products fused with additions.  Never "no NaNs" or
 #: "no infinities": a chunk with a value that is not finite must still say so.
 FASTMATH = {"reassoc", "nsz", "contract"}
+
+
+@intrinsic
+def _as_float64(typingctx, bits):  # pragma: no cover - compiled
+    """The float64 whose bit pattern is the int64 ``bits`` (a bit cast, vectorisable)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _bits(typingctx, x):  # pragma: no cover - compiled
+    """The bit pattern of the float64 ``x`` as an int64 (a bit cast, vectorisable)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+LOG2E = 1.4426950408889634
+#: ln 2 in two parts (fdlibm's): LN2_HI has 21 trailing zero bits, so n·LN2_HI is exact for |n| < 2^21
+LN2_HI = 6.93147180369123816490e-01
+LN2_LO = 1.90821492927058770002e-10
+
+
+@nb.njit(nogil=True, error_model="numpy", fastmath={"nsz", "contract"})
+def _exp(x):
+    """exp(x), vectorisable (libm's ``exp`` is a call per element, which keeps a loop scalar): within one
+    ulp of libm's and within two (EXP_ULPS) of the correctly rounded value (tests/test_kernels.py),
+    subnormal results included; NaN for NaN, inf above 709.79, 0 below -745.2.  x = n·ln2 + r with
+    |r| <= ln2/2 (Cody-Waite), exp(r) by its Taylor polynomial to r^13 (remainder < 2^-57), times 2^n
+    as two powers of two so that a subnormal result is rounded once.  Compiled without ``reassoc``:
+    its callers' liberties must not rewrite the reduction (numba keeps each function's flags)."""
+    x = min(max(x, -746.0), 710.0)
+    n = math.floor(x * LOG2E + 0.5)
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = 1.0 / 6227020800.0
+    p = 1.0 / 479001600.0 + r * p
+    p = 1.0 / 39916800.0 + r * p
+    p = 1.0 / 3628800.0 + r * p
+    p = 1.0 / 362880.0 + r * p
+    p = 1.0 / 40320.0 + r * p
+    p = 1.0 / 5040.0 + r * p
+    p = 1.0 / 720.0 + r * p
+    p = 1.0 / 120.0 + r * p
+    p = 1.0 / 24.0 + r * p
+    p = 1.0 / 6.0 + r * p
+    p = 0.5 + r * p
+    p = 1.0 + r * p
+    p = 1.0 + r * p
+    k = np.int64(n)
+    k1 = k >> 1
+    return p * _as_float64((k1 + 1023) << 52) * _as_float64((k - k1 + 1023) << 52)
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
@@ -55,52 +116,68 @@ def _emit(h, i, S, sig, wor, want_bounds, sig_out, wor_out, want_tol, ext_arrays
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
+def _largest(a, S):
+    """max(0, a_0 … a_{S-1}) of non-negative terms, as a vectorisable integer reduction: non-negative
+    float64s order as their bit patterns (a float max reduction does not vectorise unless NaNs are
+    ruled out, and they are not: a NaN, whatever it gives here, also reaches the caller's finite check)."""
+    top = 0
+    for j in range(S):
+        top = max(top, _bits(a[j]))
+    return _as_float64(top)
+
+
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
+def _others_sum(a, S):
+    """(Σ_{k≠j} a_k where a_j is the row's largest term, that term) of the non-negative ``a``:
+    tolerance._others without an index (ties: the largest term counted once less), so that
+    Σ_{k≠j} a_k = sum for a key j that holds the top, (sum − a_j) + top for the others."""
+    top = _largest(a, S)
+    rest = 0.0
+    ties = 0.0
+    for j in range(S):
+        x = a[j]
+        rest += x if x < top else 0.0
+        ties += 1.0 if x >= top else 0.0
+    return rest + max(ties - 1.0, 0.0) * top, top
+
+
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
     """tolerance._second_order of one row into ``out``: the closed form, or the exact pairwise bound
     less its first-order part where some X_j = ℓ_j + ρ of a key with p > 0 exceeds
-    SECOND_ORDER_CLOSED_FORM.  ``ell`` holds ℓ; ``eel``, ``ups``, ``dns``, ``spare``: work rows."""
+    SECOND_ORDER_CLOSED_FORM.  ``ell`` holds ℓ (>= 0); ``eel``, ``ups``, ``dns``, ``spare``: work rows."""
     rho = 0.0
-    for j in range(S):  # the exponentials (not vectorised: a libm call each)
+    for j in range(S):  # the exponentials
         el = ell[j]
-        ex = math.exp(min(el, 350.0))
+        ex = _exp(min(el, 350.0))
         eel[j] = ex
         rho += p[j] * el * el * ex
+        spare[j] = el if p[j] > 0 else 0.0
     rho *= 0.5
-    erho = math.exp(min(rho, 350.0)) * EXP_PRODUCT
-    xmax = 0.0
-    for j in range(S):  # the closed form; X_j = ℓ_j + ρ over the keys with p > 0
-        pj = p[j]
-        x = ell[j] + rho
-        xmax = max(xmax, x if pj > 0 else 0.0)
-        out[j] = pj * (rho + 0.5 * x * x * (eel[j] * erho))
-    if xmax <= SECOND_ORDER_CLOSED_FORM:
+    if _largest(spare, S) + rho <= SECOND_ORDER_CLOSED_FORM:  # X_j over the keys with p > 0
+        erho = _exp(min(rho, 350.0)) * EXP_PRODUCT
+        for j in range(S):  # the closed form
+            x = ell[j] + rho
+            out[j] = p[j] * (rho + 0.5 * x * x * (eel[j] * erho))
         return
     # the exact bound on this row; Σ_{k≠j} p_k e^{±τ_k} as tolerance._others: the row's largest
     # term out of the sum, added back for the other keys
-    top_u, top_d, at_u, at_d = -1.0, -1.0, 0, 0
     for j in range(S):
         tt = min(tau[j], 350.0)
-        eu = math.exp(tt)
-        ed = math.exp(-tt)
+        eu = _exp(tt)
+        ed = _exp(-tt)
         eel[j] = eu
         spare[j] = ed
-        up = p[j] * eu
-        dn = p[j] * ed
-        ups[j] = up
-        dns[j] = dn
-        if up > top_u:
-            top_u, at_u = up, j
-        if dn > top_d:
-            top_d, at_d = dn, j
-    su = 0.0
-    sd = 0.0
-    for j in range(S):
-        su += ups[j] if j != at_u else 0.0
-        sd += dns[j] if j != at_d else 0.0
+        ups[j] = p[j] * eu
+        dns[j] = p[j] * ed
+    su, top_u = _others_sum(ups, S)
+    sd, top_d = _others_sum(dns, S)
     for j in range(S):
         pj = p[j]
-        ou = su if j == at_u else max((su - ups[j]) + top_u, 0.0)
-        od = sd if j == at_d else max((sd - dns[j]) + top_d, 0.0)
+        up = ups[j]
+        dn = dns[j]
+        ou = su if up >= top_u else max((su - up) + top_u, 0.0)
+        od = sd if dn >= top_d else max((sd - dn) + top_d, 0.0)
         lo = pj / (pj + eel[j] * ou)
         hi = pj / (pj + spare[j] * od)
         e = max(hi - pj, pj - lo)
@@ -136,7 +213,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
             sr, pr_, mr1, mr2 = s[h, i], p[h, i], m1[h, i], m2[h, i]
             pk = 0.0
             row = 0.0
-            rmax = 0.0
+            top = 0
             for j in range(S):  # 2. scores; the weights' score variance t², τ = LAMBDA·t
                 sj = sr[j]
                 pj = pr_[j]
@@ -148,7 +225,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
                 qq = (pj * pj) * t2
                 q[h, i, j] = qq
                 pk += qq
-                rmax = max(rmax, abs(sj) * v)
+                top = max(top, _bits(abs(sj) * v))  # the row's largest visible |s| (_largest)
                 ta = math.sqrt(t2) * LAMBDA * v
                 tau[j] = ta
                 pt = pj * ta
@@ -160,6 +237,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
                 wrs[j] = wr
                 chk += sg + wr
             _emit(h, i, S, sgs, wrs, want_bounds, sig_s, wor_s, want_tol, ext_arrays, ext_s, ext_s_val, tol_s)
+            rmax = _as_float64(top)
             pk_out[h, i] = pk
             for j in range(S):  # 3. the weights' sigma; ℓ of the second-order term
                 pj = pr_[j]
@@ -209,14 +287,14 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
                 peak = 0.0
             total = 0.0
             for j in range(S):
-                e = math.exp(min(sr[j] - peak, 0.0)) if vis[h, i, j] else 0.0
+                e = _exp(min(sr[j] - peak, 0.0)) if vis[h, i, j] else 0.0
                 pr_[j] = e
                 total += e
             for j in range(S):
                 pr_[j] = pr_[j] / total if total > 0 else 0.0
             pk = 0.0
             row = 0.0
-            rmax = 0.0
+            top = 0
             for j in range(S):  # the scores' storage rounding t², τ = LAMBDA·t
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
@@ -224,12 +302,13 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
                 t2 = (sj * sj) * stored
                 ts2[j] = t2
                 pk += (pj * pj) * t2
-                rmax = max(rmax, abs(sj))
+                top = max(top, _bits(abs(sj)))  # the row's largest visible |s| (_largest)
                 ta = math.sqrt(t2) * LAMBDA * v
                 tau[j] = ta
                 pt = pj * ta
                 ptau[j] = pt
                 row += pt
+            rmax = _as_float64(top)
             for j in range(S):  # sigma; ℓ of the second-order term
                 pj = pr_[j]
                 t2 = ts2[j]
@@ -246,4 +325,44 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
                 w = (pj * (g_s + ua * (abs(sj) + rmax)) + ptau[j] + floor) * v
                 wor[h, i, j] = w
                 chk += w
+    return math.isfinite(chk)
+
+
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
+def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, floor, sig, wor):
+    """The local scores check of a (heads, rows, S) chunk once its products are formed
+    (tolerance._local_scores_fast): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
+    sqrt(c_sig·m_sig + stored·ref²), ``wor`` = c_wor·m_wor + floor, from the float32 products
+    ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  False where a value is not finite."""
+    n_heads, R, S = ref.shape
+    chk = 0.0
+    for h in range(n_heads):
+        for i in range(R):
+            rr, ms, mw, so, wo = ref[h, i], m_sig[h, i], m_wor[h, i], sig[h, i], wor[h, i]
+            for j in range(S):
+                x = rr[j] * scale
+                rr[j] = x
+                sg = math.sqrt(c_sig * ms[j] + stored * (x * x))
+                wr = c_wor * mw[j] + floor
+                so[j] = sg
+                wo[j] = wr
+                chk += x + sg + wr
+    return math.isfinite(chk)
+
+
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
+def local_outputs_operands(pc, pp32, apc32):
+    """The float32 operands p² and |p| of the local head-outputs check's bound products, from the
+    adapter's own (heads, rows, S) attention weights ``pc``, in one sweep
+    (tolerance._local_outputs_fast).  False where a weight is not finite."""
+    n_heads, R, S = pc.shape
+    chk = 0.0
+    for h in range(n_heads):
+        for i in range(R):
+            pr, pp, ap = pc[h, i], pp32[h, i], apc32[h, i]
+            for j in range(S):
+                x = pr[j]
+                pp[j] = x * x
+                ap[j] = abs(x)
+                chk += x
     return math.isfinite(chk)

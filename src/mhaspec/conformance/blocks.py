@@ -75,6 +75,7 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int, memo: dict[Any, Any
         path=golden.path,
         reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
         memo=memo,
+        whole_shape=golden.whole_shape or golden.visible.shape,
     )
 
 

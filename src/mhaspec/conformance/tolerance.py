@@ -677,10 +677,50 @@ def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: 
     return _finite(ref, sig, wor)
 
 
-#: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24) takes the compiled
-#: chunk loop when numba is installed (:func:`_kernels`): numba compiles it once per process
-#: (about 2 s), which a run of the four dtypes wins back from about this size on
-#: (docs/tolerances.md).  The committed catalog's cases (at most 2^15) never do.
+def _local_scores_compiled(kernels: Any, q: np.ndarray, K: np.ndarray, K2: _Pair, aK: _Pair, scale: float,
+                           u: float, g_d: float, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+                           buf: Scratch) -> bool:
+    """:func:`_local_scores_fast` with its elementwise passes in one compiled sweep
+    (:func:`._kernels.local_scores_chunk`); the products stay in BLAS."""
+    ref, sig, wor = out
+    np.matmul(q, _t(K), out=ref)
+    m_sig, m_wor = buf("k_ls_sig", ref.shape, np.float32), buf("k_ls_wor", ref.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.matmul((q * q).astype(np.float32), K2.f32, out=m_sig)
+        np.matmul(np.abs(q).astype(np.float32), aK.f32, out=m_wor)
+    f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, _U32))  # _product32's factor
+    return _compiled(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
+                     2 * u * u + U64**2, g_d * scale * f32, floor, sig, wor)
+
+
+def _local_outputs_compiled(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: float,
+                            g_s: float, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+                            buf: Scratch) -> bool:
+    """:func:`_local_outputs_fast` with the float32 operands of its bound products formed in one
+    compiled sweep over the (heads, rows, S) weights (:func:`._kernels.local_outputs_operands`)."""
+    ref, sig, wor = out
+    pp, ap = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
+    if not _compiled(kernels, "local_outputs_operands", pc, pp, ap):
+        return False
+    np.matmul(pc, V, out=ref)
+    with np.errstate(over="ignore", invalid="ignore"):
+        m_sig, m_wor = pp @ V2.f32, ap @ aV.f32
+    if not (np.isfinite(m_sig.max()) and np.isfinite(m_wor.max())):
+        return False
+    f32 = 1 + 2 * float(gamma(pc.shape[-1] + 2, _U32))  # _product32's factor
+    np.multiply(m_sig, 2 * u * u * f32, out=sig, dtype=np.float64)
+    sig += _stored(u, ref, ref)
+    np.sqrt(sig, out=sig)
+    np.multiply(m_wor, g_s * f32, out=wor, dtype=np.float64)
+    wor += floor
+    return _finite(ref, sig, wor)
+
+
+#: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24; the whole case's,
+#: also where it is judged in smaller blocks) takes the compiled chunk loop when numba is installed
+#: (:func:`_kernels_for`): numba compiles it once per process (about 3 s), which a run of the four
+#: dtypes wins back from about this size on (docs/tolerances.md).  The committed catalog's cases
+#: (at most 2^15) never do.
 COMPILED_MIN_ELEMENTS = 1 << 24
 
 #: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
@@ -695,6 +735,14 @@ NUMBA_ENV = "MHASPEC_NUMBA"
 #: The first compilation error of the compiled loops in this process (they are not tried again).
 _COMPILE_FAILED: list[str] = []
 _COMPILE_LOCK = threading.Lock()
+
+
+def _kernels_for(golden: GoldenCase) -> Any:
+    """:func:`_kernels` for ``golden``, sized by the whole case where it is one block of query rows
+    (:mod:`.blocks`): what pays back the compilation is the whole case's work, and a large case is
+    judged in blocks smaller than :data:`COMPILED_MIN_ELEMENTS`."""
+    B, H, T, S = golden.whole_shape or golden.visible.shape
+    return _kernels(B * H, T, S)
 
 
 def _kernels(N: int, T: int, S: int) -> Any:
@@ -869,7 +917,7 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
     cst = _AttentionConstants(u=u, ua=ua, scale=scale, g_d=float(gamma(cfg.D_k + k, ua)),
                               g_s=float(gamma(S + k, ua)), floor=floor)
 
-    compiled = _kernels(N, T, S)
+    compiled = _kernels_for(golden)
 
     def chunk(n: slice, r: slice, buf: Scratch) -> None:
         args = (cst, Q[n, r], tQ2[n, r], KK[n], aK[n], V[n], V2[n], aV[n], tV2[n], sN[n, r], pN[n, r], oN[n, r],
@@ -1041,6 +1089,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     visN = golden.visible.reshape(N, T, S)
 
     fast = not worst_case  # the in-place path (standard contract), the general one where it cannot
+    compiled = _kernels_for(golden) if fast else None
 
     def each(fn: Any) -> None:  # fn(n, r, scratch) on every chunk of (N, T, ·) rows
         _each_chunk(N, T, S, fn)
@@ -1061,6 +1110,9 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def scores(n: slice, r: slice, buf: Scratch) -> None:
                 q = Q[n, r]
+                if compiled is not None and _local_scores_compiled(compiled, q, K[n], K2[n], aK[n], scale, u, g_d,
+                                                                   floor, (ref[n, r], sig[n, r], wor[n, r]), buf):
+                    return
                 if fast and _local_scores_fast(q, K[n], K2[n], aK[n], scale, u, g_d, floor,
                                                (ref[n, r], sig[n, r], wor[n, r]), buf):
                     return
@@ -1075,8 +1127,6 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             sO = own["scores"].reshape(N, T, S)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_s = float(gamma(S + k, ua))
-
-            compiled = _kernels(N, T, S) if fast else None
 
             def weights(n: slice, r: slice, buf: Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
@@ -1112,6 +1162,9 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def outputs(n: slice, r: slice, buf: Scratch) -> None:
                 pc = P[n, r]
+                if compiled is not None and _local_outputs_compiled(compiled, pc, V[n], V2[n], aV[n], u, g_s, floor,
+                                                                    (ref[n, r], sig[n, r], wor[n, r]), buf):
+                    return
                 if fast and _local_outputs_fast(pc, V[n], V2[n], aV[n], u, g_s, floor,
                                                 (ref[n, r], sig[n, r], wor[n, r]), buf):
                     return
