@@ -467,3 +467,31 @@ def test_the_default_timeout_is_minutes_for_the_whole_catalog():
     assert (cli.DEFAULT_TIMEOUT, cli.MAX_TIMEOUTS) == (runner_module.DEFAULT_TIMEOUT, runner_module.MAX_TIMEOUTS)
     # a hung adapter costs MAX_TIMEOUTS timeouts, then the other cases are reported "not run"
     assert runner_module.DEFAULT_TIMEOUT * runner_module.MAX_TIMEOUTS <= 5 * 60
+
+
+def _results(report) -> list[dict]:
+    """Every case×dtype result as JSON, without the adapter's seconds (the one thing that differs)."""
+    out = []
+    for res in report.results:
+        j = res.to_json()
+        j.pop("adapter_seconds")
+        out.append(j)
+    return out
+
+
+def test_variants_get_the_same_report_in_a_worker_and_in_this_process():
+    """The two-sided proofs judge tests/variants.py in this process (tests/reports.py); a worker
+    gives every kind of variant the same report, result for result, stage for stage: correct, native
+    accumulation, a bug in every stage, one that computes in the wrong dtype, NaN rows, output only,
+    and a backward bug."""
+    from .backward_variants import BUGS as BACKWARD_BUGS
+    from .variants import BUGS, CORRECT, NATIVE, OUTPUT_ONLY_BUGS
+
+    forward = [CORRECT["tiled_online_softmax"], NATIVE["native_low_precision_accumulation"],
+               BUGS["float16_when_float32_asked"][0], BUGS["nan_on_fully_masked_rows"][0],
+               BUGS["causal_wrong_alignment"][0], OUTPUT_ONLY_BUGS["heads_merged_without_transpose+output_only"][0]]
+    for adapter, backward in [*((v, False) for v in forward), (BACKWARD_BUGS["gqa_not_summed"][0], True)]:
+        worker = mhaspec.check(adapter, timeout=None, backward=backward)
+        here = mhaspec.check(adapter, timeout=None, backward=backward, isolate=False)
+        assert _results(worker) == _results(here), adapter.name
+        assert worker.exit_code == here.exit_code
