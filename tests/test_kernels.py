@@ -236,14 +236,8 @@ def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(golde
     assert tol._kernels(8, 2048, 2048) is None  # not tried again in this process
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch):
-    """The local scores check (from the adapter's own projections) and head-outputs check (from its
-    own weights), both rounded to the dtype: the same references and bounds, every chunk compiled."""
-    golden = goldens[name]
-    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
-           for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
+def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
+    """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
     calls = []
     for fn in ("local_scores_chunk", "local_outputs_operands"):
         real = getattr(kernels, fn)
@@ -253,6 +247,18 @@ def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(go
             return calls[-1][1]
 
         monkeypatch.setattr(kernels, fn, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch):
+    """The local scores check (from the adapter's own projections) and head-outputs check (from its
+    own weights), both rounded to the dtype: the same references and bounds, every chunk compiled."""
+    golden = goldens[name]
+    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
+           for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
+    calls = _local_calls(monkeypatch)
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
     numpy_loop = tol.local_references(golden, own, dtype)
     assert calls == []
@@ -271,15 +277,7 @@ def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(go
     own = {stage: golden.stages[stage].copy() for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
     own["q_proj"][0, 5, 3] = np.inf
     own["attn_weights"][1, 2, 7, 9] = np.nan
-    calls = []
-    for fn in ("local_scores_chunk", "local_outputs_operands"):
-        real = getattr(kernels, fn)
-
-        def counted(*args, real=real, fn=fn):
-            calls.append((fn, real(*args)))
-            return calls[-1][1]
-
-        monkeypatch.setattr(kernels, fn, counted)
+    calls = _local_calls(monkeypatch)
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
     numpy_loop = tol.local_references(golden, own, "float16")
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
