@@ -6,7 +6,11 @@ compiled loop's threshold lowered to that size for them) in every dtype, once wi
 loop.  Prints, per dtype, the correct variants' failures and worst error/tolerance, the
 bugs rejected, and every case×dtype whose verdict or first failing stage differs.
 
-    python benchmarks/compiled_figures.py [--size T]
+    python benchmarks/compiled_figures.py [--size T] [--block-elements N]
+
+``--block-elements N`` judges the cases in blocks of query rows of at most N elements, as
+``mhaspec run`` judges cases above 2^22 (mhaspec.conformance.blocks): the compiled loop is
+still chosen by the whole case's size.
 """
 
 from __future__ import annotations
@@ -55,7 +59,13 @@ def judge(adapter, golden, mode: str) -> dict[tuple[str, str], tuple[str, str | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=360, help="T = S of the causal case (the others follow)")
+    parser.add_argument("--block-elements", type=int, default=None,
+                        help="judge in blocks of query rows of at most this many (B, H, T, S) elements")
     args = parser.parse_args()
+    if args.block_elements:
+        from mhaspec.conformance import blocks
+
+        blocks.MAX_BLOCK_ELEMENTS = args.block_elements
     golden = OnTheFlyGolden(Catalog(cases(args.size)))
     from mhaspec.conformance import tolerance
     from mhaspec.conformance.tolerance import _kernels
@@ -90,7 +100,9 @@ def main() -> None:
                     stats[dtype]["bugs"] += 1
     os.environ.pop(NUMBA_ENV, None)
     print(f"{len(correct)} correct and {len(bugs)} buggy variants x {len(cases(args.size))} large cases x 4 dtypes, "
-          f"NumPy loops (off) and compiled loop (on); {time.perf_counter() - start:.0f} s")
+          f"NumPy loops (off) and compiled loop (on)"
+          f"{f', in blocks of <= {args.block_elements} elements' if args.block_elements else ''}; "
+          f"{time.perf_counter() - start:.0f} s")
     print(f"{'dtype':<9} correct failing off/on   correct worst ratio off/on   bugs failing off/on (of every bug × case, "
           "some of which a case cannot show)")
     for d in DTYPES:
