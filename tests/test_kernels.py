@@ -2,10 +2,11 @@
 
 Both compute the same formulas; they differ in the order of the bounds' own float64
 roundings (row sums), in the exponentials (the loops' own, vectorisable, within EXP_ULPS like
-numpy's; exp(ℓ)·exp(ρ), rounded up, for exp(ℓ + ρ)) and, through those, in an occasional float32 rounding of a bound product.  So the bounds agree
-to a relative 1e-6 at worst (the head outputs' variance is a difference of products) and the
-(B, H, T, S) ones to 1e-7; the verdicts are the same (benchmarks/compiled_figures.py shows it
-on every variant of tests/variants.py, per dtype).
+numpy's; exp(ℓ)·exp(ρ), rounded up, for exp(ℓ + ρ)) and, through those, in an occasional
+float32 rounding of a bound product.  So the bounds agree to a relative 1e-6 at worst (the
+head outputs' variance is a difference of products) and the (B, H, T, S) ones to 1e-7; the
+verdicts are the same (benchmarks/compiled_figures.py shows it on every variant of
+tests/variants.py, per dtype).
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ def _finite(*arrays: np.ndarray) -> bool:
 def _product32(a: np.ndarray, b: _Pair, factor: float, out: np.ndarray) -> bool:
     """``out = factor · _upper32(a, b)`` (float64), False when the float32 product is not finite."""
     with np.errstate(over="ignore", invalid="ignore"):
-        m = a.astype(np.float32) @ b.f32
+        m = a.astype(np.float32, copy=False) @ b.f32
     if not np.isfinite(m.max()):
         return False
     np.multiply(m, factor * (1 + 2 * float(gamma(a.shape[-1] + 2, _U32))), out=out, dtype=np.float64)
@@ -659,19 +659,26 @@ def _local_weights_fast(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s
 
 
 def _local_outputs_fast(pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: float, g_s: float,
-                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
-    """The local head-outputs check of one chunk from the adapter's own weights ``pc``."""
+                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                        kernels: Any = None) -> bool:
+    """The local head-outputs check of one chunk from the adapter's own weights ``pc``; with
+    ``kernels`` (:mod:`._kernels`), the float32 operands p² and |p| of its bound products are formed in
+    one compiled sweep (:func:`._kernels.local_outputs_operands`), the same numbers."""
     ref, sig, wor = out
-    if not _finite(pc):
-        return False
+    if kernels is not None:
+        sq, ab = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
+        if not _compiled(kernels, "local_outputs_operands", pc, sq, ab):
+            return False
+    else:
+        if not _finite(pc):
+            return False
+        sq, ab = np.multiply(pc, pc, out=buf("lo_t", pc.shape)), None
     np.matmul(pc, V, out=ref)
-    t = buf("lo_t", pc.shape)
-    np.multiply(pc, pc, out=t)
-    if not _product32(t, V2, 2 * u * u, sig):
+    if not _product32(sq, V2, 2 * u * u, sig):
         return False
     sig += _stored(u, ref, ref)
     np.sqrt(sig, out=sig)
-    if not _product32(np.abs(pc, out=t), aV, g_s, wor):
+    if not _product32(np.abs(pc, out=sq) if ab is None else ab, aV, g_s, wor):
         return False
     wor += floor
     return _finite(ref, sig, wor)
@@ -691,29 +698,6 @@ def _local_scores_compiled(kernels: Any, q: np.ndarray, K: np.ndarray, K2: _Pair
     f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, _U32))  # _product32's factor
     return _compiled(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
                      2 * u * u + U64**2, g_d * scale * f32, floor, sig, wor)
-
-
-def _local_outputs_compiled(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: _Pair, aV: _Pair, u: float,
-                            g_s: float, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
-                            buf: Scratch) -> bool:
-    """:func:`_local_outputs_fast` with the float32 operands of its bound products formed in one
-    compiled sweep over the (heads, rows, S) weights (:func:`._kernels.local_outputs_operands`)."""
-    ref, sig, wor = out
-    pp, ap = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
-    if not _compiled(kernels, "local_outputs_operands", pc, pp, ap):
-        return False
-    np.matmul(pc, V, out=ref)
-    with np.errstate(over="ignore", invalid="ignore"):
-        m_sig, m_wor = pp @ V2.f32, ap @ aV.f32
-    if not (np.isfinite(m_sig.max()) and np.isfinite(m_wor.max())):
-        return False
-    f32 = 1 + 2 * float(gamma(pc.shape[-1] + 2, _U32))  # _product32's factor
-    np.multiply(m_sig, 2 * u * u * f32, out=sig, dtype=np.float64)
-    sig += _stored(u, ref, ref)
-    np.sqrt(sig, out=sig)
-    np.multiply(m_wor, g_s * f32, out=wor, dtype=np.float64)
-    wor += floor
-    return _finite(ref, sig, wor)
 
 
 #: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24; the whole case's,
@@ -1165,8 +1149,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def outputs(n: slice, r: slice, buf: Scratch) -> None:
                 pc = P[n, r]
-                if compiled is not None and _local_outputs_compiled(compiled, pc, V[n], V2[n], aV[n], u, g_s, floor,
-                                                                    (ref[n, r], sig[n, r], wor[n, r]), buf):
+                if compiled is not None and _local_outputs_fast(pc, V[n], V2[n], aV[n], u, g_s, floor,
+                                                                (ref[n, r], sig[n, r], wor[n, r]), buf, compiled):
                     return
                 if fast and _local_outputs_fast(pc, V[n], V2[n], aV[n], u, g_s, floor,
                                                 (ref[n, r], sig[n, r], wor[n, r]), buf):
