@@ -381,10 +381,17 @@ def test_a_fatal_fixture_problem_still_writes_a_partial_report(tmp_path, capsys)
 
 def test_ctrl_c_writes_a_partial_report_with_what_was_judged(faulty, tmp_path):
     report = tmp_path / "r.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mhaspec", "run", f"{faulty}:Slow", "--dtype", "float64", "--report", str(report)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    # A background job (`tox -p &` in a script) runs with Ctrl-C ignored, and a child inherits SIG_IGN
+    # across exec: then Python installs no KeyboardInterrupt and the run rightly goes on. Give the child
+    # a terminal's Ctrl-C (a handler is reset to the default at exec).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mhaspec", "run", f"{faulty}:Slow", "--dtype", "float64", "--report", str(report)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     lines = []
     for line in proc.stdout:  # wait until most cases are judged: large_logits comes after them and hangs
         lines.append(line)
