@@ -214,17 +214,6 @@ def test_stages_come_back_in_the_dtype_under_test(name: str) -> None:
 # -- conformance and the declared deviations ----------------------------------------
 
 
-@pytest.mark.parametrize(("name", "cases"), [
-    ("jax", ["gqa", "causal_bottom_right_t_gt_s", "custom_head_dims"]),
-    ("jax-dpa", ["mqa", "causal_bottom_right", "key_padding"]),
-    ("flax-linen", ["cross_attention", "causal_and_mask", "custom_mask"]),
-    ("flax-nnx", ["gqa", "causal_and_mask", "causal_bottom_right"]),
-])
-def test_adapter_conforms(name: str, cases: list[str]) -> None:
-    report = mhaspec.check(name, dtypes=["float64", "float16", "bfloat16"], cases=cases)
-    assert report.ok, str(report)
-
-
 def test_fully_masked_rows_attend_uniformly_in_flax() -> None:
     """The declared deviation is what flax really does: a row that sees no key gets weight 1/S everywhere."""
     case = golden_case("custom_mask", "float32")  # (batch 1, query row 0) sees no key

@@ -180,17 +180,7 @@ def test_cuda_device_is_refused_without_cuda() -> None:
         torch_layer.TorchMHAAdapter(device="cuda")
 
 
-# -- conformance ----------------------------------------------------------------
-
-FEW = ["cross_attention", "custom_head_dims", "causal_bottom_right_t_gt_s", "custom_mask", "self_masked_rows", "gqa",
-       "large_logits"]
-
-
-@pytest.mark.parametrize("name", ["torch", "torch-mha", "torch-mha-fast", "torch-sdpa"])
-def test_adapter_conforms_on_a_few_cases(name: str) -> None:
-    report = mhaspec.check(name, dtypes=["float64", "float16", "bfloat16"], cases=FEW, device="cpu")
-    assert report.ok, str(report)
-    assert not report.warnings, report.warnings
+# -- conformance (the whole catalog: tests/frameworks/test_catalog_runs.py) ----------
 
 
 def test_torch_exposes_every_stage_and_sdpa_the_unfused_ones() -> None:

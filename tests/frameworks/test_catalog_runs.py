@@ -1,0 +1,113 @@
+"""Every built-in framework adapter on the whole committed catalog, in all four dtypes, as a
+user runs it: ``mhaspec run NAME [--backward] --report FILE`` (the CLI, the adapter in its
+worker process).  The run must conform (exit 0, no partial report, no "known deviation …
+did not occur" warning), the backward stages each layer can expose must be exposed, and
+the facts the adapters' docs state about the whole catalog must hold.
+
+The JSON report goes to ``$MHASPEC_TEST_REPORTS`` when set (tox sets ``.tox/reports``, which
+the ``matrix`` env draws), else to the test's own temporary folder.  These are the only
+whole-catalog runs of the framework adapters in the suite: tox runs no separate
+``mhaspec run`` for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+
+from mhaspec.cli import main
+from mhaspec.conformance import KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNSUPPORTED
+from mhaspec.conformance.compare import UNINFORMATIVE
+from mhaspec.spec import BACKWARD_STAGES, CATALOG
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+TORCH, JAX, TF, ONNX = pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx
+ALL_BACKWARD = set(BACKWARD_STAGES)
+FUSED_HIDES = {"d_scores", "d_attn_weights"}
+#: the weights nn.MultiheadAttention returns are a view made after its last use: no gradient reaches them
+MHA_HIDES = FUSED_HIDES | {"d_concat", "d_head_outputs", "d_q_proj", "d_k_proj", "d_v_proj"}
+
+#: adapter -> (modules it needs, mark, backward stages it must expose wherever the case has them;
+#: None: the adapter has no backward, the run is forward only)
+ADAPTERS = {
+    "torch": (("torch",), TORCH, ALL_BACKWARD),
+    "torch-sdpa": (("torch",), TORCH, ALL_BACKWARD - FUSED_HIDES),
+    "torch-mha": (("torch",), TORCH, ALL_BACKWARD - MHA_HIDES),
+    "torch-mha-fast": (("torch",), TORCH, ALL_BACKWARD - MHA_HIDES),
+    "keras": (("keras",), TF, ALL_BACKWARD - FUSED_HIDES),  # the fused path: no scores, no weights
+    "keras-scores": (("keras",), TF, ALL_BACKWARD),
+    "tensorflow": (("tensorflow",), TF, ALL_BACKWARD),
+    "jax": (("jax",), JAX, ALL_BACKWARD),
+    "jax-dpa": (("jax",), JAX, ALL_BACKWARD - FUSED_HIDES),
+    # the attention weights are made inside attention_fn, where no tap reaches
+    "flax-linen": (("flax",), JAX, ALL_BACKWARD - FUSED_HIDES),
+    "flax-nnx": (("flax",), JAX, ALL_BACKWARD - FUSED_HIDES),
+    "flax-nnx-fast": (("flax",), JAX, ALL_BACKWARD - FUSED_HIDES),
+    "onnxruntime": (("onnx", "onnxruntime"), ONNX, None),
+    "onnx-reference": (("onnx",), ONNX, None),
+    "torch-onnx": (("onnx", "onnxscript", "torch"), ONNX, None),
+    "torch-onnx-legacy": (("onnx", "torch"), ONNX, None),
+}
+
+#: What the adapters' docs state about the whole catalog: adapter -> {dtype: the one verdict of every case}.
+#: onnxruntime has no bfloat16 MatMul on the CPU; the torch exports are refused in bfloat16 (their
+#: supports()); the ONNX graphs and the legacy (TorchScript) export, which keeps the float64 scale a
+#: double, declare nothing where the standard Attention op is exact.
+EVERY_CASE = {
+    "onnxruntime": {"float32": PASS, "float16": PASS, "bfloat16": UNSUPPORTED},
+    "onnx-reference": {"float32": PASS, "float16": PASS},
+    "torch-onnx": {"float32": PASS, "float16": PASS, "bfloat16": UNSUPPORTED},
+    "torch-onnx-legacy": {"float64": PASS, "float32": PASS, "float16": PASS, "bfloat16": UNSUPPORTED},
+    "torch": dict.fromkeys(DTYPES, PASS),
+    "torch-sdpa": dict.fromkeys(DTYPES, PASS),
+    "jax": dict.fromkeys(DTYPES, PASS),
+}
+
+
+def _params():
+    return [pytest.param(name, marks=mark, id=name) for name, (_, mark, _) in ADAPTERS.items()]
+
+
+def report_folder(tmp_path: Path) -> Path:
+    folder = os.environ.get("MHASPEC_TEST_REPORTS")
+    if not folder:
+        return tmp_path
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder)
+
+
+@pytest.mark.parametrize("name", _params())
+def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, capsys) -> None:
+    modules, _, exposed = ADAPTERS[name]
+    for module in modules:
+        require(module)
+    path = report_folder(tmp_path) / f"{name}.json"
+    code = main(["run", name, "--report", str(path), *(["--backward"] if exposed is not None else [])])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(path.read_text())
+    assert report["ok"] and not report["partial"] and report["backward"] == (exposed is not None), out
+    assert not report["warnings"], report["warnings"]  # a declared deviation that no longer occurs
+    results = report["results"]
+    assert sorted((r["case"], r["dtype"]) for r in results) == sorted((c, d) for c in CATALOG.ids() for d in DTYPES)
+
+    for dtype, verdict in EVERY_CASE.get(name, {}).items():
+        other = [(r["case"], r["verdict"]) for r in results if r["dtype"] == dtype and r["verdict"] != verdict]
+        assert not other, f"{name} [{dtype}]: every case should be {verdict!r}, not {other}"
+    if exposed is None:
+        return
+    for r in results:
+        if r["verdict"] == UNSUPPORTED:
+            continue
+        verdicts = {st["stage"]: st["verdict"] for st in r["stages"] if st["stage"].startswith("d_")}
+        missing = {s for s in exposed & set(verdicts) if verdicts[s] == NOT_EXPOSED}
+        assert not missing, f"{name} {r['case']} [{r['dtype']}] does not expose {missing}"
+        assert set(verdicts.values()) <= {PASS, KNOWN_DEVIATION, NOT_EXPOSED, UNINFORMATIVE}, (r["case"], r["dtype"])
+    for dtype in DTYPES:  # every dtype has judged backward stages
+        assert any(st["verdict"] == PASS and st["stage"].startswith("d_")
+                   for r in results if r["dtype"] == dtype for st in r["stages"]), dtype
