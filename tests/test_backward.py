@@ -21,6 +21,8 @@ from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, STAG
 from .backward_variants import BUGS, CORRECT, BackwardVariant
 from .reports import report_of
 
+pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
+
 GOLDEN = GoldenSet()
 
 

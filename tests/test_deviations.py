@@ -25,6 +25,8 @@ from .reports import report_of
 from .variants import BUGS, NATIVE, OUTPUT_ONLY_BUGS, Variant
 from .zoo import visible_cases
 
+pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
+
 SCALE_F32 = "the scale is taken in float32 (test)"
 
 

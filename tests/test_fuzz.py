@@ -14,6 +14,8 @@ from mhaspec.reference.onthefly import OnTheFlyGolden
 
 from .variants import BUGS, Variant
 
+pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
+
 pytest.importorskip("hypothesis")
 
 

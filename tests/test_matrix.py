@@ -130,13 +130,18 @@ def test_missing_paths_and_empty_folders_are_errors(tmp_path):
 
 
 def test_tox_writes_every_report_and_draws_the_matrix_last():
-    """Every `mhaspec run` in tox.ini writes its report to the shared folder, each adapter is run
-    once (with --backward where it has one: a second run would judge the forward again), and the
-    matrix env depends on every other env (a new framework env must join both to appear in the
-    matrix)."""
+    """Every built-in adapter's whole-catalog run in tox writes its report to the shared folder:
+    numpy by `mhaspec run` in core, every other one by tests/frameworks/test_catalog_runs.py in
+    its framework's env (MHASPEC_TEST_REPORTS). Each adapter is run once (with --backward where
+    it has one: a second run would judge the forward again), and the matrix env comes last,
+    after every other env (a new env must join both)."""
     import configparser
     import re
     from pathlib import Path
+
+    from mhaspec.adapters.base import BUILTINS
+
+    from tests.frameworks.test_catalog_runs import ADAPTERS
 
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(Path(__file__).resolve().parents[1] / "tox.ini")
@@ -145,11 +150,16 @@ def test_tox_writes_every_report_and_draws_the_matrix_last():
     depends = {e.strip() for e in tox["testenv:matrix"]["depends"].replace("\n", ",").split(",") if e.strip()}
     assert depends == set(envs[:-1])
     assert "mhaspec matrix {toxworkdir}/reports --out {toxworkdir}/matrix" in tox["testenv:matrix"]["commands"]
+    assert "MHASPEC_TEST_REPORTS = {toxworkdir}/reports" in tox["testenv"]["set_env"]
     runs = [line.strip() for env in envs[:-1] for line in tox[f"testenv:{env}"]["commands"].splitlines()
             if line.strip().startswith("mhaspec run")]
-    assert runs
     assert len({line.split()[2] for line in runs}) == len(runs), "an adapter run twice"
     for line in runs:
         adapter = line.split()[2]
         assert re.fullmatch(rf"mhaspec run {re.escape(adapter)} .*--report {{toxworkdir}}/reports/"
                             rf"{re.escape(adapter)}\.json.*", line), line
+    by_cli = {line.split()[2] for line in runs}
+    assert by_cli == {"numpy"} and not by_cli & set(ADAPTERS)
+    assert by_cli | set(ADAPTERS) == set(BUILTINS)  # every built-in adapter in the matrix, once
+    for mark in ("torch", "tensorflow", "jax", "onnx"):  # each framework env runs its marked tests
+        assert any(line.strip().startswith(f"pytest -m {mark}") for line in tox[f"testenv:{mark}"]["commands"].splitlines())

@@ -25,6 +25,8 @@ from .reports import report_of
 from .variants import BUGS, CORRECT, NATIVE, OUTPUT_ONLY_BUGS, Variant, output_only
 from .zoo import applies, visible_cases
 
+pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
+
 
 
 
