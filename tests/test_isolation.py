@@ -338,7 +338,6 @@ def test_nothing_judged_is_never_a_pass(faulty, tmp_path, capsys):
     assert "does not support any of the 2 selected" in report.nothing_judged
     assert main(["run", f"{faulty}:Declines", "-k", "gqa"]) == 2
     assert "NOTHING JUDGED" in capsys.readouterr().out
-    from mhaspec.spec import SPEC_VERSION
 
     empty = tmp_path / "empty"
     empty.mkdir()

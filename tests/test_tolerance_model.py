@@ -22,7 +22,7 @@ from mhaspec.fixtures import GoldenCase
 from mhaspec.spec import CATALOG, DTYPES, CaseSpec, MHAConfig
 
 from .reports import report_of
-from .variants import BUGS, CORRECT, NATIVE, OUTPUT_ONLY_BUGS, Variant, output_only
+from .variants import BUGS, CORRECT, NATIVE, OUTPUT_ONLY_BUGS, output_only
 from .zoo import applies, visible_cases
 
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)

@@ -24,9 +24,6 @@ from mhaspec.spec import STAGES, MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.onnx
 
-FEW = ["cross_attention", "custom_head_dims", "causal_top_left", "causal_bottom_right_t_gt_s", "key_padding",
-       "custom_mask", "gqa", "custom_scale", "large_logits"]
-
 
 @pytest.fixture(scope="module")
 def torch_onnx():

@@ -221,7 +221,7 @@ def test_declared_deviations_are_narrow(adapter):
         assert dev.case in CATALOG or (dev.rows == "fully_masked" and dev.stage != "*"), dev.pattern
 
 
-# -- conformance (a few cases; `mhaspec run NAME` covers the catalog) -----------
+# -- conformance (the whole catalog: tests/frameworks/test_catalog_runs.py) -------
 def test_keras_still_deviates_upstream_on_rows_without_keys():
     # the whole catalog's conformance: tests/frameworks/test_catalog_runs.py
     from mhaspec.conformance import KNOWN_DEVIATION, check
