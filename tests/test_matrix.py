@@ -161,5 +161,10 @@ def test_tox_writes_every_report_and_draws_the_matrix_last():
     by_cli = {line.split()[2] for line in runs}
     assert by_cli == {"numpy"} and not by_cli & set(ADAPTERS)
     assert by_cli | set(ADAPTERS) == set(BUILTINS)  # every built-in adapter in the matrix, once
-    for mark in ("torch", "tensorflow", "jax", "onnx"):  # each framework env runs its marked tests
-        assert any(line.strip().startswith(f"pytest -m {mark}") for line in tox[f"testenv:{mark}"]["commands"].splitlines())
+    selections = [line.strip().removeprefix("pytest -m ").split(" {posargs}")[0].strip('"')
+                  for env in envs[:-1] for line in tox[f"testenv:{env}"]["commands"].splitlines()
+                  if line.strip().startswith("pytest -m ")]
+    for mark in ("torch", "tensorflow", "jax", "onnx", "proofs"):  # each marker's tests run in some env
+        assert any(mark in re.split(r"\s+or\s+", sel) for sel in selections), (mark, selections)
+    # the ONNX adapters share the torch env: their exporters need torch (one copy of it, not two)
+    assert "torch or onnx" in selections and "onnx" not in envs
