@@ -28,8 +28,6 @@ from .zoo import applies, visible_cases
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
 
 
-
-
 def _stage_stats(report):
     judged = [st for r in report.results for st in r.stages if st.verdict in (PASS, FAIL)]
     worst = max((st.worst_ratio or 0.0) for st in judged)

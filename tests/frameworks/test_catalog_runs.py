@@ -23,9 +23,8 @@ from tests.conftest import require
 from mhaspec.cli import main
 from mhaspec.conformance import KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNSUPPORTED
 from mhaspec.conformance.compare import UNINFORMATIVE
-from mhaspec.spec import BACKWARD_STAGES, CATALOG
+from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
 TORCH, JAX, TF, ONNX = pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx
 ALL_BACKWARD = set(BACKWARD_STAGES)
 FUSED_HIDES = {"d_scores", "d_attn_weights"}

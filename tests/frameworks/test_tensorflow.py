@@ -223,7 +223,6 @@ def test_declared_deviations_are_narrow(adapter):
 
 # -- conformance (the whole catalog: tests/frameworks/test_catalog_runs.py) -------
 def test_keras_still_deviates_upstream_on_rows_without_keys():
-    # the whole catalog's conformance: tests/frameworks/test_catalog_runs.py
     from mhaspec.conformance import KNOWN_DEVIATION, check
 
     report = check("keras", dtypes=["float32"], cases=["custom_mask"])
