@@ -96,6 +96,13 @@ def test_a_worst_case_bound_excuses_native_accumulation_but_not_a_bug_on_top():
         failed = [r for r in report.results if r.dtype == dtype and r.verdict == FAIL]
         assert failed and all(r.first_failing_stage == "output" for r in failed), dtype
         assert "fails the worst-case contract too" in failed[0].stage("output").message
+    # one declaration for both dtypes (alternatives): the same verdicts, and it occurred (no warning)
+    cases = sorted({r.case for r in report.results if r.dtype == "float16" and r.verdict == FAIL})[:3]
+    one = mhaspec.check(Declared(native, [Deviation("sums accumulated in the dtype (test)", dtype="float16|bfloat16",
+                                                    within="worst-case")]), cases=cases, timeout=None)
+    two = mhaspec.check(Declared(native, declared), cases=cases, timeout=None)
+    assert [(r.case, r.dtype, r.verdict) for r in one.results] == [(r.case, r.dtype, r.verdict) for r in two.results]
+    assert one.ok and not one.warnings and {r.verdict for r in one.results if r.dtype == "float16"} == {KNOWN_DEVIATION}
 
 
 def test_a_bounded_and_a_row_scoped_deviation_compose_and_still_catch_a_bug():

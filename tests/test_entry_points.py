@@ -253,3 +253,12 @@ def test_deviation_declarations_are_validated():
     with pytest.raises(AdapterError, match="rows and within cannot be combined"):
         parse_deviations([Deviation("x", rows="fully_masked", within="float32")])
     assert parse_deviations([{"reason": "r", "dtype": "float64", "within": "float32"}])[0].within == "float32"
+    # alternatives: one declaration, one reason, for the stages one mechanism reaches; each must name something
+    (dev,) = parse_deviations([Deviation("r", dtype="float16|bfloat16", stage="head_outputs|d_k_*")])
+    assert [s for s in ("scores", "head_outputs", "d_k_proj", "d_key") if dev.matches("gqa", "float16", s)] == [
+        "head_outputs", "d_k_proj"]
+    assert dev.matches("gqa", "bfloat16", "d_k_proj") and not dev.matches("gqa", "float32", "head_outputs")
+    with pytest.raises(AdapterError, match=r"'atn_weights' matches no stage"):
+        parse_deviations([Deviation("r", stage="scores|atn_weights")])
+    with pytest.raises(AdapterError, match=r"'' matches no dtype"):
+        parse_deviations([Deviation("r", dtype="float16|")])

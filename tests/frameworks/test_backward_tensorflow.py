@@ -99,6 +99,52 @@ def test_gradient_leaking_through_masked_positions_fails_first_at_d_scores_in_ev
             assert r.verdict == PASS, (r.case, r.dtype, r.first_failing_stage)
 
 
+class EinsumBug(tf_ops.TensorFlowMHAAdapter):
+    """The ``tensorflow`` adapter with a bug inside an einsum stage, the stages its float16 Einsum
+    deviation covers where it is declared: the scores scaled by 1/√d_model instead of 1/√D_k, or
+    each head reading the values of another head (heads reversed)."""
+
+    def __init__(self, bug: str) -> None:
+        self.bug, self.name = bug, f"tensorflow-{bug}"
+
+    def _buggy(self, method, case):
+        real = tf_ops.tf.einsum
+
+        def einsum(equation, a, b):
+            if self.bug == "values_of_another_head" and equation == "BHTS,BSHE->BHTE":
+                b = tf.reverse(b, axis=[2])
+            out = real(equation, a, b)
+            if self.bug == "scale_of_d_model" and equation == "BTHD,BSHD->BHTS":
+                out = out * tf.constant(np.sqrt(case.config.D_k / case.config.d_model), dtype=out.dtype)
+            return out
+
+        tf_ops.tf.einsum = einsum  # in the forked worker only
+        try:
+            return method(case)
+        finally:
+            tf_ops.tf.einsum = real
+
+    def run(self, case):
+        return self._buggy(super().run, case)
+
+    def backward(self, case):
+        return self._buggy(super().backward, case)
+
+
+@pytest.mark.parametrize("bug, stage", [("scale_of_d_model", "scores"), ("values_of_another_head", "head_outputs")])
+def test_a_bug_inside_the_float16_einsum_deviation_fails_in_every_dtype(bug: str, stage: str) -> None:
+    """The float16 Einsum declaration (where this CPU has it) is bounded by the worst-case contract:
+    a bug in a stage it covers still fails there, in float16 as in every other dtype."""
+    cases = ["long_sequence", "batch_one", "gqa"]  # H = 2, 3, 4 (the heads differ, and d_model != D_k)
+    report = mhaspec.check(EinsumBug(bug), dtypes=DTYPES, cases=cases, backward=True)
+    for r in report.results:
+        assert r.verdict == FAIL and r.first_failing_stage == stage, (r.case, r.dtype, r.first_failing_stage)
+    declared = [d for d in tf_ops.TensorFlowMHAAdapter.known_deviations if d.matches("gqa", "float16", stage)]
+    for r in report.results:
+        if r.dtype == "float16" and declared:
+            assert "beyond its declared deviation" in r.stage(stage).message, (r.case, r.stage(stage).message)
+
+
 @pytest.mark.parametrize("name", ["tensorflow", "keras", "keras-scores"])
 def test_self_attention_reports_one_input_gradient_the_sum_of_three(name: str) -> None:
     adapter = mhaspec.adapters.load_adapter(name)
@@ -125,11 +171,47 @@ def test_keras_weight_gradients_come_back_in_the_canonical_layout() -> None:
 
 
 def test_tensorflow_float16_bias_gradient_is_a_float16_sum() -> None:
-    """The cause of the declared key_padding/float16/d_b_q deviation: TensorFlow's CPU Sum of float16
-    differs from the float32 sum rounded once (bfloat16, which has a float accumulator, does not)."""
+    """The cause of the declared float16 d_b_q deviation (key_padding, or every case with the Einsum
+    one): TensorFlow's CPU Sum of float16 differs from the float32 sum rounded once (bfloat16, which
+    has a float accumulator, does not)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((21, 12)) * 3
     half = tf.reduce_sum(tf.constant(x.astype(np.float16)), axis=0).numpy()
     assert not np.array_equal(half, x.astype(np.float16).astype(np.float32).sum(0).astype(np.float16))
     declared = [d for d in tf_ops.TensorFlowMHAAdapter.known_deviations if d.matches("key_padding", "float16", "d_b_q")]
     assert [d.within for d in declared] == ["worst-case"]  # a float16 sum: within the worst-case contract
+
+
+def test_tensorflow_float16_einsum_accumulates_as_the_declaration_says(monkeypatch) -> None:
+    """The adapter declares the float16 Einsum deviation from TensorFlow's own rule (CPU flags and
+    oneDNN's switch, read without running an op); what a float16 tf.einsum measurably does on this
+    machine must agree: beyond the probe's limit exactly where the rule says Eigen's kernel runs.
+    The probe tells the two accumulations apart: a float32 one (the same product by
+    tf.linalg.matmul, or a tf.einsum taken in float32 and rounded once) stays near 1.
+
+    Runs TensorFlow ops in this process: last in this file, after the adapters that are forked."""
+    from mhaspec.adapters import _tf_common
+
+    ratio = _tf_common.einsum_float16_error()
+    why = _tf_common.onednn_float16_missing()
+    assert (ratio > _tf_common.EINSUM_FLOAT16_PROBE_LIMIT) == (why is not None), (ratio, why)
+    declared = [d for d in tf_ops.TensorFlowMHAAdapter.known_deviations if d.dtype == "float16"]
+    einsum = [d for d in declared if d.matches("tile_crossing", "float16", "head_outputs")]
+    assert len(einsum) == (why is not None) and all(d.within == "worst-case" for d in declared), declared
+    for stage in _tf_common.EINSUM_STAGES:
+        assert any(d.matches("long_sequence", "float16", stage) for d in einsum) == bool(einsum), stage
+    assert not any(d.matches("long_sequence", "float16", s) for d in declared for s in ("output", "d_w_q", "q_proj"))
+
+    real = _tf_common.tf.einsum
+
+    def float32_einsum(equation, a, b):
+        return tf.cast(real(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32)), a.dtype)
+
+    def matmul_einsum(equation, p, v):  # the same product by tf.linalg.matmul: (B, H, T, S) @ (B, H, S, E)
+        return tf.linalg.matmul(p, tf.transpose(v, (0, 2, 1, 3)))
+
+    for accurate in (float32_einsum, matmul_einsum):
+        monkeypatch.setattr(_tf_common.tf, "einsum", accurate)
+        assert _tf_common.einsum_float16_error() < 1.5, accurate.__name__
+    monkeypatch.setattr(_tf_common, "onednn_float16_missing", lambda: None)
+    assert [d.case for d in _tf_common.float16_sum_deviations()] == ["key_padding"]  # the Sum alone

@@ -214,11 +214,13 @@ def test_stages_come_back_in_the_dtype(dtype, numpy_name):
 @pytest.mark.parametrize("adapter", [keras_mha.KerasMHAAdapter, keras_mha.KerasMHAScoresAdapter,
                                      tf_ops.TensorFlowMHAAdapter])
 def test_declared_deviations_are_narrow(adapter):
-    """Each deviation names a catalog case, or is scoped to the rows that see no key."""
+    """Each deviation names a catalog case, or is scoped to the rows that see no key, or is bounded
+    by the worst-case contract on named stages (a sum accumulated in the dtype, in every case)."""
     deviations = parse_deviations(adapter.known_deviations)
     assert deviations
     for dev in deviations:
-        assert dev.case in CATALOG or (dev.rows == "fully_masked" and dev.stage != "*"), dev.pattern
+        assert (dev.case in CATALOG or (dev.rows == "fully_masked" and dev.stage != "*")
+                or (dev.within == "worst-case" and "*" not in dev.stage)), dev.pattern
 
 
 # -- conformance (the whole catalog: tests/frameworks/test_catalog_runs.py) -------

@@ -83,6 +83,92 @@ REDUCE_SUM_FLOAT16 = (
 )
 
 
+#: The stages the ``tensorflow`` adapter computes by ``tf.einsum`` (forward) or its gradient (an einsum too).
+EINSUM_STAGES = ("scores", "head_outputs", "d_attn_weights", "d_q_proj", "d_k_proj", "d_v_proj")
+
+#: TensorFlow's CPU Einsum of float16 where oneDNN does not take float16 (declared with the Sum above).
+FLOAT16_SUMS_EINSUM = (
+    "TensorFlow's CPU kernels sum float16 in float16 here, outside the standard contract's float32 accumulation "
+    "(within --precision worst-case): Einsum (the scores, the head outputs and their gradients), because oneDNN "
+    "does not take float16 here ({why}; tensorflow/core/util/util.cc) and Eigen's Einsum kernel, which runs "
+    "instead, accumulates float16 in float16 (15x the error of a float32 accumulation over 512 terms; "
+    "tf.linalg.matmul keeps float32); and Sum, so the bias gradients (tf.reduce_sum over batch and length; "
+    "reduction_ops.h gives only bfloat16 a float accumulator: tensorflow/tensorflow#123299)"
+)
+
+#: CPU flags (``/proc/cpuinfo``) with which TensorFlow lets oneDNN take float16: AVX512BW with one of
+#: the first set, or the second alone (``IsDataTypeSupportedByOneDNNOnThisCPU`` in util.cc).
+ONEDNN_FLOAT16_FLAGS = ({"avx512_fp16", "amx_fp16"}, {"avx_ne_convert"})
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def onednn_float16_missing() -> str | None:
+    """Why oneDNN does not take this TensorFlow's float16 ops, or None where it does.
+
+    TensorFlow's own rule, read without running an op (a forked worker of a process whose
+    thread pools have started may hang: docs/contract-notes.md): oneDNN must be on
+    (``TF_ENABLE_ONEDNN_OPTS``, the default on x86) and the CPU must have AVX512BW with
+    AVX512-FP16 or AMX-FP16, or AVX-NE-CONVERT.  tests/frameworks/test_backward_tensorflow.py
+    checks it against what a float16 ``tf.einsum`` measurably does on the machine it runs on."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    if not _pywrap_util_port.IsMklEnabled():
+        return "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0, or a build without it)"
+    flags = _cpu_flags()
+    pair, alone = ONEDNN_FLOAT16_FLAGS
+    if ("avx512bw" in flags and flags & pair) or flags & alone:
+        return None
+    return "the CPU has neither AVX512BW with AVX512-FP16 or AMX-FP16, nor AVX-NE-CONVERT"
+
+
+def einsum_float16_error() -> float:
+    """How far this TensorFlow's float16 ``tf.einsum`` (the ``tensorflow`` adapter's head-outputs
+    product, on the default device) is from the exact product, as a multiple of the error of
+    rounding that product to float16 (root mean square over 16 × 8 outputs of 512 terms each,
+    fixed data): about 1 for a float32 accumulation, 10 to 20 for a float16 one.  It runs
+    TensorFlow ops: in tests, not when an adapter is described."""
+    rng = np.random.default_rng(0)
+    p = rng.random((1, 1, 16, 512)).astype(np.float16)
+    v = rng.standard_normal((1, 512, 1, 8)).astype(np.float16)
+    exact = np.einsum("BHTS,BSHE->BHTE", p.astype(np.float64), v.astype(np.float64))
+    with _native_stderr_silenced():  # oneDNN's one-time "supports DT_HALF only on …" line
+        got = tf.einsum("BHTS,BSHE->BHTE", tf.constant(p), tf.constant(v)).numpy().astype(np.float64)
+    rounding = np.sqrt(np.mean((exact.astype(np.float16).astype(np.float64) - exact) ** 2))
+    return float(np.sqrt(np.mean((got - exact) ** 2)) / rounding)
+
+
+#: What :func:`einsum_float16_error` calls a float16 accumulation: a float32 one stays near 1.
+EINSUM_FLOAT16_PROBE_LIMIT = 2.0
+
+
+def float16_sum_deviations() -> list[Any]:
+    """The ``tensorflow`` adapter's float16 accumulation deviations on this machine.
+
+    Where oneDNN does not take float16 (:func:`onednn_float16_missing`), Eigen's Einsum
+    accumulates in float16 too: one declaration covers the einsum stages and the bias
+    gradients (both mechanisms, one reason, every case), as which of them exceeds the
+    standard contract in a given case depends on the data.  Elsewhere only the Sum remains,
+    declared where it exceeds it in the catalog (``key_padding``)."""
+    from .base import Deviation
+
+    why = onednn_float16_missing()
+    if why is not None:
+        return [Deviation(FLOAT16_SUMS_EINSUM.format(why=why), dtype="float16",
+                          stage="|".join((*EINSUM_STAGES, "d_b_q", "d_b_k", "d_b_v")), within="worst-case")]
+    return [Deviation(REDUCE_SUM_FLOAT16, case="key_padding", dtype="float16", stage="d_b_q", within="worst-case")]
+
+
 def numpy_dtype(name: str) -> Any:
     """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes, as TensorFlow uses)."""
     if name == "bfloat16":

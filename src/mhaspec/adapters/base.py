@@ -34,9 +34,11 @@ class Adapter(Protocol):
 class Deviation:
     """A declared, explained difference from the spec.
 
-    ``case``, ``dtype`` and ``stage`` are shell-style patterns (``fnmatch``);
-    a stage verdict that fails and matches is reported as ``known deviation``
-    with ``reason`` instead of ``fail``.
+    ``case``, ``dtype`` and ``stage`` are shell-style patterns (``fnmatch``),
+    or several separated by ``|`` (``stage="head_outputs|d_k_proj"``: one
+    declaration, one reason, for the stages one mechanism reaches); a stage
+    verdict that fails and matches is reported as ``known deviation`` with
+    ``reason`` instead of ``fail``.
 
     ``rows="fully_masked"`` narrows it to the query rows that see no key (the
     rows where frameworks give uniform or NaN weights): the stage is a known
@@ -64,17 +66,18 @@ class Deviation:
     within: str | None = None
 
     def matches(self, case: str, dtype: str, stage: str) -> bool:
-        return (
-            fnmatch.fnmatchcase(case, self.case)
-            and fnmatch.fnmatchcase(dtype, self.dtype)
-            and fnmatch.fnmatchcase(stage, self.stage)
-        )
+        return match_pattern(case, self.case) and match_pattern(dtype, self.dtype) and match_pattern(stage, self.stage)
 
     @property
     def pattern(self) -> str:
         rows = f" (rows: {self.rows})" if self.rows else ""
         within = f" (within: {self.within})" if self.within else ""
         return f"{self.case}/{self.dtype}/{self.stage}{rows}{within}"
+
+
+def match_pattern(name: str, pattern: str) -> bool:
+    """Whether ``name`` matches a deviation pattern: shell-style (``fnmatch``), alternatives separated by ``|``."""
+    return any(fnmatch.fnmatchcase(name, p) for p in pattern.split("|"))
 
 
 #: Values of :attr:`Deviation.rows`.
@@ -125,11 +128,11 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
                                "already confines it: everything outside those rows must pass)")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
-        if not any(fnmatch.fnmatchcase(s, dev.stage) for s in STAGES + BACKWARD_STAGES):
-            raise AdapterError(f"{where}: deviation {dev.pattern} matches no stage; stages are "
-                               f"{', '.join(STAGES + BACKWARD_STAGES)}")
-        if not any(fnmatch.fnmatchcase(d, dev.dtype) for d in DTYPES):
-            raise AdapterError(f"{where}: deviation {dev.pattern} matches no dtype; dtypes are {', '.join(DTYPES)}")
+        for field, names in (("stage", STAGES + BACKWARD_STAGES), ("dtype", DTYPES)):
+            for alternative in getattr(dev, field).split("|"):  # each alternative names something
+                if not any(fnmatch.fnmatchcase(n, alternative) for n in names):
+                    what = f"{alternative!r} matches no {field}" if "|" in getattr(dev, field) else f"matches no {field}"
+                    raise AdapterError(f"{where}: deviation {dev.pattern} {what}; {field}s are {', '.join(names)}")
     return out
 
 

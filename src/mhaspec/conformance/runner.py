@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..adapters import Deviation, load_adapter
+from ..adapters.base import match_pattern
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, STAGES
@@ -453,7 +454,7 @@ class Session:
         # golden folder or --catalog need not hold them
         known = ids + [c.id for c in CATALOG]
         for i, dev in enumerate(self.deviations):
-            if not any(fnmatch.fnmatchcase(c, dev.case) for c in known):
+            if not any(match_pattern(c, dev.case) for c in known):
                 out.append(f"known deviation {dev.pattern} matches no case in the golden folder or the catalog")
             elif i in self._passed_matching and i not in self._used:
                 out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
