@@ -184,17 +184,21 @@ def test_tensorflow_float16_bias_gradient_is_a_float16_sum() -> None:
 
 def test_tensorflow_float16_einsum_accumulates_as_the_declaration_says(monkeypatch) -> None:
     """The adapter declares the float16 Einsum deviation from TensorFlow's own rule (CPU flags and
-    oneDNN's switch, read without running an op); what a float16 tf.einsum measurably does on this
-    machine must agree: beyond the probe's limit exactly where the rule says Eigen's kernel runs.
-    The probe tells the two accumulations apart: a float32 one (the same product by
-    tf.linalg.matmul, or a tf.einsum taken in float32 and rounded once) stays near 1.
+    oneDNN's switch, read without running an op) wherever oneDNN does not take float16; where it
+    does, a float16 tf.einsum must measure as a float32 accumulation, or the declaration would be
+    missing.  (Where Eigen's kernel runs, how much it loses may depend on its blocking: the
+    declaration, bounded by the worst-case contract, stands either way, with the Sum's.)  The
+    probe tells the two accumulations apart: a float32 one (the same product by tf.linalg.matmul,
+    or a tf.einsum taken in float32 and rounded once) stays near 1; on this project's AMD EPYC
+    machines Eigen's float16 einsum measures about 15.
 
     Runs TensorFlow ops in this process: last in this file, after the adapters that are forked."""
     from mhaspec.adapters import _tf_common
 
     ratio = _tf_common.einsum_float16_error()
     why = _tf_common.onednn_float16_missing()
-    assert (ratio > _tf_common.EINSUM_FLOAT16_PROBE_LIMIT) == (why is not None), (ratio, why)
+    if why is None:
+        assert ratio <= _tf_common.EINSUM_FLOAT16_PROBE_LIMIT, f"oneDNN takes float16, yet the einsum measures {ratio}"
     declared = [d for d in tf_ops.TensorFlowMHAAdapter.known_deviations if d.dtype == "float16"]
     einsum = [d for d in declared if d.matches("tile_crossing", "float16", "head_outputs")]
     assert len(einsum) == (why is not None) and all(d.within == "worst-case" for d in declared), declared

@@ -91,8 +91,8 @@ FLOAT16_SUMS_EINSUM = (
     "TensorFlow's CPU kernels sum float16 in float16 here, outside the standard contract's float32 accumulation "
     "(within --precision worst-case): Einsum (the scores, the head outputs and their gradients), because oneDNN "
     "does not take float16 here ({why}; tensorflow/core/util/util.cc) and Eigen's Einsum kernel, which runs "
-    "instead, accumulates float16 in float16 (15x the error of a float32 accumulation over 512 terms; "
-    "tf.linalg.matmul keeps float32); and Sum, so the bias gradients (tf.reduce_sum over batch and length; "
+    "instead, accumulates float16 in float16 (measured on an AMD EPYC: 15x the error of a float32 accumulation "
+    "over 512 terms; tf.linalg.matmul keeps float32); and Sum, so the bias gradients (tf.reduce_sum over batch and length; "
     "reduction_ops.h gives only bfloat16 a float accumulator: tensorflow/tensorflow#123299)"
 )
 
@@ -120,7 +120,8 @@ def onednn_float16_missing() -> str | None:
     thread pools have started may hang: docs/contract-notes.md): oneDNN must be on
     (``TF_ENABLE_ONEDNN_OPTS``, the default on x86) and the CPU must have AVX512BW with
     AVX512-FP16 or AMX-FP16, or AVX-NE-CONVERT.  tests/frameworks/test_backward_tensorflow.py
-    checks it against what a float16 ``tf.einsum`` measurably does on the machine it runs on."""
+    measures a float16 ``tf.einsum`` on the machine it runs on: a float32 accumulation where
+    oneDNN takes float16, as the rule implies."""
     from tensorflow.python.util import _pywrap_util_port
 
     if not _pywrap_util_port.IsMklEnabled():
