@@ -128,11 +128,12 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
                                "already confines it: everything outside those rows must pass)")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
-        for field, names in (("stage", STAGES + BACKWARD_STAGES), ("dtype", DTYPES)):
-            for alternative in getattr(dev, field).split("|"):  # each alternative names something
+        for field, pattern, names in (("stage", dev.stage, STAGES + BACKWARD_STAGES), ("dtype", dev.dtype, DTYPES)):
+            for alternative in pattern.split("|"):  # each alternative must name something
                 if not any(fnmatch.fnmatchcase(n, alternative) for n in names):
-                    what = f"{alternative!r} matches no {field}" if "|" in getattr(dev, field) else f"matches no {field}"
-                    raise AdapterError(f"{where}: deviation {dev.pattern} {what}; {field}s are {', '.join(names)}")
+                    which = f" {alternative!r}" if "|" in pattern else ""
+                    raise AdapterError(f"{where}: deviation {dev.pattern}{which} matches no {field}; "
+                                       f"{field}s are {', '.join(names)}")
     return out
 
 
