@@ -28,7 +28,9 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,10 +123,24 @@ class GoldenCase:
     #: (B, H, T, S) of the whole case when this case is one block of its query rows (set by
     #: mhaspec.conformance.blocks); None: this is the whole case.
     whole_shape: tuple[int, int, int, int] | None = field(default=None, repr=False, compare=False)
+    #: SHA-256 of the fixture file this case was read from, as verified by :func:`load_case`; None: not
+    #: read from a file (computed on the fly, or one block of a case), so nothing of it is kept (:meth:`derived`).
+    sha256: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.spec.id
+
+    def derived(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, a function of this golden alone (its tolerance bounds in one dtype and
+        precision: ``key`` names which), computed once per process for a case read from a file.
+
+        Kept in :data:`DERIVED` under the file's verified SHA-256, the case's spec and ``key``:
+        every new runner of the process (each ``mhaspec.check``, each test) that judges the same
+        fixture in the same dtype finds it there.  The arrays kept are read-only."""
+        if self.sha256 is None:
+            return compute()
+        return DERIVED.get((self.sha256, self.spec.model_dump_json(), key), compute)
 
     def memoised(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``, computed once for every block of query rows of a batch entry when
@@ -382,7 +398,65 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
     stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
     stages = {s: stages[s] for s in STAGES + BACKWARD_STAGES if s in stages}  # pipeline order
-    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"])
+    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"],
+                      sha256=digest)
+
+
+class DerivedMemo:
+    """What is derived from verified fixtures alone (their tolerance bounds), kept for the process:
+    least recently used first out, at most ``budget`` bytes of arrays.  A value larger than the
+    budget is returned and not kept.  Each array kept is made read-only, so that no caller can
+    change what the next one gets."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                return hit[0]
+        value = compute()
+        size = _freeze(value)
+        with self._lock:
+            if size <= self.budget and key not in self._items:
+                self._items[key] = (value, size)
+                self._bytes += size
+                while self._bytes > self.budget:
+                    _, (_, dropped) = self._items.popitem(last=False)
+                    self._bytes -= dropped
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+def _freeze(value: Any) -> int:
+    """Make every array in ``value`` (nested dicts, tuples, lists) read-only; their bytes."""
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+        return value.nbytes
+    if isinstance(value, Mapping):
+        return sum(_freeze(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_freeze(v) for v in value)
+    return 0
+
+
+#: Bytes of derived arrays kept per process (:meth:`GoldenCase.derived`): the bounds of the whole
+#: shipped catalog in every dtype, forward and backward, under both precision contracts take 48 MB.
+DERIVED_BUDGET = 256 << 20
+DERIVED = DerivedMemo(DERIVED_BUDGET)
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:

@@ -259,7 +259,9 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
-        raw, tolerances = judging_bounds(golden, dtype, self.precision)  # tolerances: + the golden's own error
+        # tolerances: + the golden's own error; a fixture's, once per process (GoldenCase.derived)
+        raw, tolerances = golden.derived(("judging", dtype, self.precision),
+                                         lambda: judging_bounds(golden, dtype, self.precision))
         self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
         bounds = golden.with_reference_error(raw)  # fast reference: + its error
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
@@ -276,9 +278,10 @@ class Session:
             """``stage`` against the golden with the tolerances a bounded deviation allows."""
             if within not in within_tolerances:
                 if within == "worst-case":
-                    within_tolerances[within] = golden.with_reference_error(worst_case_tolerances(golden, dtype))
+                    within_tolerances[within] = golden.with_reference_error(self._worst_case(golden, dtype))
                 else:
-                    wider = golden.with_reference_error(golden_bounds(golden, within, self.precision))
+                    wider = golden.with_reference_error(golden.derived(
+                        ("bounds", within, self.precision), lambda: golden_bounds(golden, within, self.precision)))
                     within_tolerances[within] = {k: b.tolerance(LAMBDA) for k, b in wider.items()}
             return compare_stage(stage, returned[stage], golden.stages[stage], within_tolerances[within][stage],
                                  dtype, selected)
@@ -312,13 +315,17 @@ class Session:
             stages.append(res)
         return stages
 
+    @staticmethod
+    def _worst_case(golden: GoldenCase, dtype: str) -> dict[str, np.ndarray]:
+        return golden.derived(("worst-case", dtype), lambda: worst_case_tolerances(golden, dtype))
+
     def _diagnose_imprecise(self, res: StageResult, golden: GoldenCase, dtype: str, returned: Mapping[str, Any],
                             own: dict[str, np.ndarray], selected: np.ndarray | None, worst: dict[str, Any]) -> None:
         """Name a failure ``imprecise`` when the stage passes the worst-case bound of a correct
         algorithm in ``dtype`` (golden and local): too much rounding error for the standard
         contract (float32 accumulation), not necessarily a wrong function."""
         if not worst:
-            worst["golden"] = golden.with_reference_error(worst_case_tolerances(golden, dtype))
+            worst["golden"] = golden.with_reference_error(self._worst_case(golden, dtype))
             worst["local"] = local_references(golden, own, dtype, "worst-case")
         stage = res.stage
         again = compare_stage(stage, returned[stage], golden.stages[stage], worst["golden"][stage], dtype, selected)
@@ -358,7 +365,11 @@ class Session:
             return [], error, seconds
         last = self._forward_bounds
         forward_bounds = last[2] if last is not None and last[0] is golden and last[1] == dtype else None
-        bounds = backward_bounds(golden, dtype, forward_bounds, precision=self.precision)
+        if forward_bounds is None:
+            bounds = backward_bounds(golden, dtype, precision=self.precision)
+        else:  # from the forward's bounds of this golden and dtype (kept with them for a fixture)
+            bounds = golden.derived(("backward", dtype, self.precision),
+                                    lambda: backward_bounds(golden, dtype, forward_bounds, precision=self.precision))
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
         within_bounds: dict[str, dict[str, Bound]] = {}  # by Deviation.within, when one is asked
 
@@ -366,9 +377,12 @@ class Session:
             """``stage`` against the golden with the bounds a bounded deviation allows."""
             if within not in within_bounds:
                 if within == "worst-case":
-                    within_bounds[within] = backward_bounds(golden, dtype, precision="worst-case")
+                    within_bounds[within] = golden.derived(
+                        ("backward", dtype, "worst-case"), lambda: backward_bounds(golden, dtype, precision="worst-case"))
                 else:
-                    within_bounds[within] = backward_bounds(golden, within, precision=self.precision)
+                    within_bounds[within] = golden.derived(
+                        ("backward", within, self.precision),
+                        lambda: backward_bounds(golden, within, precision=self.precision))
             precision = "worst-case" if within == "worst-case" else self.precision
             return judge_stage(stage, returned[stage], golden, within_bounds[within][stage], dtype, precision, selected)
 

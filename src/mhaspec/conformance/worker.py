@@ -400,6 +400,7 @@ def _forget_golden() -> None:
         return
     import gc
 
+    fixtures.DERIVED.clear()  # the bounds kept for the process (GoldenCase.derived)
     for obj in gc.get_objects():
         if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
             for name, value in list(vars(obj).items()):
