@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -140,7 +141,11 @@ class GoldenCase:
         fixture in the same dtype finds it there.  The arrays kept are read-only."""
         if self.sha256 is None:
             return compute()
-        return DERIVED.get((self.sha256, self.spec.model_dump_json(), key), compute)
+        return DERIVED.get((self.sha256, self._spec_json, key), compute)
+
+    @functools.cached_property
+    def _spec_json(self) -> str:
+        return self.spec.model_dump_json()
 
     def memoised(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``, computed once for every block of query rows of a batch entry when

@@ -319,6 +319,14 @@ class Session:
     def _worst_case(golden: GoldenCase, dtype: str) -> dict[str, np.ndarray]:
         return golden.derived(("worst-case", dtype), lambda: worst_case_tolerances(golden, dtype))
 
+    @staticmethod
+    def _backward_bounds(golden: GoldenCase, dtype: str, precision: str,
+                         forward: Mapping[str, Bound] | None = None) -> dict[str, Bound]:
+        """:func:`backward_bounds`, kept for a fixture (``forward``, the forward's bounds of the same
+        golden, dtype and precision, or None: computed here — the same numbers)."""
+        return golden.derived(("backward", dtype, precision),
+                              lambda: backward_bounds(golden, dtype, forward, precision=precision))
+
     def _diagnose_imprecise(self, res: StageResult, golden: GoldenCase, dtype: str, returned: Mapping[str, Any],
                             own: dict[str, np.ndarray], selected: np.ndarray | None, worst: dict[str, Any]) -> None:
         """Name a failure ``imprecise`` when the stage passes the worst-case bound of a correct
@@ -365,11 +373,7 @@ class Session:
             return [], error, seconds
         last = self._forward_bounds
         forward_bounds = last[2] if last is not None and last[0] is golden and last[1] == dtype else None
-        if forward_bounds is None:
-            bounds = backward_bounds(golden, dtype, precision=self.precision)
-        else:  # from the forward's bounds of this golden and dtype (kept with them for a fixture)
-            bounds = golden.derived(("backward", dtype, self.precision),
-                                    lambda: backward_bounds(golden, dtype, forward_bounds, precision=self.precision))
+        bounds = self._backward_bounds(golden, dtype, self.precision, forward_bounds)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
         within_bounds: dict[str, dict[str, Bound]] = {}  # by Deviation.within, when one is asked
 
@@ -377,12 +381,9 @@ class Session:
             """``stage`` against the golden with the bounds a bounded deviation allows."""
             if within not in within_bounds:
                 if within == "worst-case":
-                    within_bounds[within] = golden.derived(
-                        ("backward", dtype, "worst-case"), lambda: backward_bounds(golden, dtype, precision="worst-case"))
+                    within_bounds[within] = self._backward_bounds(golden, dtype, "worst-case")
                 else:
-                    within_bounds[within] = golden.derived(
-                        ("backward", within, self.precision),
-                        lambda: backward_bounds(golden, within, precision=self.precision))
+                    within_bounds[within] = self._backward_bounds(golden, within, self.precision)
             precision = "worst-case" if within == "worst-case" else self.precision
             return judge_stage(stage, returned[stage], golden, within_bounds[within][stage], dtype, precision, selected)
 
