@@ -17,7 +17,8 @@ times: `off` (MHASPEC_CACHE_DIR=off: no cache, as before it existed), `cold` (an
 cache folder) and `warm` (the same folder again).  The cold and warm reports are compared
 with the off one: every case × dtype's verdict, first failing stage and worst ratio, and
 every stage's verdict, largest absolute and relative errors, worst ratio and its index.
-`--modes cold,warm` runs fewer.
+`--modes cold,warm` runs fewer; `warm` alone still runs `cold` first (each adapter's cache
+folder is new to this benchmark: without it the "warm" run would be a cold one).
 
 `--before REV` also runs the same catalog with the sources of git revision REV (its
 `src/` extracted to a temporary folder, cache off), prints its figures, and compares the
@@ -200,6 +201,10 @@ def bench_adapters(args: argparse.Namespace, folder: Path) -> None:
     wall, cpu, numpy_report = catalog_run("numpy", ROOT / "src", folder / "numpy.json")
     print(f"numpy adapter, same catalog (the runner's own cost): {wall:.2f} s wall, {cpu:.2f} s CPU  [{load()}]")
     modes = args.modes.split(",")
+    if "warm" in modes and "cold" not in modes[: modes.index("warm")]:
+        # `warm` reuses the folder `cold` filled: without a cold run before it, a warm run would be a cold one
+        modes.insert(modes.index("warm"), "cold")
+        print("(--modes: `warm` needs the cache a `cold` run fills: a cold run comes first)")
     runs = [(f"before ({args.before})", extract(args.before, folder / "before"), None)] if args.before else []
     runs += [(f"cache {mode}", ROOT / "src", mode) for mode in modes]
     print(f"\n{'adapter':<14} {'direction':<9} {'code':<16} {'run wall s':>10} {'run CPU s':>9} "
