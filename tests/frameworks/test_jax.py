@@ -75,6 +75,30 @@ def test_nnx_converters_round_trip_through_a_real_layer(case_id: str) -> None:
         assert_same_weights(flax_nnx.nnx_state_to_canonical(nnx.state(layer, nnx.Param)), case.weights.as_dict())
 
 
+def test_nnx_cases_of_the_same_sizes_share_one_abstract_layer_never_its_weights() -> None:
+    """flax-nnx makes the abstract layer of each size × dtype once per process and loads each case's
+    weights into a copy of it: two cases of the same sizes (self_basic, causal_and_mask), run and
+    backward, give bit for bit what each gives with nothing kept, and the kept state stays abstract."""
+    cases = [golden_case("self_basic", "float32"), golden_case("causal_and_mask", "float32")]
+    assert cases[0].config.weight_shapes() == cases[1].config.weight_shapes()
+    adapter = flax_nnx.FlaxNNXAdapter()
+    alone = []
+    for case in cases:
+        flax_nnx._abstract_layer.cache_clear()
+        alone.append({**adapter.run(case), **adapter.backward(case)})
+    flax_nnx._abstract_layer.cache_clear()
+    together = [{**adapter.run(case), **adapter.backward(case)} for case in cases]
+    assert flax_nnx._abstract_layer.cache_info().misses == 1  # one layer for the two cases, run and backward
+    for got, expected in zip(together, alone):
+        assert got.keys() == expected.keys()
+        for stage in expected:
+            np.testing.assert_array_equal(got[stage], expected[stage], err_msg=stage)
+    cfg = cases[0].config
+    _, state = flax_nnx._abstract_layer(cfg.H, cfg.d_model, cfg.H * cfg.D_k, cfg.d_out, cfg.kdim, cfg.bias,
+                                        cfg.H_kv, "float32")
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state))
+
+
 def test_flax_layout_by_hand() -> None:
     cfg = MHAConfig(d_model=3, num_heads=2, head_dim=4, kdim=5, vdim=7, out_dim=6)
     w = arange_weights(cfg)  # w_q (3, 8), w_k (5, 8), w_v (7, 8), w_o (8, 6)

@@ -32,6 +32,7 @@ unsupported.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -97,6 +98,33 @@ def nnx_state_to_canonical(state: Any) -> dict[str, np.ndarray]:
     if isinstance(state, nnx.State):
         state = nnx.to_pure_dict(state)
     return flax_to_canonical(state)
+
+
+@functools.lru_cache(maxsize=256)
+def _abstract_layer(H: int, d_model: int, qkv: int, d_out: int, kdim: int, bias: bool, H_kv: int,
+                    dtype: str) -> tuple[Any, Any]:
+    """(graphdef, abstract state) of an ``nnx.MultiHeadAttention`` of these sizes in ``dtype``
+    (``nnx.eval_shape``: nothing initialised), made once per process: ``nnx.eval_shape`` traces the
+    constructor, ~15 ms a layer, and the cases of a catalog share their sizes in each dtype (28
+    cases, 16 sizes), run and backward the same layer.  Call inside ``computing_in(dtype)``
+    (float64 needs x64 on); :func:`new_layer` merges a copy."""
+    kv_heads = {"num_kv_heads": H_kv} if HAS_KV_HEADS else {}
+    zeros = nnx.initializers.zeros_init()  # every parameter is replaced: the cheapest initializer to trace
+    layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(
+        num_heads=H, in_features=d_model, qkv_features=qkv, out_features=d_out, in_kv_features=kdim,
+        use_bias=bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), decode=False,
+        kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0), **kv_heads,
+    ))
+    return nnx.split(layer)
+
+
+def new_layer(cfg: MHAConfig, dtype: str) -> nnx.MultiHeadAttention:
+    """An abstract ``nnx.MultiHeadAttention`` for ``cfg`` in ``dtype`` (its parameters' shapes and
+    dtypes only: load the case's weights with ``nnx.update``), merged from a copy of
+    :func:`_abstract_layer`'s state, so that loading weights never reaches the kept one."""
+    graphdef, state = _abstract_layer(cfg.H, cfg.d_model, cfg.H * cfg.D_k, cfg.d_out, cfg.kdim, cfg.bias,
+                                      cfg.H_kv, dtype)
+    return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))
 
 
 def nnx_mask(case: Case) -> tuple[jax.Array | None, bool]:
@@ -178,13 +206,7 @@ class FlaxNNXAdapter:
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
-            kv_heads = {"num_kv_heads": cfg.H_kv} if HAS_KV_HEADS else {}
-            zeros = nnx.initializers.zeros_init()  # every parameter is replaced: the cheapest initializer to trace
-            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(  # abstract: no init to compute
-                num_heads=cfg.H, in_features=cfg.d_model, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out,
-                in_kv_features=cfg.kdim, use_bias=cfg.bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype),
-                decode=False, kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0), **kv_heads,
-            ))
+            layer = new_layer(cfg, dtype)  # abstract: no init to compute
             state = nnx.state(layer, nnx.Param)
             params = canonical_to_nnx_state(case.weights, cfg)
             nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype), params))
@@ -222,12 +244,7 @@ class FlaxNNXAdapter:
         cfg, dtype = case.config, case.dtype
         B, T, S, H, G, D = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv, cfg.D_k
         with computing_in(dtype, self.device):
-            kv_heads = {"num_kv_heads": G} if HAS_KV_HEADS else {}
-            layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(
-                num_heads=H, in_features=cfg.d_model, qkv_features=H * D, out_features=cfg.d_out,
-                in_kv_features=cfg.kdim, use_bias=cfg.bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype),
-                decode=False, rngs=nnx.Rngs(0), **kv_heads,
-            ))
+            layer = new_layer(cfg, dtype)
             state = nnx.state(layer, nnx.Param)
             nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype),
                                                           canonical_to_nnx_state(case.weights, cfg)))
