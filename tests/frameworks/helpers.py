@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+import mhaspec
+from mhaspec.conformance import Report
 from mhaspec.fixtures import GoldenSet
 from mhaspec.spec import Case, MHAConfig
 
@@ -12,6 +16,15 @@ GOLDEN = GoldenSet()
 
 def golden_case(case_id: str, dtype: str = "float64") -> Case:
     return GOLDEN.load(case_id).case(dtype)
+
+
+def check_here(adapter: str, **options: Any) -> Report:
+    """``mhaspec.check`` of a built-in adapter in this process (``isolate=False``): the verdicts of
+    a few cases, without a spawned worker that imports the framework again (1.5–4 s of CPU a
+    check).  The worker path of every built-in adapter is its whole-catalog run through the CLI
+    (test_catalog_runs.py), and a worker's report equals this process's (tests/test_isolation.py).
+    A user's adapter file (the examples) is checked as users run it, in its worker."""
+    return mhaspec.check(adapter, isolate=False, **options)
 
 
 def arange_weights(cfg: MHAConfig) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, golden_case
+from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, check_here, golden_case
 
 jax = require("jax")
 require("flax")
@@ -244,7 +244,7 @@ def test_fully_masked_rows_attend_uniformly_in_flax() -> None:
     for name in ("flax-linen", "flax-nnx"):
         weights = load_adapter(name).run(case)["attn_weights"]
         np.testing.assert_allclose(weights[1, :, 0], 1 / case.src_len, rtol=1e-6)
-    report = mhaspec.check("flax-linen", dtypes=["float32"], cases=["custom_mask"])
+    report = check_here("flax-linen", dtypes=["float32"], cases=["custom_mask"])
     assert report.result("custom_mask", "float32").stage("attn_weights").verdict == "known deviation"
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import arange_weights, assert_same_weights, golden_case
+from tests.frameworks.helpers import arange_weights, assert_same_weights, check_here, golden_case
 
 onnx = require("onnx")
 ort = require("onnxruntime")
@@ -413,14 +413,14 @@ def test_torch_export_scales_float64_scores_by_a_float32_scale(torch_onnx) -> No
 def test_later_opsets_build_the_same_graph(opset: int) -> None:
     cases = ["gqa", "custom_mask", "causal_top_left"]
     for name in ("onnxruntime", "onnx-reference"):
-        report = mhaspec.check(name, dtypes=["float32"], cases=cases, opset=opset)
+        report = check_here(name, dtypes=["float32"], cases=cases, opset=opset)
         assert report.ok and report.counts()["pass"] == len(cases), str(report)
     with pytest.raises(ValueError, match="opset >= 23"):
         onnx_attention.OnnxRuntimeAdapter(opset=22)
 
 
 def test_onnxruntime_deviates_in_float64_only_where_declared() -> None:
-    report = mhaspec.check("onnxruntime", dtypes=["float64"], cases=["gqa", "head_dim_1"])
+    report = check_here("onnxruntime", dtypes=["float64"], cases=["gqa", "head_dim_1"])
     stages = {st.stage: st.verdict for st in report.result("gqa", "float64").stages}
     assert stages["q_proj"] == stages["k_proj"] == stages["v_proj"] == "pass"
     assert stages["scores"] == stages["output"] == "known deviation"
@@ -433,8 +433,8 @@ def test_the_dynamo_export_deviates_in_float64_where_the_legacy_one_does_not(tor
     # constant (test_torch_export_scales_float64_scores_by_a_float32_scale). The legacy export passes
     # every case in float64: tests/frameworks/test_catalog_runs.py.
     cases = ["large_logits"]
-    assert mhaspec.check("torch-onnx-legacy", dtypes=["float64"], cases=cases).result(*cases, "float64").verdict == "pass"
-    dynamo = mhaspec.check("torch-onnx", dtypes=["float64"], cases=cases)
+    assert check_here("torch-onnx-legacy", dtypes=["float64"], cases=cases).result(*cases, "float64").verdict == "pass"
+    dynamo = check_here("torch-onnx", dtypes=["float64"], cases=cases)
     assert dynamo.result("large_logits", "float64").verdict == "known deviation"
 
 
@@ -468,7 +468,7 @@ def test_torch_onnx_float64_scale_deviation_does_not_hide_a_bug(torch_onnx) -> N
             return stages
 
     cases = ["large_logits", "cross_attention"]  # D_k = 8 and 6: float32 cannot hold 1/sqrt(D_k)
-    honest = mhaspec.check("torch-onnx", dtypes=["float64"], cases=cases)
+    honest = check_here("torch-onnx", dtypes=["float64"], cases=cases)
     assert honest.ok and {r.verdict for r in honest.results} == {KNOWN_DEVIATION}, honest.table()
     buggy = mhaspec.check(DropsOutputBias(), dtypes=["float64"], cases=cases)
     for r in buggy.results:

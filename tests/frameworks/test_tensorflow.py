@@ -13,6 +13,7 @@ import pytest
 
 from mhaspec.spec import CATALOG, Case, MHAConfig
 from tests.conftest import require
+from tests.frameworks.helpers import check_here
 
 pytestmark = pytest.mark.tensorflow
 
@@ -225,9 +226,9 @@ def test_declared_deviations_are_narrow(adapter):
 
 # -- conformance (the whole catalog: tests/frameworks/test_catalog_runs.py) -------
 def test_keras_still_deviates_upstream_on_rows_without_keys():
-    from mhaspec.conformance import KNOWN_DEVIATION, check
+    from mhaspec.conformance import KNOWN_DEVIATION
 
-    report = check("keras", dtypes=["float32"], cases=["custom_mask"])
+    report = check_here("keras", dtypes=["float32"], cases=["custom_mask"])
     assert report.result("custom_mask", "float32").verdict == KNOWN_DEVIATION
 
 
@@ -267,7 +268,7 @@ def test_keras_float64_scale_deviation_does_not_hide_a_bug():
     covered = [c for c in keras_mha._SCALE_INEXACT_IN_FLOAT32 if next(s for s in CATALOG if s.id == c).config.bias]
     cases = covered[:2]
     assert cases
-    honest = check("keras", dtypes=["float64"], cases=cases)
+    honest = check_here("keras", dtypes=["float64"], cases=cases)
     assert honest.ok and {r.verdict for r in honest.results} == {KNOWN_DEVIATION}, honest.table()
     buggy = check(DropsOutputBias(), dtypes=["float64"], cases=cases)
     for r in buggy.results:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, golden_case
+from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, check_here, golden_case
 
 torch = require("torch")
 
@@ -184,9 +184,9 @@ def test_cuda_device_is_refused_without_cuda() -> None:
 
 
 def test_torch_exposes_every_stage_and_sdpa_the_unfused_ones() -> None:
-    report = mhaspec.check("torch", dtypes=["float32"], cases=["gqa"])
+    report = check_here("torch", dtypes=["float32"], cases=["gqa"])
     assert all(st.verdict == "pass" for st in report.result("gqa", "float32").stages)
-    report = mhaspec.check("torch-sdpa", dtypes=["float32"], cases=["gqa"])
+    report = check_here("torch-sdpa", dtypes=["float32"], cases=["gqa"])
     verdicts = {st.stage: st.verdict for st in report.result("gqa", "float32").stages}
     assert verdicts["scores"] == verdicts["attn_weights"] == "not exposed"
     assert verdicts["head_outputs"] == verdicts["output"] == "pass"
@@ -194,10 +194,10 @@ def test_torch_exposes_every_stage_and_sdpa_the_unfused_ones() -> None:
 
 def test_mha_nan_on_rows_without_keys_is_a_declared_deviation() -> None:
     # If this fails because the stages pass, PyTorch fixed #41508: drop the declaration.
-    report = mhaspec.check("torch-mha", dtypes=["float32"], cases=["custom_mask"])
+    report = check_here("torch-mha", dtypes=["float32"], cases=["custom_mask"])
     stages = {st.stage: st.verdict for st in report.result("custom_mask", "float32").stages}
     assert stages["attn_weights"] == stages["output"] == "known deviation"
-    fast = mhaspec.check("torch-mha-fast", dtypes=["float32"], cases=["custom_mask"])
+    fast = check_here("torch-mha-fast", dtypes=["float32"], cases=["custom_mask"])
     assert fast.result("custom_mask", "float32").verdict == "pass"  # need_weights=False goes through SDPA
 
 
