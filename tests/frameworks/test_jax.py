@@ -99,6 +99,28 @@ def test_nnx_cases_of_the_same_sizes_share_one_abstract_layer_never_its_weights(
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linen_layers_zero_initializers_never_reach_what_it_computes(monkeypatch, dtype: str) -> None:
+    """flax-linen builds its layer with ``zeros`` initializers (cheaper for ``apply``'s shape check to
+    trace): every parameter is the case's, so the layer with Flax's default (random) initializers gives
+    bit for bit the same stages, run and backward."""
+    case = golden_case("cross_attention", dtype)  # every bias, kdim and vdim of their own
+    adapter = flax_linen.FlaxLinenAdapter()
+    ours = {**adapter.run(case), **adapter.backward(case)}
+
+    def default_initializers(cfg: MHAConfig, dtype: str) -> nn.MultiHeadDotProductAttention:
+        return nn.MultiHeadDotProductAttention(
+            num_heads=cfg.H, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out, use_bias=cfg.bias,
+            dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype), deterministic=True,
+        )
+
+    monkeypatch.setattr(flax_linen, "linen_layer", default_initializers)
+    default = {**adapter.run(case), **adapter.backward(case)}
+    assert ours.keys() == default.keys() and "d_w_o" in ours
+    for stage in ours:
+        np.testing.assert_array_equal(ours[stage], default[stage], err_msg=stage)
+
+
 def test_flax_layout_by_hand() -> None:
     cfg = MHAConfig(d_model=3, num_heads=2, head_dim=4, kdim=5, vdim=7, out_dim=6)
     w = arange_weights(cfg)  # w_q (3, 8), w_k (5, 8), w_v (7, 8), w_o (8, 6)
