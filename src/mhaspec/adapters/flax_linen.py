@@ -84,7 +84,7 @@ def linen_layer(cfg: MHAConfig, dtype: str) -> nn.MultiHeadDotProductAttention:
     but ``apply`` still traces each parameter's initializer (``jax.eval_shape``) to check the
     given shape (``flax.core.scope.Scope.param``), in every case's trace, forward and backward.
     The default ``lecun_normal`` traces a random draw, ``zeros`` one broadcast: a warm
-    ``mhaspec run flax-linen --backward`` takes ~2.5 s (a tenth) less CPU time.  The stages are
+    ``mhaspec run flax-linen --backward`` takes ~2 s (a tenth) less CPU time.  The stages are
     the same bit for bit: the initializers are not in the computation (tests/frameworks/test_jax.py).
     """
     return nn.MultiHeadDotProductAttention(
