@@ -30,6 +30,7 @@ two JSON reports case × dtype × stage: verdicts, first failing stages, and the
     python benchmarks/bench_jax.py --reports DIR            # keep the reports (for `mhaspec matrix`)
     python benchmarks/bench_jax.py --no-adapters --tox-commands [--envs jax,core] [--fresh-cache]
     python benchmarks/bench_jax.py --tox                    # time a warm `tox -p` (run it on a quiet machine)
+    python benchmarks/bench_jax.py --no-adapters --tox-alone [--envs jax,core]   # each env alone: the floor
 
 `--tox-commands` runs each env's commands (from tox.ini, with its set_env) one after the
 other in the current interpreter's environment, which has every framework installed: the
@@ -40,7 +41,9 @@ empties it first; `--tox-cache off` runs without); each env's line says how many
 its cache had.  It prints each
 command's wall and CPU time, each env's total, the sum, and the `tox -p` estimate on
 2 quiet cores: the larger of the env with the most CPU time and half the total.  `--tox` runs the
-real `tox -p` (its envs must exist already: warm) and prints tox's per-env times.
+real `tox -p` (its envs must exist already: warm) and prints tox's per-env times.  `--tox-alone`
+runs each env alone through tox (`tox -e ENV`, warm), one after the other, and prints the floor of
+`tox -p` on this machine: the envs' total CPU time over the cores, or the longest env if longer.
 """
 
 from __future__ import annotations
@@ -334,6 +337,27 @@ def bench_tox() -> None:
             print("  " + line.strip())
 
 
+def bench_tox_alone(only: list[str] | None = None) -> None:
+    """Each env of env_list alone through tox (`tox -e ENV`, warm: its env must exist), one after the
+    other: the wall and CPU time of each, the total, and the floor of `tox -p` on this machine's cores
+    (the total CPU time over the cores, or the longest env if that is larger)."""
+    names = [n for n in tox_envs() if n != "matrix" and (not only or n in only)]
+    print("\neach env alone, warm, one after the other (`tox -e ENV`)")
+    totals = {}
+    for name in names:
+        ld = load()
+        wall, cpu, proc = timed(["tox", "-e", name], cwd=ROOT)
+        status = "ok" if proc.returncode == 0 else f"EXIT {proc.returncode}"
+        totals[name] = (wall, cpu)
+        print(f"  {name:<11} {wall:>7.1f} s wall {cpu:>7.1f} s CPU  {status}  [{ld}]", flush=True)
+    cpu = sum(c for _, c in totals.values())
+    cores = os.cpu_count() or 1
+    longest = max(totals, key=lambda n: totals[n][0])
+    floor = max(cpu / cores, totals[longest][0])
+    print(f"all: {cpu:.1f} s CPU; `tox -p` on {cores} cores >= {floor:.1f} s (the larger of {cpu:.1f} / {cores} "
+          f"and the longest env, {longest} {totals[longest][0]:.1f} s wall) (target <= {TARGET_TOX_S:g} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="*", default=ADAPTERS)
@@ -344,12 +368,14 @@ def main() -> None:
     parser.add_argument("--reports", metavar="DIR", help="keep each adapter's JSON report here (for `mhaspec matrix`)")
     parser.add_argument("--no-adapters", action="store_true", help="skip the adapter runs (with --tox or --tox-commands)")
     parser.add_argument("--tox-commands", action="store_true", help="time every tox env's commands in this venv")
-    parser.add_argument("--envs", help="with --tox-commands: only these envs (comma-separated)")
+    parser.add_argument("--envs", help="with --tox-commands or --tox-alone: only these envs (comma-separated)")
     parser.add_argument("--fresh-cache", action="store_true",
                         help="with --tox-commands: empty each env's MHASPEC_CACHE_DIR first (a cold run)")
     parser.add_argument("--tox-cache", metavar="VALUE",
                         help="with --tox-commands: MHASPEC_CACHE_DIR for every env instead of tox.ini's (e.g. off)")
     parser.add_argument("--tox", action="store_true", help="time a warm `tox -p` (its envs must exist)")
+    parser.add_argument("--tox-alone", action="store_true",
+                        help="time each env alone (`tox -e ENV`, warm) and print the floor of `tox -p` here")
     args = parser.parse_args()
 
     print(f"{os.cpu_count()} cores; {load()} ({', '.join(f'{x:.1f}' for x in os.getloadavg())} over 1/5/15 min)")
@@ -358,6 +384,8 @@ def main() -> None:
             bench_adapters(args, Path(tmp))
     if args.tox_commands:
         bench_tox_commands(args.envs.split(",") if args.envs else None, args.fresh_cache, args.tox_cache)
+    if args.tox_alone:
+        bench_tox_alone(args.envs.split(",") if args.envs else None)
     if args.tox:
         bench_tox()
 
