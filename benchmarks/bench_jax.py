@@ -366,7 +366,7 @@ def main() -> None:
                         help="JAX compilation cache modes to run each adapter in (default off,cold,warm)")
     parser.add_argument("--before", metavar="REV", help="also run git revision REV's sources and compare the reports")
     parser.add_argument("--reports", metavar="DIR", help="keep each adapter's JSON report here (for `mhaspec matrix`)")
-    parser.add_argument("--no-adapters", action="store_true", help="skip the adapter runs (with --tox or --tox-commands)")
+    parser.add_argument("--no-adapters", action="store_true", help="skip the adapter runs (with --tox, --tox-commands or --tox-alone)")
     parser.add_argument("--tox-commands", action="store_true", help="time every tox env's commands in this venv")
     parser.add_argument("--envs", help="with --tox-commands or --tox-alone: only these envs (comma-separated)")
     parser.add_argument("--fresh-cache", action="store_true",
