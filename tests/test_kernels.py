@@ -279,7 +279,10 @@ def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(go
     for stage in ("scores", "head_outputs"):
         (r0, b0), (r1, b1) = numpy_loop[stage], compiled[stage]
         assert np.array_equal(r0, r1), stage  # the same BLAS products, the same scaling
-        assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage
+        # head_outputs' worst part holds the weights' route allowance (tolerance._weights_route), a local
+        # weights bound, whose compiled loop agrees to 1e-7 (test_the_compiled_local_weights_check_…)
+        worst = 1e-12 if stage == "scores" else 1e-7
+        assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= worst, stage
 
 
 def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, monkeypatch):

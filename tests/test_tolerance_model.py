@@ -125,6 +125,36 @@ def test_local_check_locates_a_bug_the_golden_check_cannot_resolve():
     assert st.verdict == FAIL and "local" in st.failed_check
 
 
+class _WithoutScores:
+    """A kernel that returns its weights and head outputs but not its scores."""
+
+    def __init__(self, variant):
+        self.variant, self.name = variant, variant.name + "-without-scores"
+
+    def run(self, case):
+        out = self.variant.run(case)
+        out.pop("scores")
+        return out
+
+
+@pytest.mark.parametrize("exposed", ["with its scores", "without its scores"])
+def test_weights_recomputed_from_the_lse_pass_the_local_head_outputs_check(exposed):
+    """FlashAttention's route: P·V from the online accumulator, the P returned recomputed as exp(s − LSE).
+    On large_logits in float64 the local check once took the returned P for the one used (ratio 4.48);
+    the route allowance (tolerance._weights_route) accepts it, measured from the adapter's own scores
+    or, without them, from the golden's; the stale-accumulator bug still fails there, locally."""
+    good = CORRECT["online_softmax_16_lse_weights"]
+    bad, stage = BUGS["online_softmax_stale_accumulator"]
+    if exposed == "without its scores":
+        good, bad = _WithoutScores(good), _WithoutScores(bad)
+    st = mhaspec.check(good, cases=["large_logits"], timeout=None, isolate=False).result(
+        "large_logits", "float64").stage("head_outputs")
+    assert st.verdict == PASS and st.local_worst_ratio is not None and st.local_worst_ratio <= 0.5, st
+    for r in mhaspec.check(bad, cases=["tile_crossing"], timeout=None, isolate=False).results:
+        st = r.stage(stage)
+        assert r.first_failing_stage == stage and "local" in st.failed_check, (r.dtype, st)
+
+
 # --- large fan-in: never a silent non-check -----------------------------------------------
 
 def _big_case(fan_in: int = 2048) -> GoldenCase:

@@ -31,6 +31,9 @@ class Variant:
     native_accumulation: bool = False  # every partial sum rounded to the dtype under test
     finfo_fill: bool = False  # masked scores filled with finfo.min, fully masked rows zeroed afterwards
     tiled_online_softmax: bool = False  # FlashAttention-style: blocks of 16 keys, float32 running max/sum/acc
+    block: int = 16  # the key block of tiled_online_softmax
+    weights_from_lse: bool = False  # tiled_online_softmax also returns its scores and P = exp(s - LSE), as
+    #                                 FlashAttention's backward recomputes it; head_outputs stay the accumulator's
     log_sum_exp: bool = False  # p = exp(s - logsumexp(s)) instead of e / Σe
     fused_float32: bool = False  # nothing stored in the dtype until the end: every stage kept in the accumulator
     scale_float32: bool = False  # a known deviation, not a bug: the scale taken in float32 whatever the dtype
@@ -52,6 +55,7 @@ class Variant:
     nan_masked_rows: bool = False
     mask_after_softmax: bool = False  # softmax over every key, then masked weights zeroed (not renormalised)
     unnormalised_pv: bool = False  # head outputs from exp(s - max) @ V, never divided by the sum
+    stale_accumulator: bool = False  # online softmax: the P·V accumulator not rescaled when the running max grows
     dropout_left_on: bool = False  # 10 % of the weights dropped, the rest scaled by 1/0.9
     output_only: bool = False  # return only "output", as fused kernels do
 
@@ -133,8 +137,7 @@ class Variant:
             allowed &= ~m if self.mask_inverted else m
 
         if self.tiled_online_softmax:
-            p, o = self._tiled(Q, K, V, allowed, scale, r, acc)
-            s = None
+            s, p, o = self._tiled(Q, K, V, allowed, scale, r, acc)
         else:
             p, o = self._softmax_pv(s, V, allowed, acc, r, mm, S)
         if self.merge_without_transpose:
@@ -152,28 +155,39 @@ class Variant:
         return {name: np.asarray(val).astype(out_dt) for name, val in stages.items() if val is not None}
 
     def _tiled(self, Q, K, V, allowed, scale, r, acc):
-        """FlashAttention-2's forward: blocks of 16 keys, running max m, sum l and accumulator in
-        the accumulator type; each block's unnormalised weights rounded to the dtype before P·V
-        (as FlashAttention does); one division at the end.  Exposes no scores or weights."""
+        """FlashAttention-2's forward: blocks of ``block`` keys, running max m, sum l and accumulator
+        in the accumulator type; each block's unnormalised weights rounded to the dtype before P·V
+        (as FlashAttention does); one division at the end.  Exposes no scores or weights, unless
+        ``weights_from_lse``: then the blocks' scores, and the weights recomputed from the final
+        log-sum-exp, P = exp(s − LSE), as FlashAttention's backward does: not the weights that
+        made the head outputs."""
         B, H, T, _ = Q.shape
         S, E = K.shape[2], V.shape[-1]
         m = np.full((B, H, T, 1), -np.inf, dtype=acc)
         l = np.zeros((B, H, T, 1), dtype=acc)
         o = np.zeros((B, H, T, E), dtype=acc)
-        for j0 in range(0, S, 16):
-            kb, vb = K[:, :, j0:j0 + 16].astype(acc), V[:, :, j0:j0 + 16].astype(acc)
+        blocks = []
+        for j0 in range(0, S, self.block):
+            kb, vb = K[:, :, j0:j0 + self.block].astype(acc), V[:, :, j0:j0 + self.block].astype(acc)
             sb = (Q.astype(acc) @ np.swapaxes(kb, -1, -2)) * acc(scale)
-            seen = allowed[..., j0:j0 + 16]
+            blocks.append(sb)
+            seen = allowed[..., j0:j0 + self.block]
             sb = np.where(seen, sb, -np.inf)
             m_new = np.maximum(m, np.max(sb, axis=-1, keepdims=True))
             m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(acc)
             alpha = np.where(np.isfinite(m), np.exp(m - m_safe), 0).astype(acc)
             pb = np.where(seen, np.exp(sb - m_safe), 0).astype(acc)
             l = alpha * l + np.sum(pb, axis=-1, keepdims=True)
-            o = alpha * o + r(pb).astype(acc) @ vb
+            o = (o if self.stale_accumulator else alpha * o) + r(pb).astype(acc) @ vb
             m = m_new
         o = np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(acc)
-        return None, r(o)
+        if not self.weights_from_lse:
+            return None, None, r(o)
+        s = np.concatenate(blocks, axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), np.inf).astype(acc)  # +inf: no key seen
+            p = np.where(allowed, np.exp(s - lse), 0).astype(acc)
+        return r(s), r(p), r(o)
 
     def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
         x = s.astype(acc)
@@ -236,6 +250,9 @@ CORRECT = {
     "finfo_min_fill": Variant(name="finfo_fill", finfo_fill=True),
     "tiled_online_softmax": Variant(name="tiled_online_softmax", tiled_online_softmax=True),
     "log_sum_exp": Variant(name="log_sum_exp", log_sum_exp=True),
+    # FlashAttention-style kernels exposing P recomputed from the LSE (not the P of their P·V)
+    **{f"online_softmax_{b}_lse_weights": Variant(name=f"online{b}_lse_p", tiled_online_softmax=True, block=b,
+                                                  weights_from_lse=True) for b in (8, 16, 64)},
     "fused_float32": Variant(name="fused_float32", fused_float32=True),
 }
 
@@ -260,6 +277,9 @@ BUGS = {
     "gqa_heads_by_modulo": (Variant(name="gqa_mod", gqa_modulo=True), "scores"),
     "softmax_without_max_subtraction": (Variant(name="no_max", no_max_subtraction=True), "attn_weights"),
     "unnormalised_pv": (Variant(name="unnormalised_pv", unnormalised_pv=True), "head_outputs"),
+    # a FlashAttention-style kernel whose weights (recomputed from the LSE) are right and whose P·V is not
+    "online_softmax_stale_accumulator": (Variant(name="stale_acc", tiled_online_softmax=True, block=8, weights_from_lse=True,
+                                                 stale_accumulator=True), "head_outputs"),
     "dropout_left_on": (Variant(name="dropout", dropout_left_on=True), "attn_weights"),
     "float16_when_float32_asked": (Variant(name="fp16_for_fp32", compute_dtype="float16"), "q_proj"),
     "bfloat16_when_float16_asked": (Variant(name="bf16_for_fp16", compute_dtype="bfloat16"), "q_proj"),

@@ -1038,6 +1038,32 @@ LOCAL_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _weights_route(P: np.ndarray, own_softmax: tuple[np.ndarray, ...] | None, golden_softmax: Any) -> np.ndarray:
+    """How far the weights that made the head outputs may lie from the weights ``P`` returned.
+
+    A correct kernel need not return the very P of its P·V: FlashAttention's forward keeps P·V
+    in an online accumulator and recomputes P = exp(s − LSE) for the backward; another rounds
+    P differently.  Both Ps are valid routes from the same scores s, each within its own
+    rounding allowance t = LAMBDA·sigma + worst of softmax(s) (the local attn_weights bound),
+    so |P_used − P| ≤ t + |P − softmax(s)|: the measured distance where the scores are exposed
+    (``own_softmax``: softmax(s) and its bound from the adapter's own scores), else 2t with t
+    from the golden scores (``golden_softmax()``).  docs/tolerances.md "Local checks"."""
+    if own_softmax is not None:
+        ref, sig, wor = own_softmax
+        with np.errstate(invalid="ignore"):
+            return _inf_for_nan(np.abs(P - ref) + Bound(sig, wor).tolerance(LAMBDA))
+    _, sig, wor = golden_softmax()
+    return 2.0 * Bound(sig, wor).tolerance(LAMBDA)
+
+
+def _nonnegative_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """An upper bound of ``a @ b`` for non-negative ``a`` (N, T, S) and ``b`` (N, S, E), in float64:
+    the computed sum is below the exact one by at most γ₆₄(S) relative."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = a @ b
+    return _inf_for_nan(out * (1 + gamma(a.shape[-1], U64)))
+
+
 def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: str,
                      precision: str = "standard",
                      table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, tuple[np.ndarray, Bound]]:
@@ -1110,10 +1136,12 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             each(scores)
             out["scores"] = finish(ref, sig, wor, (B, H, T, S))
-        if has("scores"):
-            sO = own["scores"].reshape(N, T, S)
+        g_s = float(gamma(S + k, ua))
+
+        def softmax_pass(scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst)."""
+            sO = scores_.reshape(N, T, S)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
-            g_s = float(gamma(S + k, ua))
 
             def weights(n: slice, r: slice, buf: Scratch) -> None:
                 s_, vis = sO[n, r], visN[n, r]
@@ -1135,7 +1163,12 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 ref[n, r], sig[n, r], wor[n, r] = x, np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0)
 
             each(weights)
-            out["attn_weights"] = finish(ref, sig, wor, (B, H, T, S))
+            return ref, sig, wor
+
+        weights_local = None
+        if has("scores"):
+            weights_local = softmax_pass(own["scores"])
+            out["attn_weights"] = finish(*weights_local, (B, H, T, S))
         if has("attn_weights", "v_proj"):
             def values() -> tuple[np.ndarray, _Pair, _Pair]:  # shared by the blocks of a batch entry
                 V = heads(own["v_proj"], G, group).reshape(N, S, -1)
@@ -1145,7 +1178,6 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             V, V2, aV = golden.memoised(("local values",), values)
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
-            g_s = float(gamma(S + k, ua))
 
             def outputs(n: slice, r: slice, buf: Scratch) -> None:
                 pc = P[n, r]
@@ -1161,6 +1193,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 ref[n, r], sig[n, r], wor[n, r] = x, b.sigma, b.worst
 
             each(outputs)
+            route = _weights_route(P, weights_local, lambda: softmax_pass(golden.stages["scores"]))
+            wor += _nonnegative_product(route, aV.f64)
             out["head_outputs"] = finish(ref, sig, wor, (B, H, T, E))
         if has("head_outputs"):
             ref = merge(own["head_outputs"])
