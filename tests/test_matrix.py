@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import mhaspec
+from mhaspec import environment
 from mhaspec.cli import main
 from mhaspec.conformance import matrix
 from mhaspec.errors import MhaspecError
@@ -77,6 +78,12 @@ def test_markdown_html_and_png(reports, tmp_path):
     assert "| `hand-made` (numpy 9.9) | ✓~✗? | E–✗? |" in md
     assert "| `numpy` (numpy " in md and "| ·✓·✓ |" in md
     assert "| `hand-made` | gqa | float64 | error |  | — | run() raised RuntimeError: boom |" in md
+    # each row's environment: the hand-made report records none, numpy's run records its worker's
+    assert "| `hand-made` | 1 pass, 1 known deviation, 2 fail, 1 uninformative, 1 error, 1 unsupported, " \
+           "1 a-verdict-from-the-future | environment unknown |" in md
+    numpy_env = json.loads((reports / "numpy.json").read_text())["environment"]
+    assert f"| {environment.summary(numpy_env)} |" in md and numpy_env["process"] == "worker"
+    assert "Environment unknown (no `environment` in the report): hand.json." in md
     page = (tmp_path / "out" / "matrix.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page  # self-contained
     assert 'title="hand-made · self_basic / float16: fail\nworst ratio (error/tolerance): inf\n' in page

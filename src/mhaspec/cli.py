@@ -241,7 +241,8 @@ def _run(args: argparse.Namespace) -> int:
                           isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
-        header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder))
+        header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder),
+                                      session.environment)
         print(header + "\n\n" + Report.column_titles(width), flush=True)
 
         def progress(result):  # stream rows as they are judged: framework adapters can take a while
@@ -367,6 +368,8 @@ def _matrix(args: argparse.Namespace) -> int:
     from .conformance.matrix import build, write
 
     m = build(args.reports)  # reads and checks every report before anything is written
+    for line in m.environment_warnings():
+        print(f"mhaspec matrix: warning: reports from different environments: {line}", file=sys.stderr)
     written, note = write(m, args.out)
     print(f"matrix of {_plural(len(m.adapters), 'adapter')} × {len(m.columns)} case×dtype: "
           + ", ".join(str(p) for p in written))

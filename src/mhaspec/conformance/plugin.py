@@ -95,11 +95,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not config.getoption("--mha-adapter"):
         return None
+    from ..environment import summary
+
     session = _session(config)
     framework, version = session.framework
     return [
         f"mhaspec: adapter {session.name} ({framework or '-'} {version or ''}), dtypes {', '.join(_state(config).dtypes)}, "
-        f"golden {session.golden.folder}"
+        f"golden {session.golden.folder}",
+        f"mhaspec: environment: {summary(session.environment)}",
     ]
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from .. import environment as _environment
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
 
@@ -113,6 +114,9 @@ class Report:
     partial: bool = False  # the run was cut short (Ctrl-C, a fatal problem): not a verdict
     partial_reason: str = ""
     partial_exit_code: int = 2  # the exit code of a partial run (130 when interrupted)
+    #: where the verdict was reached (mhaspec.environment.describe, read in the process that ran the
+    #: adapter); None: this process's, described when the report is written
+    environment: dict[str, Any] | None = None
 
     @property
     def judged(self) -> int:
@@ -182,12 +186,20 @@ class Report:
 
     # -- output ----------------------------------------------------------
     def header(self) -> str:
-        return self.format_header(self.adapter, self.framework, self.framework_version, self.dtypes, self.golden)
+        return self.format_header(self.adapter, self.framework, self.framework_version, self.dtypes, self.golden,
+                                  self.described_environment())
 
     @staticmethod
-    def format_header(adapter: str, framework: str | None, version: str | None, dtypes: list[str], golden: str) -> str:
+    def format_header(adapter: str, framework: str | None, version: str | None, dtypes: list[str], golden: str,
+                      environment: dict[str, Any] | None = None) -> str:
+        """Two lines: what was run, and where (``environment: AMD EPYC (avx2, no avx512) · …``)."""
         fw = f" ({framework} {version or '?'})" if framework else ""
-        return f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {', '.join(dtypes)} · golden {golden}"
+        return (f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {', '.join(dtypes)} · "
+                f"golden {golden}\nenvironment: {_environment.summary(environment) if environment else 'unknown'}")
+
+    def described_environment(self) -> dict[str, Any]:
+        """:attr:`environment`, or this process's when none was given."""
+        return self.environment if self.environment is not None else _environment.describe(process="runner")
 
     def summary(self) -> str:
         c = self.counts()
@@ -330,6 +342,7 @@ class Report:
                 "machine": platform.machine(),
                 "numpy": np.__version__,
             },
+            "environment": self.described_environment(),
             "golden": self.golden,
             "dtypes": list(self.dtypes),
             "backward": self.backward,

@@ -152,6 +152,12 @@ class Session:
         """Stop the worker process (also done when the session is garbage-collected or at exit)."""
         self._worker.close()
 
+    @property
+    def environment(self) -> dict[str, Any] | None:
+        """Where the adapter computes (mhaspec.environment.describe): its worker's, as the worker last
+        sent it (again after the first case, with what the adapter set up), or this process's."""
+        return self._worker.environment
+
     def __enter__(self) -> Session:
         return self
 
@@ -495,6 +501,7 @@ class Session:
             warnings=warnings,
             duration_s=duration,
             backward=self.backward,
+            environment=self.environment,
             **partial,
         )
 
