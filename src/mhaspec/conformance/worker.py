@@ -27,6 +27,9 @@ message is ``<u64 header length><u64 payload length>``, a JSON header (small
 control data), and a payload of safetensors bytes (the arrays: inputs and
 weights one way, the returned stages the other).  Nothing is pickled.
 bfloat16 (ml_dtypes) and float8 arrays travel as safetensors' BF16/F8 types.
+The worker's first message (ready, with the adapter's description) and its
+reply to the first ``run()`` also carry its ``environment``
+(:func:`mhaspec.environment.describe`): reports say where the adapter computed.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..adapters import adapter_dtypes, adapter_framework, adapter_name, load_adapter, parse_deviations
+from ..environment import describe as describe_environment
 from ..errors import AdapterError, MhaspecError
 from ..spec import BACKWARD_STAGES, STAGES, Case, MHAConfig
 from ..spec.case import Inputs, Weights
@@ -354,9 +358,12 @@ def serve(pipe: _Pipe, adapter: Any) -> None:
 
     ``supports`` and ``run`` get one reply; ``supports+run`` gets the answer of
     ``supports()`` at once and, if it is True, the reply of ``run()`` after it
-    (one round trip per case instead of two).
+    (one round trip per case instead of two).  The first reply of a ``run()`` or
+    ``backward()`` that returned carries this process's environment again
+    (``environment``): what the adapter imported or set up while computing.
     """
     case: Case | None = None
+    described = False
     while True:
         try:
             header, payload = pipe.recv()
@@ -370,6 +377,9 @@ def serve(pipe: _Pipe, adapter: Any) -> None:
         assert case is not None
         for step in op.split("+"):
             reply, data = _call_adapter(adapter, step, case)
+            if not described and step != "supports" and reply["ok"]:
+                reply["environment"] = describe_environment(process="worker")
+                described = True
             pipe.send(reply, data)
             if step == "supports" and not (reply["ok"] and reply["answer"] is True):
                 break
@@ -434,7 +444,23 @@ def _load_and_serve(pipe: _Pipe, ref: str, options: Mapping[str, Any]) -> None:
     except BaseException as exc:  # noqa: BLE001
         pipe.send({"ok": False, "error": f"loading adapter {ref!r} failed: {_describe(exc)}"})
         return
-    pipe.send({"ok": True, **info})
+    pipe.send({"ok": True, **info, "environment": describe_environment(process="worker")})
+    serve(pipe, adapter)
+
+
+def _describe_and_serve(pipe: _Pipe, adapter: Any) -> None:
+    """An inherited adapter object: describe it here, in the process where it computes (reading its
+    ``known_deviations`` may run the framework, e.g. the TensorFlow adapters' probe), answer with the
+    description (or the error) — the start-up is not counted in the first case's timeout — then serve."""
+    try:
+        info = describe_adapter(adapter)
+    except AdapterError as exc:
+        pipe.send({"ok": False, "error": str(exc)})
+        return
+    except BaseException as exc:  # noqa: BLE001
+        pipe.send({"ok": False, "error": f"describing adapter {adapter_name(adapter)!r} failed: {_describe(exc)}"})
+        return
+    pipe.send({"ok": True, **info, "environment": describe_environment(process="worker")})
     serve(pipe, adapter)
 
 
@@ -555,7 +581,12 @@ class Worker:
         # (held here, so that its id() cannot be reused by another Case: case ids repeat, e.g. in fuzz).
         self._sent: Case | None = None
         self._expect: collections.deque[tuple[str, Case]] = collections.deque()
-        self.info: dict[str, Any] | None = None if self._by_name else describe_adapter(adapter)
+        #: The adapter's description, as its worker sends it (described where it computes: its
+        #: known_deviations may measure the framework, which must not start in this process before a fork).
+        self.info: dict[str, Any] | None = None
+        #: The worker process's environment (:func:`mhaspec.environment.describe`), as it last sent it:
+        #: once loaded, then again after the adapter's first run() (None until a worker answered).
+        self.environment: dict[str, Any] | None = None
         self._finalizer: weakref.finalize | None = None
         self._ready = False
         self.restarts = 0
@@ -598,8 +629,7 @@ class Worker:
                     if self._by_name:
                         _load_and_serve(pipe, self._ref, self._options)
                     else:
-                        pipe.send({"ok": True})  # ready: the start-up is not counted in the first case's timeout
-                        serve(pipe, self._ref)
+                        _describe_and_serve(pipe, self._ref)
                 except BaseException:  # noqa: BLE001
                     traceback.print_exc()
                     code_ = 70
@@ -637,8 +667,8 @@ class Worker:
         if not reply["ok"]:
             self._discard()
             raise AdapterError(reply["error"])
-        if self._by_name:
-            self.info = {k: v for k, v in reply.items() if k != "ok"}
+        self.environment = reply.pop("environment", None) or self.environment
+        self.info = {k: v for k, v in reply.items() if k != "ok"}
         self._ready = True
         return self.info
 
@@ -725,6 +755,8 @@ class Worker:
             self._discard()
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
+        if isinstance(reply.get("environment"), dict):
+            self.environment = reply.pop("environment")  # the first run() of this process
         if op == "supports" and not (reply.get("ok") is True and reply.get("answer") is True):
             if self._expect and self._expect[0][0] == "run" and self._expect[0][1] is case:
                 self._expect.popleft()  # the worker does not run a case it does not support
@@ -768,6 +800,11 @@ class InProcess:
         self.adapter = adapter
         self.info = describe_adapter(adapter)
         self.restarts = 0
+
+    @property
+    def environment(self) -> dict[str, Any]:
+        """This process's environment: the adapter computes here."""
+        return describe_environment(process="in-process")
 
     def supports(self, case: Case, timeout: float | None) -> bool | str:
         return self._call("supports", lambda: self.adapter.supports(case), timeout)
