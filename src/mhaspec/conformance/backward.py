@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES
+from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES, compared_entries
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
 from .tolerance_backward import backward_bounds, local_checks
@@ -91,7 +91,7 @@ def judge_backward(
         if stage not in returned:
             out.append(StageResult(stage, NOT_EXPOSED))
             continue
-        visible = golden.visible if stage == "d_attn_weights" else None  # masked dP is not compared
+        visible = compared_entries(stage, golden.visible)  # masked dP is not compared
         res = _resolved(judge_stage(stage, returned[stage], golden, bounds[stage], dtype, precision, visible),
                         golden, bounds[stage].tolerance(LAMBDA))
         local = checks.get(stage)

@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
+from ..spec import REGISTRY, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
 
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
 MAX_BLOCK_ELEMENTS = 1 << 22
 
-#: Axis of the query rows (T) in each stage; None: the stage has none (key/value projections).
-ROW_AXIS = {"q_proj": 1, "k_proj": None, "v_proj": None, "scores": 2, "attn_weights": 2,
-            "head_outputs": 2, "concat": 1, "output": 1}
+#: Axis of the query rows (T) in each forward stage; None: the stage has none (key/value projections).
+ROW_AXIS = {name: REGISTRY[name].rows for name in STAGES}
 
 
 def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]:

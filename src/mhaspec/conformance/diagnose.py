@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
+from ..spec import REGISTRY, STAGES
 from .compare import FAIL, StageResult, as_float_array, representable
 
 #: unit roundoff of each dtype
 EPS = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-#: stages whose second axis is the query head: (B, H, T, ·)
-HEAD_AXIS_STAGES = ("scores", "attn_weights", "head_outputs")
+#: forward stages whose second axis is the query head: (B, H, T, ·)
+HEAD_AXIS_STAGES = tuple(name for name in STAGES if REGISTRY[name].head_axis_first)
 NARROWER = {"float64": ("float32", "bfloat16", "float16"), "float32": ("bfloat16", "float16"),
             "float16": (), "bfloat16": ()}
 

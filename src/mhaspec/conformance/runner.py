@@ -15,7 +15,7 @@ from ..adapters import Deviation, load_adapter
 from ..adapters.base import match_pattern
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
-from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, STAGES
+from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, REGISTRY, STAGES, compared_entries
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
 from .diagnose import diagnose
 from .blocks import judge_in_blocks
@@ -80,16 +80,17 @@ def _outside_blind_rows(golden: GoldenCase, stage: str):
     or None for a stage without a query-row axis (the projections of key and value); none
     (all False) for a gradient without a query-row axis, to which every query row contributes —
     all True if the case has no such row (nothing to excuse)."""
+    st = REGISTRY[stage]
+    if not st.attends:
+        return None
     blind = ~golden.visible.any(axis=-1)  # (B, H, T)
     shape = golden.stages[stage].shape
-    if stage in ("scores", "attn_weights", "head_outputs", "d_head_outputs", "d_attn_weights", "d_scores"):
-        return np.broadcast_to(~blind[..., None], shape)  # (B, H, T, ·)
-    if stage in ("concat", "output", "d_concat", "d_q_proj") or (stage == "d_query" and golden.spec.inputs != "self"):
-        # (B, T, ·)
-        return np.broadcast_to(~blind.any(axis=1)[..., None], shape)
-    if stage in BACKWARD_STAGES:  # every element of the other gradients sums over those rows, if any
+    summed = INPUT_GRADIENTS[golden.spec.inputs].get(stage, "")  # d_query of self-attention holds d_key, d_value
+    if st.rows is None or "k" in summed or "v" in summed:  # every element sums over every query row, if any
         return np.full(shape, not blind.any())
-    return None
+    if st.head_axis_first:  # (B, H, T, ·)
+        return np.broadcast_to(~blind[..., None], shape)
+    return np.broadcast_to(~blind.any(axis=1)[..., None], shape)  # (B, T, ·)
 
 
 class Session:
@@ -314,7 +315,7 @@ class Session:
                     self._diagnose_imprecise(res, golden, dtype, returned, own, selected, worst)
                 return res
 
-            visible = golden.visible if stage == "scores" else None
+            visible = compared_entries(stage, golden.visible)
             res = judge(visible)
             self._apply_deviations(res, golden, dtype, visible, judge,
                                    lambda within, selected, stage=stage: within_judge(within, selected, stage))
@@ -400,7 +401,7 @@ class Session:
             def judge(selected: np.ndarray | None, stage: str = res.stage) -> StageResult:
                 return judge_stage(stage, returned[stage], golden, bounds[stage], dtype, self.precision, selected)
 
-            visible = golden.visible if res.stage == "d_attn_weights" else None
+            visible = compared_entries(res.stage, golden.visible)
             self._apply_deviations(res, golden, dtype, visible, judge,
                                    lambda within, selected, stage=res.stage: within_judge(within, selected, stage))
         return results, "", seconds

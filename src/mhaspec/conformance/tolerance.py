@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..fixtures import GoldenCase
+from ..spec import REGISTRY, STAGES
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .compare import Scratch
 
@@ -941,7 +942,7 @@ def _golden(golden: GoldenCase, dtype: str, precision: str, table: ToleranceTabl
     }
     out = {name: Bound(_inf_for_nan(np.sqrt(np.maximum(var, 0.0))), _inf_for_nan(worst + floor))
            for name, (var, worst) in raw.items()}
-    order = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "head_outputs", "concat", "output")
+    order = STAGES
     tols: dict[str, np.ndarray] = {}
     if tolerances:
         tols = tolerances_of(out)
@@ -1028,14 +1029,8 @@ def stage_tolerances(golden: GoldenCase, dtype: str, table: ToleranceTable = DEF
 
 # --- local bounds: each stage from the adapter's own previous stage(s) ---------------------
 
-#: stage -> the stages it is recomputed from in a local check
-LOCAL_INPUTS: dict[str, tuple[str, ...]] = {
-    "scores": ("q_proj", "k_proj"),
-    "attn_weights": ("scores",),
-    "head_outputs": ("attn_weights", "v_proj"),
-    "concat": ("head_outputs",),
-    "output": ("concat",),
-}
+#: stage -> the stages it is recomputed from in a local check (spec/stages.py)
+LOCAL_INPUTS: dict[str, tuple[str, ...]] = {n: REGISTRY[n].local_inputs for n in STAGES if REGISTRY[n].local_inputs}
 
 
 def _weights_route(P: np.ndarray, own_softmax: tuple[np.ndarray, ...] | None, golden_softmax: Any) -> np.ndarray:

@@ -31,28 +31,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .data import dyadic_tensor
-
-#: Backward stages in the order they are judged (the first failing one is where the bug is).
-BACKWARD_STAGES: tuple[str, ...] = (
-    "d_concat",
-    "d_head_outputs",
-    "d_attn_weights",
-    "d_scores",
-    "d_q_proj",
-    "d_k_proj",
-    "d_v_proj",
-    "d_query",
-    "d_key",
-    "d_value",
-    "d_w_q",
-    "d_w_k",
-    "d_w_v",
-    "d_w_o",
-    "d_b_q",
-    "d_b_k",
-    "d_b_v",
-    "d_b_o",
-)
+from .stages import BACKWARD_STAGES, REGISTRY
 
 #: Input gradients that self-attention folds into ``d_query``.
 FOLDED_IN_SELF_ATTENTION: tuple[str, ...] = ("d_key", "d_value")
@@ -64,6 +43,8 @@ INPUT_GRADIENTS: dict[str, dict[str, str]] = {
     "shared_kv": {"d_query": "q", "d_key": "kv"},
     "self": {"d_query": "qkv"},
 }
+
+_INPUT_GRADIENT_NAMES = frozenset(n for kinds in INPUT_GRADIENTS.values() for n in kinds)
 
 #: ``d_output`` is ``k · 2^-D_OUTPUT_EXPONENT`` with |k| <= 64, like the inputs: exact in every dtype.
 D_OUTPUT_EXPONENT = 5
@@ -84,22 +65,8 @@ def backward_stage_shapes(
     gradient (:data:`INPUT_GRADIENTS`): self-attention has no ``d_key``/``d_value``,
     shared key/value no ``d_value``.
     """
-    B, T, S, H, G = batch, tgt_len, src_len, config.H, config.H_kv
-    D, E = config.D_k, config.D_v
-    shapes: dict[str, tuple[int, ...]] = {
-        "d_concat": (B, T, H * E),
-        "d_head_outputs": (B, H, T, E),
-        "d_attn_weights": (B, H, T, S),
-        "d_scores": (B, H, T, S),
-        "d_q_proj": (B, T, H * D),
-        "d_k_proj": (B, S, G * D),
-        "d_v_proj": (B, S, G * E),
-        "d_query": (B, T, config.d_model),
-        "d_key": (B, S, int(config.kdim)),  # type: ignore[arg-type]
-        "d_value": (B, S, int(config.vdim)),  # type: ignore[arg-type]
-    }
-    shapes.update({f"d_{name}": shape for name, shape in config.weight_shapes().items()})
-    for name in ("d_query", "d_key", "d_value"):
-        if name not in INPUT_GRADIENTS[inputs]:
-            del shapes[name]
-    return {name: shapes[name] for name in BACKWARD_STAGES if name in shapes}
+    inputs_have = INPUT_GRADIENTS[inputs]
+    present = [name for name in BACKWARD_STAGES
+               if (REGISTRY[name].only_with is None or config.bias)
+               and (name not in _INPUT_GRADIENT_NAMES or name in inputs_have)]
+    return {name: REGISTRY[name].shape(config, batch, tgt_len, src_len) for name in present}

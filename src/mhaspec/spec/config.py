@@ -22,6 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .stages import REGISTRY, STAGES
+
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 
@@ -133,31 +135,9 @@ class MHAConfig(BaseModel):
         return shapes
 
     def stage_shapes(self, batch: int, tgt_len: int, src_len: int) -> dict[str, tuple[int, ...]]:
-        """Canonical shape of every stage for B=batch, T=tgt_len, S=src_len."""
-        B, T, S, H = batch, tgt_len, src_len, self.H
-        return {
-            "q_proj": (B, T, H * self.D_k),
-            "k_proj": (B, S, self.H_kv * self.D_k),
-            "v_proj": (B, S, self.H_kv * self.D_v),
-            "scores": (B, H, T, S),
-            "attn_weights": (B, H, T, S),
-            "head_outputs": (B, H, T, self.D_v),
-            "concat": (B, T, H * self.D_v),
-            "output": (B, T, self.d_out),
-        }
+        """Canonical shape of every forward stage for B=batch, T=tgt_len, S=src_len (spec/stages.py)."""
+        return {name: REGISTRY[name].shape(self, batch, tgt_len, src_len) for name in STAGES}
 
-
-#: The fixed names of what is compared, in pipeline order (docs/spec.md §2).
-STAGES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "scores",
-    "attn_weights",
-    "head_outputs",
-    "concat",
-    "output",
-)
 
 #: Dtypes under test, widest first.
 DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")

@@ -1,0 +1,144 @@
+"""Every stage, declared once: its name, direction, shape in axis letters and what its axes are.
+
+What the suite compares is a list of named stages (docs/spec.md §2, docs/backward.md).
+Each is declared here, and only here, with the facts the rest of the code needs:
+
+* ``axes`` — its canonical shape in the axis legend (``B``, ``T``, ``S``, ``H``, ``H_kv``,
+  ``D_k``, ``D_v``, ``d_model``, ``kdim``, ``vdim``, ``d_out``); an axis that packs heads
+  and features is written ``H·D_k``;
+* ``rows`` / ``heads`` / ``keys`` — the axis (index) of the query rows ``T``, of the
+  heads, of the keys ``S``; None where the stage has none (a packed ``H·D_k`` axis counts
+  as the heads' axis);
+* ``local_inputs`` — the stages its local check recomputes it from (docs/tolerances.md
+  "Two checks per exposed stage");
+* ``masked`` — what its entries at masked (query, key) pairs are: ``"excluded"`` (not
+  compared: a masked score is whatever a kernel filled in), ``"zero"`` (exactly 0 in the
+  spec, compared like any other entry), or None for a stage without a key axis;
+* ``attends`` — whether its values depend on which keys each query row sees (False for
+  the three projections, computed before attention);
+* ``only_with`` — a weight the stage exists only with (``b_q`` … : absent without bias);
+  the input gradients' presence depends on the case's kind of inputs
+  (:data:`~mhaspec.spec.backward.INPUT_GRADIENTS`).
+
+:data:`STAGES` and :data:`BACKWARD_STAGES` (pipeline order, the order verdicts are
+reported and the first failing stage is found in) and every shape come from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # config imports this module
+    from .config import MHAConfig
+
+Direction = Literal["forward", "backward"]
+Masked = Literal["excluded", "zero"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's declaration (module docstring)."""
+
+    name: str
+    direction: Direction
+    axes: tuple[str, ...]
+    local_inputs: tuple[str, ...] = ()
+    masked: Masked | None = None
+    attends: bool = True
+    only_with: str | None = None
+
+    @property
+    def rows(self) -> int | None:
+        """Axis of the query rows (T), or None."""
+        return self.axes.index("T") if "T" in self.axes else None
+
+    @property
+    def keys(self) -> int | None:
+        """Axis of the keys (S), or None."""
+        return self.axes.index("S") if "S" in self.axes else None
+
+    @property
+    def heads(self) -> int | None:
+        """Axis that holds the (query or key/value) heads, alone (``H``) or packed (``H·D_k``), or None."""
+        for i, axis in enumerate(self.axes):
+            if axis.split("·")[0] in ("H", "H_kv"):
+                return i
+        return None
+
+    @property
+    def head_axis_first(self) -> bool:
+        """Whether the heads have an axis of their own: (B, H, T, ·)."""
+        return self.heads is not None and self.axes[self.heads] == "H"
+
+    def shape(self, config: MHAConfig, batch: int, tgt_len: int, src_len: int) -> tuple[int, ...]:
+        """The canonical shape for ``config`` and B = batch, T = tgt_len, S = src_len."""
+        sizes = _sizes(config, batch, tgt_len, src_len)
+        return tuple(math.prod(sizes[f] for f in axis.split("·")) for axis in self.axes)
+
+
+def _sizes(config: MHAConfig, batch: int, tgt_len: int, src_len: int) -> dict[str, int]:
+    return {"B": batch, "T": tgt_len, "S": src_len, "H": config.H, "H_kv": config.H_kv, "D_k": config.D_k,
+            "D_v": config.D_v, "d_model": config.d_model, "kdim": int(config.kdim),  # type: ignore[arg-type]
+            "vdim": int(config.vdim), "d_out": config.d_out}  # type: ignore[arg-type]
+
+
+def _weight_gradients() -> list[Stage]:
+    weights = {"w_q": ("d_model", "H·D_k"), "w_k": ("kdim", "H_kv·D_k"), "w_v": ("vdim", "H_kv·D_v"),
+               "w_o": ("H·D_v", "d_out")}
+    biases = {"b_q": ("H·D_k",), "b_k": ("H_kv·D_k",), "b_v": ("H_kv·D_v",), "b_o": ("d_out",)}
+    return ([Stage(f"d_{w}", "backward", axes) for w, axes in weights.items()]
+            + [Stage(f"d_{b}", "backward", axes, only_with=b) for b, axes in biases.items()])
+
+
+#: Every stage, forward then backward, each in pipeline order.
+REGISTRY: dict[str, Stage] = {s.name: s for s in [
+    Stage("q_proj", "forward", ("B", "T", "H·D_k"), attends=False),
+    Stage("k_proj", "forward", ("B", "S", "H_kv·D_k"), attends=False),
+    Stage("v_proj", "forward", ("B", "S", "H_kv·D_v"), attends=False),
+    Stage("scores", "forward", ("B", "H", "T", "S"), ("q_proj", "k_proj"), masked="excluded"),
+    Stage("attn_weights", "forward", ("B", "H", "T", "S"), ("scores",), masked="zero"),
+    Stage("head_outputs", "forward", ("B", "H", "T", "D_v"), ("attn_weights", "v_proj")),
+    Stage("concat", "forward", ("B", "T", "H·D_v"), ("head_outputs",)),
+    Stage("output", "forward", ("B", "T", "d_out"), ("concat",)),
+    Stage("d_concat", "backward", ("B", "T", "H·D_v")),
+    Stage("d_head_outputs", "backward", ("B", "H", "T", "D_v")),
+    Stage("d_attn_weights", "backward", ("B", "H", "T", "S"), masked="excluded"),
+    Stage("d_scores", "backward", ("B", "H", "T", "S"), masked="zero"),
+    Stage("d_q_proj", "backward", ("B", "T", "H·D_k")),
+    Stage("d_k_proj", "backward", ("B", "S", "H_kv·D_k")),
+    Stage("d_v_proj", "backward", ("B", "S", "H_kv·D_v")),
+    Stage("d_query", "backward", ("B", "T", "d_model")),
+    Stage("d_key", "backward", ("B", "S", "kdim")),
+    Stage("d_value", "backward", ("B", "S", "vdim")),
+    *_weight_gradients(),
+]}
+
+#: The forward stages in pipeline order (docs/spec.md §2).
+STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "forward")
+
+#: Backward stages in the order they are judged (the first failing one is where the bug is).
+BACKWARD_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "backward")
+
+#: Every stage name: the forward ones, then the backward ones.
+ALL_STAGES: tuple[str, ...] = STAGES + BACKWARD_STAGES
+
+
+def stage(name: str) -> Stage:
+    """The declaration of ``name`` (a KeyError naming the known stages otherwise)."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown stage {name!r}; stages are {', '.join(ALL_STAGES)}") from None
+
+
+def with_masked(kind: Masked) -> tuple[str, ...]:
+    """The stages whose masked entries are ``kind`` (``"excluded"``: not compared; ``"zero"``: exactly 0)."""
+    return tuple(n for n, s in REGISTRY.items() if s.masked == kind)
+
+
+def compared_entries(name: str, visible: Any) -> Any:
+    """Which entries of ``name`` are compared: ``visible`` (the (B, H, T, S) visibility) where its masked
+    entries are excluded from comparison, else None (every entry)."""
+    return visible if REGISTRY[name].masked == "excluded" else None
