@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from ..spec import masks
+
 #: spec dtype name -> ONNX element type
 ELEM_TYPES: dict[str, int] = {
     "float64": TensorProto.DOUBLE,
@@ -151,7 +153,8 @@ def ort_session(model: onnx.ModelProto, threads: int = 1) -> Any:
     return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def causal_visible(tgt_len: int, src_len: int, alignment: str) -> np.ndarray:
-    """(T, S) bool, True = may attend: top_left j <= i, bottom_right j <= i + S - T."""
-    shift = 0 if alignment == "top_left" else src_len - tgt_len
-    return np.arange(src_len)[None, :] <= np.arange(tgt_len)[:, None] + shift
+def causal_visible(config: Any, tgt_len: int, src_len: int) -> np.ndarray:
+    """(T, S) bool, True = may attend: the causal rule of the causal ``config`` (spec/masks.py)."""
+    band = masks.causal_visible(config, tgt_len, src_len)
+    assert band is not None, "not a causal configuration"
+    return band

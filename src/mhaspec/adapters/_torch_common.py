@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..spec import Case, Weights
+from ..spec import Case, Weights, masks
 
 _DTYPES = {
     "float64": torch.float64,
@@ -103,12 +103,12 @@ def linear_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def causal_visible(tgt_len: int, src_len: int, alignment: str, device: torch.device | str) -> torch.Tensor:
-    """(T, S) bool, True = may attend: top_left j <= i, bottom_right j <= i + S - T."""
-    shift = 0 if alignment == "top_left" else src_len - tgt_len
-    i = torch.arange(tgt_len, device=device)[:, None]
-    j = torch.arange(src_len, device=device)[None, :]
-    return j <= i + shift
+def causal_visible(config: Any, tgt_len: int, src_len: int, device: torch.device | str) -> torch.Tensor:
+    """(T, S) bool, True = may attend: the causal rule of ``config`` (``causal``, ``causal_alignment``:
+    spec/masks.py), which is causal."""
+    band = masks.causal_visible(config, tgt_len, src_len)
+    assert band is not None, "not a causal configuration"
+    return torch.from_numpy(band).to(device)
 
 
 def visible(case: Case, device: torch.device | str) -> torch.Tensor | None:
@@ -120,7 +120,7 @@ def visible(case: Case, device: torch.device | str) -> torch.Tensor | None:
         mask = torch.from_numpy(np.array(case.inputs.mask, dtype=bool)).to(device)
         allowed = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     if cfg.causal:
-        causal = causal_visible(T, S, cfg.causal_alignment, device)[None, None]
+        causal = causal_visible(cfg, T, S, device)[None, None]
         allowed = causal if allowed is None else allowed & causal
     return allowed
 

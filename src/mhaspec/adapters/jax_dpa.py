@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ..spec import Case
+from ..spec import Case, masks
 from .base import Deviation
 from ._jax_common import (compiled, computing_in, fallback_precision, linear, rejected_algorithm, to_jax, to_numpy,
                           use_compilation_cache, use_fast_compile, vjp_stages, with_fallback_precision)
@@ -81,7 +81,7 @@ def dpa_mask(case: Case) -> tuple[np.ndarray | None, bool]:
     mask = case.inputs.mask  # (B, 1, 1|T, S)
     if not cfg.causal or cfg.causal_alignment == "top_left":
         return mask, cfg.causal
-    bottom_right = (np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T))[None, None]  # (1, 1, T, S)
+    bottom_right = masks.causal_visible(cfg, T, S)[None, None]  # (1, 1, T, S): j <= i + S - T
     return (bottom_right if mask is None else mask & bottom_right), False
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..spec import Case
+from ..spec import Case, masks
 from ._jax_common import (accumulator, compiled, computing_in, jax_dtype, linear, to_jax, to_numpy,
                           use_compilation_cache, use_fast_compile, vjp_stages)
 
@@ -78,10 +78,7 @@ def mha(
 
 def causal_shift(case: Case) -> int | None:
     """None when not causal; else how far the diagonal moves right: 0 (top-left) or S - T."""
-    cfg = case.config
-    if not cfg.causal:
-        return None
-    return 0 if cfg.causal_alignment == "top_left" else case.src_len - case.tgt_len
+    return masks.causal_offset(case.config, case.tgt_len, case.src_len)
 
 
 class JaxMHAAdapter:

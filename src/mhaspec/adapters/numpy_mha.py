@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case
+from ..spec import Case, masks
 
 
 def numpy_dtype(name: str) -> Any:
@@ -73,12 +73,7 @@ class NumpyMHA:
         s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
         s = rnd(s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc))
 
-        allowed = np.ones((B, H, T, S), dtype=bool)
-        if cfg.causal:
-            shift = 0 if cfg.causal_alignment == "top_left" else S - T
-            allowed &= np.arange(S)[None, :] <= np.arange(T)[:, None] + shift
-        if case.inputs.mask is not None:
-            allowed &= np.broadcast_to(case.inputs.mask, allowed.shape)
+        allowed = masks.visibility(cfg, case.inputs.mask, B, T, S)  # (B, H, T, S): causal AND mask
 
         logits = np.where(allowed, s.astype(acc), -np.inf)
         peak = logits.max(axis=-1, keepdims=True)

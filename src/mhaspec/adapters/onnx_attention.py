@@ -120,7 +120,7 @@ def attention_mask(case: Case) -> tuple[np.ndarray | None, bool]:
         mask = np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (T, S)), dtype=bool)
     if not cfg.causal or cfg.causal_alignment == "top_left" or T == S:
         return mask, cfg.causal
-    causal = causal_visible(T, S, cfg.causal_alignment)[None, None]  # (1, 1, T, S)
+    causal = causal_visible(cfg, T, S)[None, None]  # (1, 1, T, S)
     return (causal if mask is None else mask & causal), False
 
 

@@ -164,7 +164,7 @@ class MultiHeadAttention(nn.Module):
         cfg = self.config
         allowed = None if mask is None else mask.to(device=device, dtype=torch.bool)
         if cfg.causal:
-            causal = causal_visible(T, S, cfg.causal_alignment, device)
+            causal = causal_visible(cfg, T, S, device)
             allowed = causal if allowed is None else allowed & causal
         return allowed
 

@@ -110,7 +110,7 @@ def torch_masks(case: Case, device: torch.device | str) -> dict[str, Any]:
     if mask is not None and not key_padding:
         visible = to_tensor(np.broadcast_to(mask, (B, cfg.H, T, S)), torch.bool, device)
     if cfg.causal:
-        causal = causal_visible(T, S, cfg.causal_alignment, device)
+        causal = causal_visible(cfg, T, S, device)
         visible = causal if visible is None else visible & causal
     if visible is not None:
         kwargs["attn_mask"] = ~(visible.reshape(B * cfg.H, T, S) if visible.dim() == 4 else visible)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..spec import MHAConfig, STAGES
+from ..spec.masks import visibility
 
 U = 2.0**-53  # float64 unit roundoff
 #: numpy's float64 exp is assumed within this many ulps of the correctly rounded exp.
@@ -137,17 +138,6 @@ def _heads(x: np.ndarray | float, heads: int) -> np.ndarray | float:
     return x.reshape(B, L, heads, F // heads).transpose(0, 2, 1, 3)
 
 
-def _visible(config: MHAConfig, mask: np.ndarray | None, B: int, T: int, S: int) -> np.ndarray:
-    """(B, H, T, S) bool, the explicit mask AND causal (as :func:`mhaspec.reference.visibility`)."""
-    visible = np.ones((B, config.H, T, S), dtype=bool)
-    if config.causal:
-        offset = 0 if config.causal_alignment == "top_left" else S - T
-        visible &= np.arange(S)[None, :] <= np.arange(T)[:, None] + offset  # (T, S)
-    if mask is not None:
-        visible &= np.broadcast_to(mask, visible.shape)
-    return visible
-
-
 def _row_norms(x: np.ndarray | float, like: np.ndarray) -> np.ndarray:
     """Euclidean norm of each row of x (L, D) as (L,), or zeros for a float 0 bound."""
     if isinstance(x, float):
@@ -178,7 +168,7 @@ def forward_fast(
     exact_s = (exact_q and exact_k
                and exact_product(Q, np.swapaxes(K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
 
-    visible = _visible(config, inputs.get("mask"), B, T, S)
+    visible = visibility(config, inputs.get("mask"), B, T, S)
     s_all = np.empty((B, H, T, S))
     p_all = np.empty((B, H, T, S))
     e_s_all = None if exact_s else np.empty((B, H, T, S))

@@ -31,6 +31,7 @@ from decimal import Context, Decimal
 import numpy as np
 
 from ..spec import MHAConfig
+from ..spec.masks import visibility  # (B, H, T, S): causal AND mask, the one rule (spec/masks.py)
 
 _EXP_CONTEXT = Context(prec=40)
 
@@ -69,23 +70,6 @@ def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
 def repeat_kv(x: np.ndarray, group_size: int) -> np.ndarray:
     """(B, G, S, D) -> (B, G·group_size, S, D) so that query head h reads head h // group_size."""
     return np.repeat(x, group_size, axis=1)
-
-
-def visibility(config: MHAConfig, mask: np.ndarray | None, B: int, T: int, S: int) -> np.ndarray:
-    """(B, H, T, S) bool: True where query i may attend to key j.
-
-    Causal is top-left aligned (j <= i) or bottom-right aligned (j <= i + S - T);
-    a causal flag and an explicit mask combine by AND.
-    """
-    visible = np.ones((B, config.H, T, S), dtype=bool)
-    if config.causal:
-        offset = 0 if config.causal_alignment == "top_left" else S - T
-        i = np.arange(T)[:, None]
-        j = np.arange(S)[None, :]
-        visible &= j <= i + offset  # (T, S)
-    if mask is not None:
-        visible &= np.broadcast_to(mask, visible.shape)
-    return visible
 
 
 def scores(Q: np.ndarray, K: np.ndarray, scale: float) -> np.ndarray:

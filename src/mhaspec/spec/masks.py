@@ -1,0 +1,48 @@
+"""Which keys each query row sees: the one visibility rule (docs/spec.md "Masking").
+
+A query row i sees key j when every rule of the case allows it (they combine by AND):
+
+* **causal**, aligned top-left (j ≤ i) or bottom-right (j ≤ i + S − T): the diagonal moves
+  right by :func:`causal_offset`;
+* the explicit **mask** (True = may attend), broadcast to (B, H, T, S).
+
+The reference, the tolerance model and the adapters all take it from here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .config import MHAConfig
+
+
+def causal_offset(config: MHAConfig, tgt_len: int, src_len: int) -> int | None:
+    """How far right the causal diagonal moves: 0 top-left, S − T bottom-right; None when not causal."""
+    if not config.causal:
+        return None
+    return 0 if config.causal_alignment == "top_left" else src_len - tgt_len
+
+
+def causal_band(tgt_len: int, src_len: int, offset: int) -> np.ndarray:
+    """(T, S) bool: key j visible to query i when j ≤ i + ``offset``."""
+    return np.arange(src_len)[None, :] <= np.arange(tgt_len)[:, None] + offset
+
+
+def causal_visible(config: MHAConfig, tgt_len: int, src_len: int) -> np.ndarray | None:
+    """(T, S) bool of the case's causal rule, or None when it is not causal."""
+    offset = causal_offset(config, tgt_len, src_len)
+    return None if offset is None else causal_band(tgt_len, src_len, offset)
+
+
+def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: int, src_len: int) -> np.ndarray:
+    """(B, H, T, S) bool: True where query i may attend to key j (causal AND mask)."""
+    visible = np.ones((batch, config.H, tgt_len, src_len), dtype=bool)
+    causal = causal_visible(config, tgt_len, src_len)
+    if causal is not None:
+        visible &= causal
+    if mask is not None:
+        visible &= np.broadcast_to(mask, visible.shape)
+    return visible
