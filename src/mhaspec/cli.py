@@ -137,7 +137,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="JSON reports from `mhaspec run --report`, or folders of them (every *.json)")
     matrix.add_argument("--out", metavar="DIR", required=True, help="folder to write the matrix files into")
     sub.add_parser("adapters", help="list the built-in adapters and whether each is usable here",
-                   description="List the built-in adapters and whether each one's framework is installed.")
+                   description="List the built-in adapters and whether each is usable here: \"usable\", or the "
+                   "modules it needs that are missing and the pip command that installs them (the extra; torch from "
+                   "PyTorch's CPU wheel index).")
     return parser
 
 
@@ -415,8 +417,9 @@ def _adapters(args: argparse.Namespace) -> int:
     rows = builtin_status()
     width = max(len(b.name) for b, _, _ in rows)
     for b, usable, why in rows:
-        state = "usable" if usable else f"not usable: {why}"
-        print(f"{b.name:<{width}}  {state:<40}  {b.description}")
+        print(f"{b.name:<{width}}  {'usable' if usable else 'not usable':<10}  {b.description}")
+        if not usable:  # what is missing and the pip command that installs it, on a line of its own
+            print(f"{'':<{width}}  {why}")
     return 0
 
 

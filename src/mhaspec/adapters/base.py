@@ -153,6 +153,15 @@ class BuiltinAdapter:
         extras = dict.fromkeys(_extra(m) for m in (self.framework, *self.requires))
         return ",".join(extras)
 
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The top-level modules it imports: its framework's, then the further ones."""
+        return (self.framework, *self.requires)
+
+    def missing(self) -> list[str]:
+        """The modules of :attr:`modules` that cannot be imported here (not installed)."""
+        return [m for m in self.modules if not _importable(m)]
+
 
 BUILTINS: dict[str, BuiltinAdapter] = {
     b.name: b
@@ -248,18 +257,24 @@ def load_adapter(ref: Any, **options: Any) -> Any:
     A class is instantiated with ``options`` (e.g. ``device="cuda"``); an
     instance is used as it is (options must then be empty).
     """
-    if isinstance(ref, str):
-        builtin = BUILTINS.get(ref)
-        if builtin is not None:
-            try:
-                obj = _import_target(builtin.target, ref)
-            except AdapterError as exc:
-                raise AdapterError(
-                    f"built-in adapter {ref!r} is not usable here: {exc} "
-                    f"(install it with `pip install mhaspec[{builtin.extra}]`)"
-                ) from None
-        else:
-            obj = _import_target(ref, ref)
+    builtin = BUILTINS.get(ref) if isinstance(ref, str) else None
+    if builtin is not None:
+        # what it needs is checked before anything is imported: a module the adapter imports only when
+        # constructed or at its first run() is named here, with the extra that installs it, not in a case's error
+        missing = builtin.missing()
+        if missing:
+            raise AdapterError(f"built-in adapter {ref!r} is not usable here: {missing_hint(missing, builtin)}")
+        try:
+            obj = _import_target(builtin.target, ref)
+        except AdapterError as exc:
+            absent = _missing_module(exc.__cause__)
+            if absent is None:
+                raise AdapterError(f"built-in adapter {ref!r} is not usable here: {exc}") from None
+            raise AdapterError(f"built-in adapter {ref!r} is not usable here: importing {builtin.target.split(':')[0]} "
+                               f"raised {_describe_missing(exc.__cause__)}; {missing_hint([absent], builtin)}") from None
+        label = ref
+    elif isinstance(ref, str):
+        obj = _import_target(ref, ref)
         label = ref
     else:
         obj, label = ref, repr(ref)
@@ -275,6 +290,13 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             raise AdapterError(f"adapter {label}: does not take option(s) {', '.join(unknown)}")
         try:
             obj = obj(**options)
+        except ModuleNotFoundError as exc:
+            absent = _missing_module(exc)
+            if builtin is not None and absent is not None:
+                raise AdapterError(f"built-in adapter {label!r} is not usable here: constructing it raised "
+                                   f"{_describe_missing(exc)}; {missing_hint([absent], builtin)}") from exc
+            which = f"missing module {absent!r} " if absent else ""
+            raise AdapterError(f"adapter {label}: constructing it failed: {which}({type(exc).__name__}: {exc})") from exc
         except Exception as exc:
             raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
     elif options:
@@ -286,9 +308,67 @@ def load_adapter(ref: Any, **options: Any) -> Any:
     return obj
 
 
+#: the pip extra of mhaspec that installs a top-level module (pyproject.toml [project.optional-dependencies])
+EXTRA_OF_MODULE = {
+    "torch": "torch",
+    "tensorflow": "tensorflow", "keras": "tensorflow",
+    "jax": "jax", "jaxlib": "jax", "flax": "jax",
+    "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "onnx_ir": "onnx",
+    "numpy": "bf16", "ml_dtypes": "bf16",
+}
+
+#: PyTorch's CPU wheel index: with it pip takes torch's CPU build (``2.13.0+cpu``), without it a CUDA
+#: build of several GB on Linux (README, "Pinned versions")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
 def _extra(framework: str) -> str:
-    return {"keras": "tensorflow", "flax": "jax", "numpy": "bf16", "onnxruntime": "onnx", "onnxscript": "onnx"}.get(
-        framework, framework)
+    return EXTRA_OF_MODULE.get(framework, framework)
+
+
+def install_command(extras: Iterable[str]) -> str:
+    """The pip command that installs mhaspec's ``extras``; torch from its CPU index, never a CUDA build."""
+    extras = list(dict.fromkeys(extras))
+    command = f"pip install 'mhaspec[{','.join(extras)}]'"
+    return command + (f" --extra-index-url {TORCH_CPU_INDEX}" if "torch" in extras else "")
+
+
+def missing_hint(missing: Iterable[str], builtin: BuiltinAdapter | None = None) -> str:
+    """``missing onnxscript: pip install 'mhaspec[onnx]'``: the modules, and the extra that installs them.
+
+    A module no extra names (a dependency of a dependency) gets the extras of ``builtin``: installing
+    them again brings what they need.
+    """
+    missing = list(dict.fromkeys(missing))
+    extras = [EXTRA_OF_MODULE[m] for m in missing if m in EXTRA_OF_MODULE]
+    if len(extras) < len(missing) and builtin is not None:
+        extras += builtin.extra.split(",")
+    text = f"missing {', '.join(missing)}"
+    return f"{text}: {install_command(extras)}" if extras else text
+
+
+def _importable(module: str) -> bool:
+    """Whether the top-level ``module`` can be imported (found on the path, or already imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None  # None also when sys.modules[module] is None
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing_module(exc: BaseException | None) -> str | None:
+    """The top-level module a ``ModuleNotFoundError`` (or one it was raised from) could not find."""
+    while exc is not None and not isinstance(exc, ModuleNotFoundError):
+        exc = exc.__cause__
+    if exc is None:
+        return None
+    name = exc.name or ""
+    return name.split(".")[0] or None
+
+
+def _describe_missing(exc: BaseException | None) -> str:
+    while exc is not None and not isinstance(exc, ModuleNotFoundError):
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
 
 def adapter_name(adapter: Any) -> str:
@@ -322,13 +402,18 @@ def adapter_dtypes(adapter: Any) -> tuple[str, ...]:
 
 
 def builtin_status() -> list[tuple[BuiltinAdapter, bool, str]]:
-    """For every built-in adapter: (entry, importable here, why not)."""
+    """For every built-in adapter: (entry, importable here, why not).
+
+    "Why not" is what :func:`load_adapter` says when it refuses the adapter: the missing modules
+    and the pip command that installs them (``missing onnxscript: pip install 'mhaspec[onnx]'``).
+    Nothing is imported: a framework whose import itself fails shows only when the adapter is run.
+    """
     rows = []
     for b in BUILTINS.values():
         module = b.target.split(":")[0]
-        missing = [m for m in (b.framework, *b.requires) if importlib.util.find_spec(m) is None]
+        missing = b.missing()
         if missing:
-            rows.append((b, False, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"))
+            rows.append((b, False, missing_hint(missing, b)))
         elif importlib.util.find_spec(module) is None:
             rows.append((b, False, f"{module} is missing"))
         else:
