@@ -42,7 +42,7 @@ import numpy as np
 
 from ..spec import CATALOG, Case, MHAConfig, Weights
 from .base import Deviation
-from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, attend_mask, numpy_dtype, quiet_import, tf,
+from ._tf_common import (attend_mask, matmul_deviations, numpy_dtype, probe, quiet_import, softmax_deviations, tf,
                          to_numpy, to_tensor)
 
 keras = quiet_import("keras")
@@ -220,15 +220,13 @@ _THROUGH_SCALE = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_q
 _FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
 
 
-def _deviations(stages: tuple[str, ...], fully_masked: bool, softmax: tuple[str, ...]) -> list[Deviation]:
-    """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches."""
+def _deviations(stages: tuple[str, ...], fully_masked: bool) -> list[Deviation]:
+    """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches
+    (those of every machine; the scores path adds what this process's TensorFlow measures)."""
     backward = ("d_scores", *_THROUGH_SCALE) if "attn_weights" in stages else _THROUGH_SCALE
     out = [Deviation(_FULLY_MASKED, stage=s, rows="fully_masked") for s in stages] if fully_masked else []
     out += [Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
                       stage=s, rows="fully_masked") for s in _FULLY_MASKED_BACKWARD] if fully_masked else []
-    out += [Deviation(ONEDNN_SOFTMAX, case=c, dtype="float32", stage="attn_weights") for c in softmax]
-    out += [Deviation(ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX, case=c, dtype="float32", stage="d_scores")
-            for c in softmax]
     out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s, within="float32")
             for c in _SCALE_INEXACT_IN_FLOAT32 for s in (*stages, *backward)]
     out += [Deviation(_BIAS_ADD_GRAD_BF16, case=c, dtype="bfloat16", stage=s, within="worst-case")
@@ -284,7 +282,7 @@ class KerasMHAAdapter:
     name = "keras"
     framework = "keras"
     return_attention_scores = False
-    known_deviations = _deviations(("output",), fully_masked=True, softmax=())
+    known_deviations = _deviations(("output",), fully_masked=True)
 
     def __init__(self) -> None:
         self._layers: dict[tuple[MHAConfig, str], Any] = {}  # built layers, reused per (config, dtype)
@@ -372,4 +370,12 @@ class KerasMHAScoresAdapter(KerasMHAAdapter):
 
     name = "keras-scores"
     return_attention_scores = True
-    known_deviations = _deviations(("attn_weights", "output"), fully_masked=False, softmax=("large_logits",))
+    _deviations_everywhere = _deviations(("attn_weights", "output"), fully_masked=False)
+
+    @property
+    def known_deviations(self) -> list[Deviation]:  # type: ignore[override]
+        """Those of every machine, and what this process's TensorFlow measures (``_tf_common.probe()``,
+        run once, here: the worker reads this after loading the adapter): oneDNN's softmax flush
+        (``large_logits``) and the bfloat16 matmul's truncation (``d_attn_weights``), where they occur."""
+        measured = probe()
+        return [*self._deviations_everywhere, *softmax_deviations(measured), *matmul_deviations(measured)]

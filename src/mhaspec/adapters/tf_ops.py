@@ -29,8 +29,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..spec import Case, MHAConfig, Weights
-from ._tf_common import (BACKWARD_ONEDNN_SOFTMAX, ONEDNN_SOFTMAX, TF_DISTRIBUTION, attend_mask, float16_sum_deviations,
-                         numpy_dtype, tf, to_numpy, to_tensor)
+from ._tf_common import (TF_DISTRIBUTION, attend_mask, einsum_deviations, numpy_dtype, probe, softmax_deviations, tf,
+                         to_numpy, to_tensor)
 from .base import Deviation
 
 
@@ -113,11 +113,14 @@ class TensorFlowMHAAdapter:
 
     name = "tensorflow"
     framework = TF_DISTRIBUTION  # "tensorflow" or "tensorflow-cpu"
-    known_deviations = [
-        Deviation(ONEDNN_SOFTMAX, case="large_logits", dtype="float32", stage="attn_weights"),
-        Deviation(ONEDNN_SOFTMAX + BACKWARD_ONEDNN_SOFTMAX, case="large_logits", dtype="float32", stage="d_scores"),
-        *float16_sum_deviations(),  # float16 sums in float16: Sum everywhere, Einsum on some CPUs (a probe)
-    ]
+
+    @property
+    def known_deviations(self) -> list[Deviation]:
+        """What this process's TensorFlow measures (``_tf_common.probe()``, run once, here: the worker
+        reads this after loading the adapter): oneDNN's softmax flush where the softmax flushes, the
+        einsum stages in each narrow dtype whose einsum sums in the dtype, and float16's Sum."""
+        measured = probe()
+        return [*softmax_deviations(measured), *einsum_deviations(measured)]
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         module = TFMultiHeadAttention(case.config, case.dtype)
