@@ -280,6 +280,7 @@ class Session:
         local = local_references(golden, own, dtype, self.precision)
         worst: dict[str, Any] = {}  # the worst-case bounds, computed only if something fails
         within_tolerances: dict[str, dict[str, np.ndarray]] = {}  # by Deviation.within, when one is asked
+        worst_local: dict[str, tuple[np.ndarray, Bound]] = {}  # the worst-case local bounds, when within= asks
 
         def within_judge(within: str, selected: np.ndarray | None, stage: str) -> StageResult:
             """``stage`` against the golden with the tolerances a bounded deviation allows."""
@@ -290,8 +291,16 @@ class Session:
                     wider = golden.with_reference_error(golden.derived(
                         ("bounds", within, self.precision), lambda: golden_bounds(golden, within, self.precision)))
                     within_tolerances[within] = {k: b.tolerance(LAMBDA) for k, b in wider.items()}
-            return compare_stage(stage, returned[stage], golden.stages[stage], within_tolerances[within][stage],
-                                 dtype, selected)
+            res = compare_stage(stage, returned[stage], golden.stages[stage], within_tolerances[within][stage],
+                                dtype, selected)
+            if within == "worst-case":  # the worst-case contract, as --precision worst-case judges it: golden and local
+                if not worst_local:
+                    worst_local.update(local_references(golden, own, dtype, "worst-case"))
+                if stage in worst_local:
+                    ref, bound = worst_local[stage]
+                    fold_local(res, compare_stage(stage, own.get(stage, returned[stage]), ref, bound.tolerance(LAMBDA),
+                                                  dtype, selected, value_checks=False), LOCAL_INPUTS[stage])
+            return res
 
         stages: list[StageResult] = []
         for stage in STAGES:
