@@ -3,7 +3,8 @@
 ``tox -p`` with no number runs as many environments at once as the machine has CPUs, the
 default of tox's own ``tox run-parallel``, instead of all of them at once.  The envs here are
 CPU-bound (JAX tracing, NumPy tolerance loops, framework imports): five of them on two cores
-took a quarter more CPU time than two at a time, and finished later (docs/jax.md "Warm tox -p").
+took a quarter more CPU time than two at a time, and finished later
+(benchmarks/results/2026-12-02-jax-history.md, "Warm tox -p").
 With fewer CPUs than envs, tox starts them in tox.ini's ``env_list`` order (jax, the longest, first).
 ``tox -p all`` (or a number) is obeyed as given.
 """

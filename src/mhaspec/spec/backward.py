@@ -1,5 +1,5 @@
 """The backward pass: the upstream gradient ``d_output`` and the backward stages
-(DESIGN.md §8; the contract is written up in docs/backward.md).
+(the contract is written up in docs/backward.md).
 
 The loss is ``L = Σ d_output ⊙ output``, so every stage ``d_X`` is ∂L/∂X.
 Stages in reverse pipeline order, then the gradients a framework gives the
