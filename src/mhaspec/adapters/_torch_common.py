@@ -103,12 +103,15 @@ def linear_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def causal_visible(config: Any, tgt_len: int, src_len: int, device: torch.device | str) -> torch.Tensor:
-    """(T, S) bool, True = may attend: the causal rule of ``config`` (``causal``, ``causal_alignment``:
-    spec/masks.py), which is causal."""
-    band = masks.causal_visible(config, tgt_len, src_len)
-    assert band is not None, "not a causal configuration"
-    return torch.from_numpy(band).to(device)
+def causal_visible(config: Any, tgt_len: Any, src_len: Any, device: torch.device | str) -> torch.Tensor:
+    """(T, S) bool, True = may attend: key j visible to query i when j <= i + the causal offset of the
+    causal ``config`` (``causal``, ``causal_alignment``: spec/masks.py).  In torch ops, so that an
+    exporter tracing the module (T and S may then be traced values) keeps the band in its graph."""
+    offset = masks.causal_offset(config, tgt_len, src_len)
+    assert offset is not None, "not a causal configuration"
+    i = torch.arange(tgt_len, device=device)[:, None]
+    j = torch.arange(src_len, device=device)[None, :]
+    return j <= i + offset
 
 
 def visible(case: Case, device: torch.device | str) -> torch.Tensor | None:
