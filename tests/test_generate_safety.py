@@ -84,7 +84,7 @@ KILLER = textwrap.dedent(
     '''
     """Generate catalog B over folder A, dying (SIGKILL) at a chosen point."""
     import json, os, signal, sys
-    from mhaspec import fixtures
+    from mhaspec.io import atomic  # the folder swap of mhaspec.fixtures.write_folder_atomically
     from mhaspec.reference.generate import generate
     from mhaspec.spec import Catalog, CaseSpec
 
@@ -104,13 +104,13 @@ KILLER = textwrap.dedent(
             real_fsync(fd)
         os.fsync = fsync
     elif point == "after-exchange":
-        real_exchange = fixtures._exchange
+        real_exchange = atomic._exchange
         def exchange(a, b):
             assert real_exchange(a, b)
             die()
-        fixtures._exchange = exchange
+        atomic._exchange = exchange
     elif point == "between-renames":  # where the atomic exchange is not available
-        fixtures._exchange = lambda a, b: False
+        atomic._exchange = lambda a, b: False
         real_replace = os.replace
         def replace(a, b):
             real_replace(a, b)

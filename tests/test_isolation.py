@@ -239,7 +239,7 @@ def test_cases_with_the_same_id_are_never_confused():
 
     import numpy as np
 
-    from mhaspec.conformance.worker import Worker
+    from mhaspec.protocol.transports import Worker
     from mhaspec.spec import CaseSpec
 
     class Echo:
@@ -288,7 +288,7 @@ def test_hung_adapters_stop_being_called_after_a_few_timeouts(faulty, monkeypatc
 
 
 def test_bfloat16_results_survive_the_trip():
-    from mhaspec.conformance.worker import decode_arrays, encode_arrays
+    from mhaspec.io.safetensors import decode as decode_arrays, encode as encode_arrays
     import ml_dtypes
     import numpy as np
 
@@ -457,7 +457,7 @@ def test_an_adapter_that_kills_its_worker_while_loading_is_one_line(tmp_path, ca
 def test_named_adapters_are_forked_only_from_a_process_without_frameworks(monkeypatch):
     import types
 
-    from mhaspec.conformance.worker import start_method
+    from mhaspec.protocol.transports import start_method
 
     monkeypatch.delenv("MHASPEC_WORKER_START", raising=False)
     assert start_method(by_name=False) == "fork"  # an object can only be inherited

@@ -164,10 +164,10 @@ def test_catalog_file_errors_name_file_and_field(tmp_path):
 
 
 def test_shared_kv_survives_the_worker_message():
-    from mhaspec.conformance.worker import _case_from_message, _case_message
+    from mhaspec.protocol.wire import case_from_message, case_message
 
     case = CATALOG["cross_shared_kv"].case("float16")
-    again = _case_from_message(*_case_message(case))
+    again = case_from_message(*case_message(case))
     assert again.key_is_value and not again.self_attention and again.inputs.key is again.inputs.value
     assert np.array_equal(again.inputs.key, case.inputs.key)
 

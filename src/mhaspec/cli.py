@@ -193,7 +193,7 @@ def _report_path(value: str) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .conformance.worker import Worker, validate_timeout
+    from .protocol.transports import Worker, validate_timeout
 
     timeout = validate_timeout(DEFAULT_TIMEOUT if args.timeout is None else args.timeout, "--timeout")
     report_path = _report_path(args.report) if args.report else None
@@ -412,7 +412,7 @@ def _cases(args: argparse.Namespace) -> int:
 
 
 def _adapters(args: argparse.Namespace) -> int:
-    from .adapters import builtin_status
+    from .protocol.loading import builtin_status
 
     rows = builtin_status()
     width = max(len(b.name) for b, _, _ in rows)

@@ -19,16 +19,11 @@ Tensor names inside a file::
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import hashlib
 import json
 import math
 import os
-import shutil
-import sys
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -38,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import pydantic
-from safetensors.numpy import load as st_load
 
 from .errors import FixtureError
+from .io import atomic, safetensors
 from .spec import (
     MANIFEST_NAME,
     SPEC_VERSION,
@@ -61,30 +56,17 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_ST_DTYPES = {np.dtype("float64"): "F64", np.dtype("bool"): "BOOL"}
+#: The dtypes a fixture stores: float64 tensors, bool masks.
+_ST_DTYPES = (np.dtype("float64"), np.dtype("bool"))
 
 
 def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """safetensors bytes with a canonical layout: tensors sorted by name, keys sorted.
-
-    Written here rather than with ``safetensors.numpy.save``, whose header order
-    is not stable from one call to the next; the result is read back by the
-    safetensors library like any other file.
-    """
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
-    chunks = []
-    offset = 0
-    for name in sorted(tensors):
-        array = np.asarray(tensors[name])
-        if array.dtype not in _ST_DTYPES:
-            raise TypeError(f"tensor {name}: dtype {array.dtype} is not stored in fixtures")
-        data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": _ST_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)  # the format pads the header to 8-byte alignment
-    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+    """safetensors bytes with a canonical layout: tensors sorted by name, keys sorted
+    (:func:`mhaspec.io.safetensors.encode`; any safetensors reader reads them)."""
+    for name, value in tensors.items():
+        if np.asarray(value).dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name}: dtype {np.asarray(value).dtype} is not stored in fixtures")
+    return safetensors.encode(tensors, metadata)
 
 
 def encode_case(spec: CaseSpec, tensors: Mapping[str, np.ndarray]) -> bytes:
@@ -97,9 +79,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def decode_tensors(data: bytes, where: str) -> dict[str, np.ndarray]:
+    """The tensors of a fixture file's bytes (writeable arrays of their own)."""
     try:
-        return dict(st_load(data))
-    except Exception as exc:  # safetensors raises its own error types
+        return safetensors.decode(data, copy=True)
+    except safetensors.SafetensorsError as exc:
         raise FixtureError(f"{where}: not a readable safetensors file ({exc})") from None
 
 
@@ -315,19 +298,14 @@ def require_memory(spec: CaseSpec, needed: int, what: str) -> None:
 
 def _read_header(fh: Any, path: Path, size: int) -> dict[str, Any]:
     """The JSON header of an open safetensors file, bounded and parsed before any tensor data is read."""
-    raw = fh.read(8)
-    if len(raw) < 8:
-        raise FixtureError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    n = int.from_bytes(raw, "little")
-    if n > MAX_HEADER_BYTES or 8 + n > size:
-        raise FixtureError(f"{path}: not a safetensors file (header length {n} bytes is implausible for a {size}-byte file)")
     try:
-        header = json.loads(fh.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FixtureError(f"{path}: not a safetensors file (header is not JSON: {exc})") from None
-    if not isinstance(header, dict):
-        raise FixtureError(f"{path}: not a safetensors file (header is not a JSON object)")
-    return header
+        n = safetensors.header_length(fh.read(safetensors.PREFIX))
+        if n > MAX_HEADER_BYTES or safetensors.PREFIX + n > size:
+            raise FixtureError(f"{path}: not a safetensors file (header length {n} bytes is implausible for a "
+                               f"{size}-byte file)")
+        return safetensors.parse_header(fh.read(n))
+    except safetensors.SafetensorsError as exc:
+        raise FixtureError(f"{path}: not a safetensors file ({exc})") from None
 
 
 def _check_header(header: dict[str, Any], path: Path, spec: CaseSpec, data_size: int) -> None:
@@ -478,56 +456,19 @@ def write_folder_atomically(folder: Path, files: Mapping[str, bytes]) -> None:
     """Replace ``folder`` with exactly ``files``; never leave it half-written, never destroy what mhaspec did not write.
 
     - Only an empty or missing folder, or a golden folder (a valid mhaspec
-      ``manifest.json`` plus exactly the files it lists), is replaced.
-    - The new folder is written beside it (``.NAME.new-*``, manifest last,
-      every file fsync'ed) and swapped in with one atomic exchange of the two
-      directories (Linux ``renameat2(RENAME_EXCHANGE)``): a reader sees the
-      old folder or the new one, never none.  Where the exchange is not
-      available it falls back to two renames, and the next generate restores
-      the old folder if a kill fell between them.
-    - Concurrent generates into the same parent folder are serialised by a
-      lock (``flock`` on the parent folder); stale ``.NAME.new-*`` and
-      ``.NAME.old-*`` folders left by killed runs are removed.
+      ``manifest.json`` plus exactly the files it lists), is replaced
+      (:func:`check_replaceable`).
+    - The swap is :func:`mhaspec.io.atomic.replace_folder`: the new folder is
+      written beside it (manifest last, every file fsync'ed) and exchanged with
+      the old one atomically; a reader sees the old folder or the new one, never
+      none; concurrent generates are serialised by a lock on the parent folder.
     Any OS error is a FixtureError naming the folder.
     """
     folder = Path(folder).absolute()
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(folder.parent):
-            _recover(folder)
-            check_replaceable(folder)
-            _swap_in(folder, files)
+        atomic.replace_folder(folder, files, check=check_replaceable, last=MANIFEST_NAME)
     except OSError as exc:
         raise FixtureError(f"{folder}: cannot write the golden folder ({exc.strerror or exc})") from None
-
-
-@contextlib.contextmanager
-def _folder_lock(parent: Path) -> Iterator[None]:
-    """An exclusive lock on ``parent`` (released by the OS if the process dies)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock
-        yield
-        return
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _staging_folders(folder: Path, kind: str) -> list[Path]:
-    return sorted(folder.parent.glob(f".{folder.name}.{kind}-*"), key=lambda p: p.stat().st_mtime)
-
-
-def _recover(folder: Path) -> None:
-    """Under the lock: bring back a folder lost between two renames, then remove stale staging folders."""
-    old = _staging_folders(folder, "old")
-    if not folder.exists() and old:
-        os.replace(old.pop(), folder)  # the most recent complete folder
-    for stale in old + _staging_folders(folder, "new"):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def check_replaceable(folder: Path) -> None:
@@ -566,68 +507,7 @@ def precheck_replaceable(folder: Path) -> None:
     if not folder.parent.is_dir():
         return  # nothing there yet
     try:
-        with _folder_lock(folder.parent):
+        with atomic.folder_lock(folder.parent):
             check_replaceable(folder)
     except OSError as exc:
         raise FixtureError(f"{folder}: cannot read the golden folder ({exc.strerror or exc})") from None
-
-
-def _swap_in(folder: Path, files: Mapping[str, bytes]) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
-    try:
-        for name in sorted(files, key=lambda n: n == MANIFEST_NAME):  # manifest last
-            with open(staging / name, "wb") as fh:
-                fh.write(files[name])
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.chmod(staging, 0o755)
-        _fsync_dir(staging)
-        if not folder.exists():
-            os.replace(staging, folder)
-        elif not _exchange(staging, folder):  # staging now holds the old folder, removed below
-            backup = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
-            backup.rmdir()
-            os.replace(folder, backup)
-            try:
-                os.replace(staging, folder)
-            except BaseException:
-                os.replace(backup, folder)
-                raise
-            shutil.rmtree(backup, ignore_errors=True)
-        _fsync_dir(folder.parent)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system cannot: fall back
-        return False
-    raise OSError(err, os.strerror(err), str(b))

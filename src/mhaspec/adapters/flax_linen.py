@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..protocol.contract import Deviation
 from ..spec import Case, MHAConfig
-from .base import Deviation
 from ._jax_common import (
     BIAS_GRAD_BF16,
     BIAS_GRAD_BF16_WHERE,

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..protocol.contract import Deviation
 from ..spec import Case, MHAConfig
-from .base import Deviation
 from ._jax_common import (
     BIAS_GRAD_BF16,
     BIAS_GRAD_BF16_WHERE,

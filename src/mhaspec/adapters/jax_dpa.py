@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ..protocol.contract import Deviation
 from ..spec import Case, masks
-from .base import Deviation
 from ._jax_common import (compiled, computing_in, fallback_precision, linear, rejected_algorithm, to_jax, to_numpy,
                           use_compilation_cache, use_fast_compile, vjp_stages, with_fallback_precision)
 

@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..protocol.contract import Deviation
 from ..spec import Case, MHAConfig, Weights
 from ._onnx_common import (
     ORT_NO_BFLOAT16,
@@ -53,7 +54,6 @@ from ._onnx_common import (
     ort_session,
     to_dtype,
 )
-from .base import Deviation
 
 #: The first opset with the standard Attention operator.
 ATTENTION_OPSET = 23

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..protocol.contract import Deviation
 from ..spec import Case, Weights
-from .base import Deviation
 from ._torch_common import (
     as_float64,
     autograd_backward,

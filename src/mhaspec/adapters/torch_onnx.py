@@ -51,10 +51,10 @@ import onnx
 import torch
 
 from .. import cache
+from ..protocol.contract import Deviation
 from ..spec import STAGES, Case, MHAConfig, Weights
 from ._onnx_common import ORT_NO_BFLOAT16, initializer_arrays, ort_session, replace_initializers, to_dtype
 from ._torch_common import LINEAR_NAMES, linear_from_state_dict, linear_to_state_dict, torch_dtype
-from .base import Deviation
 from .torch_layer import MultiHeadAttention
 
 #: The opset the graph is exported for (the first with the standard Attention op; the

@@ -5,7 +5,7 @@ plugin (``pytest --pyargs mhaspec.conformance --mha-adapter=NAME``), all
 judging through :class:`Session`.
 
 Names are imported on first use, so that the adapter's worker process
-(:mod:`mhaspec.conformance.worker`) starts without loading the judging code.
+(:mod:`mhaspec.protocol.worker`) starts without loading the judging code.
 """
 
 from __future__ import annotations

@@ -1,0 +1,188 @@
+"""The adapter contract: what an implementation under test is, and the deviations it may declare.
+
+An adapter is any object with ``name`` and ``run(case) -> Mapping[str, ArrayLike]``
+(docs/spec.md §5); optional: ``supports(case) -> bool | str``, ``backward(case)``,
+``known_deviations`` (see :class:`Deviation`), ``dtypes``, ``framework``.  The
+judging side (mhaspec.conformance) and the adapters both import this module;
+neither imports the other.  :func:`describe_adapter` is what a worker tells the
+runner about its adapter (the ``ready`` message of docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import AdapterError
+from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What the suite needs from an implementation under test."""
+
+    name: str
+
+    def run(self, case: Case) -> Mapping[str, Any]:
+        """Compute ``case`` in ``case.dtype``; return ``{"output": …}`` plus any other stages."""
+        ...
+
+    # Optional (docs/backward.md): def backward(self, case) -> Mapping[str, Any] — the gradients of
+    # L = Σ case.d_output ⊙ output, by backward stage name (d_concat … d_b_o), computed in case.dtype.
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A declared, explained difference from the spec.
+
+    ``case``, ``dtype`` and ``stage`` are shell-style patterns (``fnmatch``),
+    or several separated by ``|`` (``stage="head_outputs|d_k_proj"``: one
+    declaration, one reason, for the stages one mechanism reaches); a stage
+    verdict that fails and matches is reported as ``known deviation`` with
+    ``reason`` instead of ``fail``.
+
+    ``rows="fully_masked"`` narrows it to the query rows that see no key (the
+    rows where frameworks give uniform or NaN weights): the stage is a known
+    deviation only if every element *outside* those rows passes; a failure
+    anywhere else is still a failure.  Such a deviation needs no case names.
+
+    ``within`` bounds its size, so that it cannot hide a bug at the same stage:
+
+    * a dtype (``"float32"``): the stage must still pass with that dtype's
+      tolerances — for a run that does a step in a narrower dtype than asked
+      (a float64 scale or softmax taken in float32);
+    * ``"worst-case"``: the stage must still pass the worst-case precision
+      contract in its own dtype — for a sum accumulated in the dtype itself
+      (a bfloat16 bias gradient summed in bfloat16).
+
+    Beyond that the stage is a plain failure ("beyond its declared
+    deviation").  ``None`` (the default) excuses an error of any size.
+    """
+
+    reason: str
+    case: str = "*"
+    dtype: str = "*"
+    stage: str = "*"
+    rows: str | None = None
+    within: str | None = None
+
+    def matches(self, case: str, dtype: str, stage: str) -> bool:
+        return match_pattern(case, self.case) and match_pattern(dtype, self.dtype) and match_pattern(stage, self.stage)
+
+    @property
+    def pattern(self) -> str:
+        rows = f" (rows: {self.rows})" if self.rows else ""
+        within = f" (within: {self.within})" if self.within else ""
+        return f"{self.case}/{self.dtype}/{self.stage}{rows}{within}"
+
+
+def match_pattern(name: str, pattern: str) -> bool:
+    """Whether ``name`` matches a deviation pattern: shell-style (``fnmatch``), alternatives separated by ``|``."""
+    return any(fnmatch.fnmatchcase(name, p) for p in pattern.split("|"))
+
+
+#: Values of :attr:`Deviation.rows`.
+DEVIATION_ROWS = ("fully_masked",)
+
+#: Values of :attr:`Deviation.within`: a dtype, or the worst-case precision contract.
+DEVIATION_WITHIN = (*DTYPES, "worst-case")
+
+
+def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Deviation]:
+    """Normalise an adapter's ``known_deviations``.
+
+    Accepted: a mapping ``"CASE[/DTYPE[/STAGE]]" -> reason``; or an iterable of
+    :class:`Deviation` or of dicts with ``reason`` and optional ``case``,
+    ``dtype``, ``stage``, ``rows``, ``within``.
+    """
+    if declared is None:
+        return []
+    out: list[Deviation] = []
+    if isinstance(declared, Mapping):
+        for key, reason in declared.items():
+            parts = str(key).split("/")
+            if len(parts) > 3 or not all(parts):
+                raise AdapterError(f"{where}: pattern {key!r} is not CASE[/DTYPE[/STAGE]]")
+            parts += ["*"] * (3 - len(parts))
+            out.append(Deviation(reason=str(reason), case=parts[0], dtype=parts[1], stage=parts[2]))
+    elif isinstance(declared, Iterable) and not isinstance(declared, (str, bytes)):
+        for item in declared:
+            if isinstance(item, Deviation):
+                out.append(item)
+            elif isinstance(item, Mapping) and "reason" in item:
+                try:
+                    out.append(Deviation(**dict(item)))
+                except TypeError as exc:
+                    raise AdapterError(f"{where}: bad entry {item!r} ({exc})") from None
+            else:
+                raise AdapterError(f"{where}: entry {item!r} is neither a Deviation nor a dict with a reason")
+    else:
+        raise AdapterError(f"{where}: expected a mapping or a list, got {type(declared).__name__}")
+    for dev in out:
+        if dev.rows is not None and dev.rows not in DEVIATION_ROWS:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: rows must be one of {DEVIATION_ROWS}")
+        if dev.within is not None and dev.within not in DEVIATION_WITHIN:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: within must be one of "
+                               f"{', '.join(DEVIATION_WITHIN)}, not {dev.within!r}")
+        if dev.within is not None and dev.rows is not None:
+            raise AdapterError(f"{where}: deviation {dev.pattern}: rows and within cannot be combined (rows "
+                               "already confines it: everything outside those rows must pass)")
+        if not dev.reason.strip():
+            raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
+        for field, pattern, names in (("stage", dev.stage, STAGES + BACKWARD_STAGES), ("dtype", dev.dtype, DTYPES)):
+            for alternative in pattern.split("|"):  # each alternative must name something
+                if not any(fnmatch.fnmatchcase(n, alternative) for n in names):
+                    which = f" {alternative!r}" if "|" in pattern else ""
+                    raise AdapterError(f"{where}: deviation {dev.pattern}{which} matches no {field}; "
+                                       f"{field}s are {', '.join(names)}")
+    return out
+
+
+def adapter_name(adapter: Any) -> str:
+    return str(getattr(adapter, "name", type(adapter).__name__))
+
+
+def adapter_framework(adapter: Any) -> tuple[str | None, str | None]:
+    """(framework distribution, its installed version) as the adapter declares it."""
+    framework = getattr(adapter, "framework", None)
+    if not framework:
+        return None, None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return str(framework), version(str(framework))
+    except PackageNotFoundError:  # e.g. tensorflow installed as tensorflow-cpu: ask the module
+        module = sys.modules.get(str(framework).replace("-", "_"))
+        found = getattr(module, "__version__", None)
+        return str(framework), str(found) if found is not None else None
+
+
+def adapter_dtypes(adapter: Any) -> tuple[str, ...]:
+    """The dtypes the adapter declares (default: all four)."""
+    declared = getattr(adapter, "dtypes", None)
+    if declared is None:
+        return DTYPES
+    unknown = [d for d in declared if d not in DTYPES]
+    if unknown:
+        raise AdapterError(f"adapter {adapter_name(adapter)}: dtypes {unknown} are not among {', '.join(DTYPES)}")
+    return tuple(d for d in DTYPES if d in declared)
+
+
+def describe_adapter(adapter: Any) -> dict[str, Any]:
+    """What the runner needs to know about an adapter, as JSON-able data (docs/protocol.md, ``ready``)."""
+    name = adapter_name(adapter)
+    deviations = parse_deviations(getattr(adapter, "known_deviations", None), f"adapter {name}: known_deviations")
+    framework, version = adapter_framework(adapter)
+    return {
+        "name": name,
+        "dtypes": list(adapter_dtypes(adapter)),
+        "deviations": [dataclasses.asdict(d) for d in deviations],
+        "framework": framework,
+        "framework_version": version,
+        "has_supports": getattr(adapter, "supports", None) is not None,
+        "has_backward": callable(getattr(adapter, "backward", None)),
+    }

@@ -1,0 +1,304 @@
+"""``mhaspec-wire/1``: the messages between the runner and a worker process (docs/protocol.md).
+
+Two pipes, one each way.  Every message is one frame::
+
+    <u64 little-endian H> <u64 little-endian P> <H bytes: a JSON object, UTF-8> <P bytes: safetensors>
+
+The JSON header says what the message is (``op`` in a request, ``reply`` in a
+reply) and carries the small data; the payload carries the arrays — a case's
+inputs and weights one way, the stages an adapter returned the other — as
+safetensors bytes (:mod:`mhaspec.io.safetensors`; P = 0: no arrays).  Nothing
+is pickled.  The worker's first message, ``ready``, carries ``"protocol":
+"mhaspec-wire/1"``; a runner refuses any other version (:func:`check_protocol`).
+The JSON Schema of every header is ``schema/messages.schema.json`` beside this file.
+
+This module is language-neutral framing and message construction; which process
+runs the adapter, and how, is :mod:`mhaspec.protocol.transports`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..io import safetensors
+from ..spec import BACKWARD_STAGES, STAGES, Case, MHAConfig
+from ..spec.case import Inputs, Weights
+
+#: The version of this protocol, sent in the worker's ``ready`` (and the runner's ``load``).
+PROTOCOL = "mhaspec-wire/1"
+
+#: The 16 bytes before every header: its length and the payload's, little-endian u64.
+FRAME = struct.Struct("<QQ")
+
+#: Bounds on one message: a header is a few KB; a payload holds one case's arrays.
+MAX_HEADER = 1 << 24
+MAX_PAYLOAD = 1 << 40
+
+#: The steps a request may ask for, in the order a combined op runs them.
+STEPS = ("supports", "run", "backward")
+#: Every request ``op``: ``load`` (only to mhaspec's own Python worker, first), a step, a step after
+#: ``supports`` (one round trip per case), ``close``.
+OPS = ("load", "supports", "run", "backward", "supports+run", "supports+backward", "close")
+#: Every reply kind (``reply``): ``ready`` (the worker's first message), or the step it answers.
+REPLIES = ("ready", *STEPS)
+
+
+class Closed(Exception):
+    """The other side is gone (end of file, or a broken pipe)."""
+
+
+class Deadline(Exception):
+    """No complete message arrived in time."""
+
+
+class Malformed(Exception):
+    """Bytes on the pipe that are not a message of this protocol (e.g. an adapter writing to the worker's descriptors)."""
+
+
+class ProtocolError(Exception):
+    """The other side speaks another version of the protocol (or says none)."""
+
+
+# -- framing ---------------------------------------------------------------------------
+
+
+class Pipe:
+    """Framed messages over two file descriptors: ``read_fd`` from the other side, ``write_fd`` to it."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self._poller = select.poll()
+        self._poller.register(read_fd, select.POLLIN)
+
+    def send(self, header: Mapping[str, Any], payload: bytes = b"") -> None:
+        """Write one frame; :class:`Closed` if the other side is gone."""
+        data = memoryview(encode_frame(header, payload))
+        try:
+            while data:
+                data = data[os.write(self.write_fd, data):]
+        except OSError as exc:  # BrokenPipeError: the other side is gone
+            raise Closed(str(exc)) from None
+
+    def recv(self, deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+        """Read one frame: (header, payload); :class:`Deadline` past ``deadline`` (time.monotonic()),
+        :class:`Closed` at the end of the pipe, :class:`Malformed` for bytes that are not a frame."""
+        n_header, n_payload = FRAME.unpack(self._read(FRAME.size, deadline))
+        check_lengths(n_header, n_payload)
+        header = decode_header(self._read(n_header, deadline))
+        return header, bytes(self._read(n_payload, deadline)) if n_payload else b""
+
+    def _read(self, n: int, deadline: float | None) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._poller.poll(max(1, int(remaining * 1000) + 1)):
+                    raise Deadline()
+            chunk = os.read(self.read_fd, min(n - got, 1 << 22))
+            if not chunk:
+                raise Closed("end of file")
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+        return buf
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def encode_frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+    """The bytes of one message."""
+    text = json.dumps(header).encode("utf-8")
+    return FRAME.pack(len(text), len(payload)) + text + payload
+
+
+def check_lengths(n_header: int, n_payload: int) -> None:
+    if n_header > MAX_HEADER or n_payload > MAX_PAYLOAD:
+        raise Malformed(f"a message of {n_header} + {n_payload} bytes")
+
+
+def decode_header(text: bytes | bytearray) -> dict[str, Any]:
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Malformed(f"a header that is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise Malformed("a header that is not a JSON object")
+    return header
+
+
+# -- the handshake ---------------------------------------------------------------------
+
+
+def check_protocol(header: Mapping[str, Any], sender: str = "the worker") -> None:
+    """:class:`ProtocolError` unless ``header`` says ``"protocol": "mhaspec-wire/1"``."""
+    got = header.get("protocol")
+    if got != PROTOCOL:
+        said = f"speaks {got!r}" if got is not None else "sent no protocol version"
+        raise ProtocolError(f"{sender} {said}; this mhaspec speaks {PROTOCOL!r} (docs/protocol.md)")
+
+
+def load_request(adapter: str, options: Mapping[str, Any], sys_path: list[str]) -> dict[str, Any]:
+    """The first message to mhaspec's own spawned Python worker: which adapter to load."""
+    return {"op": "load", "protocol": PROTOCOL, "adapter": adapter, "options": dict(options), "sys_path": sys_path}
+
+
+def ready(info: Mapping[str, Any], environment: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker's first message: the adapter's description (contract.describe_adapter) and where it computes."""
+    return {"reply": "ready", "protocol": PROTOCOL, "ok": True, **info, "environment": dict(environment)}
+
+
+def failure(reply: str, error: str) -> dict[str, Any]:
+    """A reply saying the step (or loading: ``ready``) failed, with a one-line cause."""
+    header: dict[str, Any] = {"reply": reply, "ok": False, "error": error}
+    if reply == "ready":
+        header["protocol"] = PROTOCOL
+    return header
+
+
+def check_reply(header: Mapping[str, Any], expected: str) -> None:
+    """:class:`Malformed` unless ``header`` is a reply to ``expected`` (a step, or ``ready``)."""
+    kind = header.get("reply")
+    if kind != expected:
+        raise Malformed(f"a reply of kind {kind!r} where {expected!r} was due")
+    if not isinstance(header.get("ok"), bool) or (header["ok"] is False and not isinstance(header.get("error"), str)):
+        raise Malformed(f"a {expected!r} reply without ok (true, or false with an error)")
+    if expected == "supports" and header["ok"] and not isinstance(header.get("answer"), (bool, str)):
+        raise Malformed("a 'supports' reply without an answer (true, false or a reason)")
+
+
+# -- a case, runner -> worker ----------------------------------------------------------
+
+
+def case_request(op: str, case: Case) -> tuple[dict[str, Any], bytes]:
+    """A request carrying ``case``: its scalar fields, its config and which inputs are one array, and bytes.
+
+    Generic over the Case's fields, so a field added to the spec travels too;
+    an input that is the same array as another (self-attention, key = value)
+    travels once and is the same array again on the other side.
+    """
+    header, payload = case_message(case)
+    return {"op": op, "case": header}, payload
+
+
+def reuse_request(op: str) -> dict[str, Any]:
+    """A request for the case the worker already holds (the one of the previous request)."""
+    return {"op": op, "reuse": True}
+
+
+def close_request() -> dict[str, Any]:
+    return {"op": "close"}
+
+
+def case_message(case: Case) -> tuple[dict[str, Any], bytes]:
+    """(the ``case`` object of a request, the payload) for ``case``."""
+    scalars = {name: getattr(case, name) for name in type(case).model_fields
+               if name not in ("config", "inputs", "weights", "d_output")}
+    arrays: dict[str, np.ndarray] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name in type(case.inputs).model_fields:
+        array = getattr(case.inputs, name)
+        if array is None:
+            continue
+        if id(array) in first:
+            aliases[name] = first[id(array)]
+            continue
+        first[id(array)] = name
+        arrays[f"input.{name}"] = array
+    arrays.update({f"weight.{k}": v for k, v in case.weights.as_dict().items()})
+    if case.d_output is not None:
+        arrays["grad.d_output"] = case.d_output
+    header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
+    return header, safetensors.encode(arrays)
+
+
+def case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
+    """The Case of :func:`case_message` (its arrays read-only views of ``payload``)."""
+    arrays = safetensors.decode(payload)
+    inputs = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("input.")}
+    for name, same_as in header["aliases"].items():
+        inputs[name] = inputs[same_as]
+    weights = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("weight.")}
+    return Case(config=MHAConfig.model_validate(header["config"]), inputs=Inputs(**inputs), weights=Weights(**weights),
+                d_output=arrays.get("grad.d_output"), **header["scalars"])
+
+
+# -- what the adapter returned, worker -> runner ---------------------------------------
+
+
+def supports_reply(answer: Any) -> dict[str, Any]:
+    return {"reply": "supports", "ok": True, "answer": answer if isinstance(answer, (bool, str)) else False}
+
+
+def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, Any], bytes]:
+    """What ``run()`` or ``backward()`` returned, as a header (keys, stages that cannot travel as arrays) and bytes."""
+    if not isinstance(returned, Mapping):
+        return {"reply": step, "ok": True, "seconds": seconds, "mapping": False, "type": type(returned).__name__}, b""
+    arrays: dict[str, np.ndarray] = {}
+    special: dict[str, Any] = {}
+    for key, value in returned.items():
+        if not (isinstance(key, str) and (key in STAGES or key in BACKWARD_STAGES)):
+            continue  # the runner only needs the name to report it
+        try:
+            array = np.asarray(value)
+        except Exception as exc:  # e.g. a tensor that requires grad
+            special[key] = {"type": type(value).__name__, "error": str(exc)}
+            continue
+        if array.dtype.name in safetensors.CODES:
+            arrays[key] = array
+        else:  # complex, object, str ...: judged by dtype alone, so the dtype and shape suffice
+            special[key] = {"dtype": array.dtype.str, "name": array.dtype.name, "shape": list(array.shape)}
+    header = {"reply": step, "ok": True, "seconds": seconds, "mapping": True, "keys": [str(k) for k in returned],
+              "special": special}
+    return header, safetensors.encode(arrays)
+
+
+class _Unconvertible:
+    """Stands for a returned value numpy could not convert in the worker."""
+
+    def __init__(self, error: str) -> None:
+        self._error = error
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError(self._error)
+
+
+def unpack_returned(header: Mapping[str, Any], payload: bytes) -> Any:
+    """What the adapter returned, as the runner judges it: a mapping of the returned keys (arrays,
+    stand-ins of the values that could not travel, None for a key that is not a stage), or a
+    stand-in object of the returned type's name when it was not a mapping."""
+    if not header["mapping"]:
+        return type(header["type"], (), {})()  # an object of the same type name: judged as "not a mapping"
+    arrays = safetensors.decode(payload)
+    out: dict[str, Any] = {}
+    for key in header["keys"]:
+        if key in arrays:
+            out[key] = arrays[key]
+        elif key in header["special"]:
+            info = header["special"][key]
+            if "error" in info:
+                out[key] = type(info["type"], (_Unconvertible,), {})(info["error"])
+            else:
+                try:
+                    name = info["name"]
+                    dtype = safetensors.numpy_dtype(name) if name.startswith(("bfloat", "float8")) else np.dtype(info["dtype"])
+                except (TypeError, AttributeError, ImportError):
+                    dtype = np.dtype(object)
+                out[key] = np.zeros(info["shape"], dtype=dtype) if dtype != np.dtype(object) else np.empty(info["shape"], object)
+        else:
+            out[key] = None  # not a stage: reported by name
+    return out

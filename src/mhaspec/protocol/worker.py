@@ -1,0 +1,212 @@
+"""The Python worker: the worker's side of ``mhaspec-wire/1``, in the process where the adapter computes.
+
+:func:`serve` answers the runner's requests with the adapter; :func:`main` is the
+entry point of a spawned worker (``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``:
+it reads ``load``, loads the adapter and answers ``ready``); :func:`run_forked` is
+what a forked child runs.  Whatever the adapter raises is a reply; whatever it
+does to the process (exit, abort, a signal) is the runner's to report
+(mhaspec.protocol.transports).  A worker written in another language does what
+:func:`serve` does, from docs/protocol.md alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..environment import describe as describe_environment
+from ..errors import AdapterError
+from ..spec import Case
+from . import wire
+from .contract import adapter_name, describe_adapter
+from .loading import load_adapter
+
+#: The exit status of a worker that failed outside the adapter (a traceback is on its stderr).
+EXIT_BROKEN = 70
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (file:line in function)`` at the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def call_adapter(adapter: Any, step: str, case: Case) -> tuple[dict[str, Any], bytes]:
+    """The reply to one step (``supports``, ``run`` or ``backward``) of ``case``."""
+    start = time.perf_counter()
+    try:
+        if step == "supports":
+            return wire.supports_reply(adapter.supports(case)), b""
+        returned = adapter.backward(case) if step == "backward" else adapter.run(case)
+        header, payload = wire.returned_reply(step, returned, 0.0)
+        header["seconds"] = time.perf_counter() - start  # converting lazy arrays is part of the adapter's time
+        return header, payload
+    except SystemExit as exc:
+        return wire.failure(step, f"adapter called sys.exit({exc.code!r}) in {step}()"), b""
+    except BaseException as exc:  # noqa: BLE001 - anything the adapter raises is its verdict
+        return wire.failure(step, f"{step}() raised {describe_exception(exc)}"), b""
+
+
+def serve(pipe: wire.Pipe, adapter: Any) -> None:
+    """Answer requests until ``close`` or the end of the pipe.
+
+    ``supports``, ``run`` and ``backward`` get one reply; ``supports+run`` gets the
+    answer of ``supports()`` at once and, if it is True, the reply of ``run()``
+    after it (one round trip per case instead of two).  The first reply of a
+    ``run()`` or ``backward()`` that returned carries this process's environment
+    again (``environment``): what the adapter imported or set up while computing.
+    """
+    case: Case | None = None
+    described = False
+    while True:
+        try:
+            header, payload = pipe.recv()
+        except wire.Closed:
+            return
+        op = header.get("op")
+        if op == "close":
+            return
+        if op not in wire.OPS or op == "load":
+            raise wire.Malformed(f"a request with op {op!r}")
+        if not header.get("reuse"):
+            case = wire.case_from_message(header["case"], payload)
+        if case is None:
+            raise wire.Malformed(f"a {op!r} request reusing a case before any case was sent")
+        for step in op.split("+"):
+            reply, data = call_adapter(adapter, step, case)
+            if not described and step != "supports" and reply["ok"]:
+                reply["environment"] = describe_environment(process="worker")
+                described = True
+            pipe.send(reply, data)
+            if step == "supports" and not (reply["ok"] and reply["answer"] is True):
+                break
+
+
+def load_and_serve(pipe: wire.Pipe, ref: str, options: Mapping[str, Any]) -> None:
+    """Load the adapter named ``ref``, answer ``ready`` with its description (or the error), then serve."""
+    try:
+        adapter = load_adapter(ref, **options)
+        info = describe_adapter(adapter)
+    except SystemExit as exc:
+        pipe.send(wire.failure("ready", f"adapter called sys.exit({exc.code!r}) while being loaded"))
+        return
+    except AdapterError as exc:
+        pipe.send(wire.failure("ready", str(exc)))
+        return
+    except BaseException as exc:  # noqa: BLE001
+        pipe.send(wire.failure("ready", f"loading adapter {ref!r} failed: {describe_exception(exc)}"))
+        return
+    pipe.send(wire.ready(info, describe_environment(process="worker")))
+    serve(pipe, adapter)
+
+
+def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
+    """An inherited adapter object: describe it here, in the process where it computes (reading its
+    ``known_deviations`` may run the framework, e.g. the TensorFlow adapters' probe), answer with the
+    description (or the error) — the start-up is not counted in the first case's timeout — then serve."""
+    try:
+        info = describe_adapter(adapter)
+    except AdapterError as exc:
+        pipe.send(wire.failure("ready", str(exc)))
+        return
+    except BaseException as exc:  # noqa: BLE001
+        pipe.send(wire.failure("ready", f"describing adapter {adapter_name(adapter)!r} failed: {describe_exception(exc)}"))
+        return
+    pipe.send(wire.ready(info, describe_environment(process="worker")))
+    serve(pipe, adapter)
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``."""
+    code = 0
+    try:
+        pipe = wire.Pipe(int(argv[0]), int(argv[1]))
+        detach_from_terminal_signals(int(argv[2]), argv[3] == "1")
+        header, _ = pipe.recv()
+        if header.get("op") != "load":
+            raise wire.Malformed(f"a first request with op {header.get('op')!r}, not 'load'")
+        try:
+            wire.check_protocol(header, "the runner")
+        except wire.ProtocolError as exc:
+            pipe.send(wire.failure("ready", str(exc)))
+            return
+        sys.path[:] = header["sys_path"]
+        load_and_serve(pipe, header["adapter"], header["options"])
+    except BaseException:  # noqa: BLE001 - a broken worker must still leave at once
+        traceback.print_exc()
+        code = EXIT_BROKEN
+    finally:
+        finish(code)
+
+
+def run_forked(pipe: wire.Pipe, adapter: Any, options: Mapping[str, Any] | None, parent: int,
+               die_with_parent: bool) -> None:
+    """What a forked child runs: load the named adapter (``adapter`` a str) or keep the inherited
+    object, then serve; never returns."""
+    code = 0
+    try:
+        detach_from_terminal_signals(parent, die_with_parent)
+        forget_golden()
+        if isinstance(adapter, str):
+            load_and_serve(pipe, adapter, options or {})
+        else:
+            describe_and_serve(pipe, adapter)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        code = EXIT_BROKEN
+    finally:
+        finish(code)
+
+
+def detach_from_terminal_signals(parent: int, die_with_parent: bool) -> None:
+    """Ctrl-C is the runner's to handle (it kills this worker); die when the runner dies (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if die_with_parent and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def forget_golden() -> None:
+    """In a forked worker: empty every golden fixture inherited from the runner's memory.
+
+    A forked child starts as a copy of the runner, golden stages included; the
+    adapter must find none of them (e.g. through ``gc``).
+    """
+    fixtures = sys.modules.get("mhaspec.fixtures")
+    if fixtures is None:
+        return
+    import gc
+
+    fixtures.DERIVED.clear()  # the bounds kept for the process (GoldenCase.derived)
+    for obj in gc.get_objects():
+        if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, dict):
+                    value.clear()  # GoldenSet._loaded, GoldenCase.stages/inputs/weights, caches
+                elif isinstance(value, np.ndarray):
+                    object.__setattr__(obj, name, None)  # GoldenCase.visible
+
+
+def finish(code: int) -> None:
+    """Leave at once: never wait for threads the adapter left behind."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
