@@ -22,13 +22,14 @@ import mhaspec
 from mhaspec.adapters import load_adapter
 from mhaspec.conformance import backward as judge_module
 from mhaspec.conformance import runner as runner_module
-from mhaspec.conformance import tolerance_backward as tb
+from mhaspec.conformance import tolerance as tb
 from mhaspec.conformance.tolerance import Bound
+from mhaspec.spec.tolerance import DEFAULT_TOLERANCES
 
 USER_FACING = ("d_query", "d_key", "d_value", "d_w_q", "d_w_k", "d_w_v", "d_w_o", "d_b_q", "d_b_k", "d_b_v", "d_b_o")
 
 
-def full_size(golden, dtype, forward=None, table=tb.DEFAULT_TOLERANCES, precision="standard"):
+def full_size(golden, dtype, forward=None, table=DEFAULT_TOLERANCES, precision="standard"):
     return {k: Bound(np.zeros_like(v), v) for k, v in tb.backward_tolerances(golden, dtype, table=table,
                                                                              precision=precision).items()}
 

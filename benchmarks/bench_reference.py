@@ -120,9 +120,9 @@ def main() -> None:
               f"~{exact_small * scale:.0f} s extrapolated to T=S={L} (~{exact_small * scale / blas[0]:.0f}x BLAS)")
     golden = golden_case(spec)
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([spec])), timeout=None, isolate=False)
-    from mhaspec.conformance import tolerance
+    from mhaspec.conformance.engine.compiled import kernels_for_shape
 
-    compiled = tolerance._kernels(H, L, L)
+    compiled = kernels_for_shape(H, L, L)
     if compiled is None:
         print("tolerance chunk loop: NumPy (numba not installed, or MHASPEC_NUMBA=off)")
     else:

@@ -7,7 +7,11 @@ diagnosis; per stage the verdict, the failed check, the worst ratios (golden, lo
 systematic), the worst element's index, the errors and the number of elements compared.
 Timings, the environment and the tool's own version are not compared.
 
-    python benchmarks/compare_reports.py --old ../old-checkout [--new .] [--backward] ADAPTER…
+    python benchmarks/compare_reports.py --old ../old-checkout [--new .] [--backward] [--catalog FILE.json] ADAPTER…
+
+``--catalog FILE.json`` judges the cases of that file, computed on the fly (``mhaspec run --catalog``),
+instead of the committed fixtures: large cases there take the chunked, threaded and compiled
+tolerance loops.
 
 Exits 0 when every report is identical, 1 otherwise (the first differences are printed).
 """
@@ -28,9 +32,11 @@ STAGE_KEYS = ("stage", "verdict", "failed_check", "worst_ratio", "local_worst_ra
 RESULT_KEYS = ("case", "dtype", "verdict", "first_failing_stage", "worst_ratio", "message", "diagnosis")
 
 
-def run_report(checkout: Path, adapter: str, backward: bool, out: Path) -> tuple[int, str]:
+def run_report(checkout: Path, adapter: str, backward: bool, out: Path, catalog: Path | None = None) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve() / "src"))
     cmd = [sys.executable, "-m", "mhaspec.cli", "run", adapter, "--report", str(out)] + (["--backward"] if backward else [])
+    if catalog is not None:
+        cmd += ["--catalog", str(catalog.resolve())]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     return done.returncode, done.stderr[-2000:]
 
@@ -75,6 +81,7 @@ def main() -> int:
     parser.add_argument("--old", type=Path, required=True, help="the older checkout (its src/ is imported)")
     parser.add_argument("--new", type=Path, default=Path(__file__).resolve().parents[1], help="default: this checkout")
     parser.add_argument("--backward", action="store_true", help="judge the backward stages too (--backward)")
+    parser.add_argument("--catalog", type=Path, help="judge the cases of this catalog file, computed on the fly")
     parser.add_argument("--keep", type=Path, help="keep the reports in this folder (OLD-/NEW-ADAPTER.json)")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="mhaspec-compare-"))
@@ -85,7 +92,7 @@ def main() -> int:
         reports = []
         for side, checkout in (("old", args.old), ("new", args.new)):
             path = folder / f"{side}-{label}.json"
-            code, err = run_report(checkout, adapter, args.backward, path)
+            code, err = run_report(checkout, adapter, args.backward, path, args.catalog)
             if not path.is_file():
                 print(f"{adapter}: the {side} run wrote no report (exit {code}): {err}")
                 return 2

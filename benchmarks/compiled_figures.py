@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mhaspec  # noqa: E402
 from mhaspec.conformance import FAIL, PASS  # noqa: E402
-from mhaspec.conformance.tolerance import NUMBA_ENV  # noqa: E402
+from mhaspec.conformance.engine.compiled import NUMBA_ENV  # noqa: E402
 from mhaspec.reference.onthefly import OnTheFlyGolden  # noqa: E402
 from mhaspec.spec import DTYPES, CaseSpec, Catalog, MHAConfig  # noqa: E402
 from mhaspec.spec.case import MaskSpec  # noqa: E402
@@ -67,15 +67,14 @@ def main() -> None:
 
         blocks.MAX_BLOCK_ELEMENTS = args.block_elements
     golden = OnTheFlyGolden(Catalog(cases(args.size)))
-    from mhaspec.conformance import tolerance
-    from mhaspec.conformance.tolerance import _kernels
+    from mhaspec.conformance.engine import compiled
 
     # cases of a few 10^5 elements keep this run short: the compiled loop's threshold (the size
     # from which it pays back its compilation) is lowered for them; the code path is the same
-    tolerance.COMPILED_MIN_ELEMENTS = 1 << 19
+    compiled.COMPILED_MIN_ELEMENTS = 1 << 19
     for spec in cases(args.size):
         N = spec.batch * spec.config.H
-        if _kernels(N, spec.tgt_len, spec.src_len) is None:
+        if compiled.kernels_for_shape(N, spec.tgt_len, spec.src_len) is None:
             raise SystemExit(f"{spec.id}: too small for the compiled loop, or numba is not installed")
     correct = {**{n: v for n, v in CORRECT.items()}, **{f"{n}+output_only": output_only(v) for n, v in CORRECT.items()}}
     bugs = {**{n: v for n, (v, _) in BUGS.items()}, **{n: v for n, (v, _) in OUTPUT_ONLY_BUGS.items()}}

@@ -36,7 +36,7 @@ def test_blocks_give_the_same_verdicts(name, monkeypatch):
             assert (x.stage, x.verdict, x.compared, x.nonfinite) == (y.stage, y.verdict, y.compared, y.nonfinite)
             assert (x.max_abs_err, x.max_rel_err) == (y.max_abs_err, y.max_rel_err)
             # tolerances are matrix products, their non-negative sums formed in float32 and rounded up
-            # (tolerance._upper32): another block shape rounds them in another order, by <= γ₃₂(n) ≈ 1e-6
+            # (model.vocabulary.upper32): another block shape rounds them in another order, by <= γ₃₂(n) ≈ 1e-6
             assert x.worst_ratio == pytest.approx(y.worst_ratio, rel=1e-6)
             if x.worst_ratio is not None and x.worst_ratio > 0:
                 assert x.worst_index == y.worst_index, (a.case, x.stage)

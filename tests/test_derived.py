@@ -14,7 +14,6 @@ from mhaspec import fixtures
 from mhaspec.adapters.numpy_mha import NumpyMHA
 from mhaspec.conformance import runner as runner_module
 from mhaspec.conformance import tolerance as tol
-from mhaspec.conformance import tolerance_backward as tolb
 from mhaspec.fixtures import DerivedMemo, GoldenSet
 from mhaspec.reference.generate import generate
 from mhaspec.reference.onthefly import golden_case
@@ -34,7 +33,7 @@ def counted(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(runner_module, "judging_bounds", counting("judging", tol.judging_bounds))
-    monkeypatch.setattr(runner_module, "backward_bounds", counting("backward", tolb.backward_bounds))
+    monkeypatch.setattr(runner_module, "backward_bounds", counting("backward", tol.backward_bounds))
     monkeypatch.setattr(runner_module, "worst_case_tolerances", counting("worst-case", tol.worst_case_tolerances))
     return calls
 

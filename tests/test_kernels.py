@@ -21,11 +21,13 @@ import numpy as np
 import pytest
 
 from mhaspec.conformance import tolerance as tol
+from mhaspec.conformance.engine import chunks, compiled
+from mhaspec.conformance.model import softmax
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import DTYPES, CaseSpec, MHAConfig
 from mhaspec.spec.case import MaskSpec
 
-kernels = pytest.importorskip("mhaspec.conformance._kernels", reason="numba (the fast extra) is not installed")
+kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
 
 CASES = {
     # above 2^19 elements (the threshold lowered here); masks with fully masked rows, GQA, T != S
@@ -46,7 +48,7 @@ CASES = {
 def _compiled_from_smaller_cases(monkeypatch):
     """The cases here are smaller than the compiled loop's threshold (cases that pay back its
     compilation): lowered, so that they take it, fast."""
-    monkeypatch.setattr(tol, "COMPILED_MIN_ELEMENTS", 1 << 19)
+    monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 19)
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +56,26 @@ def goldens():
     return {name: golden_case(spec) for name, spec in CASES.items()}
 
 
-def _both(golden, dtype, monkeypatch, **kw):
-    """(NumPy loop, compiled loop) results of tol._golden, and how many chunks the compiled loop took."""
+def _both(golden, dtype, monkeypatch):
+    """(NumPy loop, compiled loop) results of tol.judging_bounds, and how many chunks the compiled loop took."""
     calls = []
-    real = tol._attention_chunk_compiled
+    real = compiled.attention_chunk
 
     def counted(*args, **kwargs):
         ok = real(*args, **kwargs)
         calls.append(ok)
         return ok
 
-    monkeypatch.setattr(tol, "_attention_chunk_compiled", counted)
+    monkeypatch.setattr(compiled, "attention_chunk", counted)
     # both loops on the same chunks: a BLAS may sum a float32 bound product of another chunk height in
     # another order (OpenBLAS does on AVX-512 CPUs), a last-bit difference that is not the loops' own
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", tol.COMPILED_CHUNK_ELEMENTS)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
-    numpy_loop = tol._golden(golden, dtype, "standard", tol.DEFAULT_TOLERANCES, **kw)
+    numpy_loop = tol.judging_bounds(golden, dtype)
     assert calls == []
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
-    compiled = tol._golden(golden, dtype, "standard", tol.DEFAULT_TOLERANCES, **kw)
-    return numpy_loop, compiled, calls
+    compiled_loop = tol.judging_bounds(golden, dtype)
+    return numpy_loop, compiled_loop, calls
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -87,8 +89,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, name, dtype, monkeypatch):
     golden = goldens[name]
-    (b0, t0), (b1, t1), calls = _both(golden, dtype, monkeypatch, bounds=True, tolerances=True,
-                                      reference_error=True)
+    (b0, t0), (b1, t1), calls = _both(golden, dtype, monkeypatch)
     assert calls and all(calls), "the compiled loop must have judged every chunk"
     assert list(b0) == list(b1) and list(t0) == list(t1)
     for stage in b0:
@@ -117,9 +118,8 @@ def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens,
     wild = dataclasses.replace(golden, stages={**golden.stages, "scores": s})
     # the general path takes float64 products for a whole chunk with a value that is not finite:
     # the same chunks in both runs, so that the same rows do
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", tol.COMPILED_CHUNK_ELEMENTS)
-    (b0, t0), (b1, t1), calls = _both(wild, "float32", monkeypatch, bounds=True, tolerances=True,
-                                      reference_error=True)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
+    (b0, t0), (b1, t1), calls = _both(wild, "float32", monkeypatch)
     assert False in calls and True in calls  # that chunk fell back, the others did not
     for stage in b0:
         assert _rel(t0[stage], t1[stage]) <= 1e-6, stage
@@ -127,10 +127,10 @@ def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens,
 
 def test_small_cases_and_the_switch_keep_the_numpy_loop(monkeypatch):
     monkeypatch.delenv(tol.NUMBA_ENV, raising=False)
-    assert tol._kernels(8, 128, 128) is None  # the committed catalog's sizes: bit-identical bounds
-    assert tol._kernels(8, 2048, 2048) is kernels
+    assert compiled.kernels_for_shape(8, 128, 128) is None  # the committed catalog's sizes: bit-identical bounds
+    assert compiled.kernels_for_shape(8, 2048, 2048) is kernels
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
-    assert tol._kernels(8, 2048, 2048) is None
+    assert compiled.kernels_for_shape(8, 2048, 2048) is None
 
 
 def test_the_exponential_product_stays_above_the_exponential_of_the_sum():
@@ -177,7 +177,7 @@ def test_the_compiled_exponential_is_within_the_references_exp_ulps():
     [2.0**-1074, 1e300, 7.0],
 ])
 def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row):
-    """_others_sum (sum, top) gives Σ_{k≠j} a_k for every key j as tolerance._others does, which a
+    """_others_sum (sum, top) gives Σ_{k≠j} a_k for every key j as model.softmax.others does, which a
     math.fsum over the other keys checks."""
     import math
 
@@ -188,7 +188,7 @@ def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row):
         others = total if x >= top else max((total - x) + top, 0.0)
         exact = math.fsum(np.delete(a, j))
         assert abs(others - exact) <= 4 * np.finfo(float).eps * exact, (j, others, exact)
-    assert np.allclose(tol._others(a[None]), [[total if x >= top else (total - x) + top for x in a]],
+    assert np.allclose(softmax.others(a[None]), [[total if x >= top else (total - x) + top for x in a]],
                        rtol=4 * np.finfo(float).eps, atol=0)
 
 
@@ -221,11 +221,11 @@ def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype
 def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(goldens, monkeypatch):
     golden = goldens["self_causal"]
     # the NumPy loops on the compiled loop's chunks, as the fallback takes them (see _both)
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", tol.COMPILED_CHUNK_ELEMENTS)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
     expected = tol.stage_tolerances(golden, "float16", reference_error=True)
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
-    monkeypatch.setattr(tol, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(compiled, "_COMPILE_FAILED", [])
 
     tries = []
 
@@ -240,10 +240,10 @@ def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(golde
         got = tol.stage_tolerances(golden, "float16", reference_error=True)
     assert len([w for w in caught if "numba" in str(w.message)]) == 1
     # once per thread at most (those that started before the first failure), not once per chunk
-    assert len(tries) <= min(tol._threads(), len(tol._chunks(8, 300, 300, tol.COMPILED_CHUNK_ELEMENTS)) - 1)
+    assert len(tries) <= min(chunks.threads(), len(chunks.chunks(8, 300, 300, compiled.COMPILED_CHUNK_ELEMENTS)) - 1)
     for stage, t in expected.items():
         assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
-    assert tol._kernels(8, 2048, 2048) is None  # not tried again in this process
+    assert compiled.kernels_for_shape(8, 2048, 2048) is None  # not tried again in this process
 
 
 def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
@@ -273,13 +273,13 @@ def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(go
     numpy_loop = tol.local_references(golden, own, dtype)
     assert calls == []
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
-    compiled = tol.local_references(golden, own, dtype)
+    compiled_loop = tol.local_references(golden, own, dtype)
     assert {fn for fn, _ in calls} == {"local_scores_chunk", "local_outputs_operands"} and all(ok for _, ok in calls)
-    assert set(numpy_loop) == set(compiled) >= {"scores", "head_outputs"}
+    assert set(numpy_loop) == set(compiled_loop) >= {"scores", "head_outputs"}
     for stage in ("scores", "head_outputs"):
-        (r0, b0), (r1, b1) = numpy_loop[stage], compiled[stage]
+        (r0, b0), (r1, b1) = numpy_loop[stage], compiled_loop[stage]
         assert np.array_equal(r0, r1), stage  # the same BLAS products, the same scaling
-        # head_outputs' worst part holds the weights' route allowance (tolerance._weights_route), a local
+        # head_outputs' worst part holds the weights' route allowance (model.local.weights_route), a local
         # weights bound, whose compiled loop agrees to 1e-7 (test_the_compiled_local_weights_check_…)
         worst = 1e-12 if stage == "scores" else 1e-7
         assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= worst, stage
@@ -294,11 +294,11 @@ def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(go
     monkeypatch.setenv(tol.NUMBA_ENV, "off")
     numpy_loop = tol.local_references(golden, own, "float16")
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
-    compiled = tol.local_references(golden, own, "float16")
+    compiled_loop = tol.local_references(golden, own, "float16")
     for fn in ("local_scores_chunk", "local_outputs_operands"):  # that chunk fell back, the others did not
         assert {ok for f, ok in calls if f == fn} == {False, True}, fn
     for stage in ("scores", "head_outputs"):
-        (r0, b0), (r1, b1) = numpy_loop[stage], compiled[stage]
+        (r0, b0), (r1, b1) = numpy_loop[stage], compiled_loop[stage]
         assert np.array_equal(r0, r1, equal_nan=True), stage
         assert not np.isfinite(b0.sigma).all() or not np.isfinite(b0.worst).all(), stage  # the wild value shows
         assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage  # in both alike
@@ -315,13 +315,13 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
 
     golden = goldens["self_causal"]  # 2·4·300·300 = 720 000 elements, above the lowered 2^19
     calls = []
-    real = tol._attention_chunk_compiled
+    real = compiled.attention_chunk
 
     def counted(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(tol, "_attention_chunk_compiled", counted)
+    monkeypatch.setattr(compiled, "attention_chunk", counted)
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
     returned = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}

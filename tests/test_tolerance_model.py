@@ -141,7 +141,7 @@ class _WithoutScores:
 def test_weights_recomputed_from_the_lse_pass_the_local_head_outputs_check(exposed):
     """FlashAttention's route: P·V from the online accumulator, the P returned recomputed as exp(s − LSE).
     On large_logits in float64 the local check once took the returned P for the one used (ratio 4.48);
-    the route allowance (tolerance._weights_route) accepts it, measured from the adapter's own scores
+    the route allowance (model.local.weights_route) accepts it, measured from the adapter's own scores
     or, without them, from the golden's; the stale-accumulator bug still fails there, locally."""
     good = CORRECT["online_softmax_16_lse_weights"]
     bad, stage = BUGS["online_softmax_stale_accumulator"]
@@ -243,7 +243,7 @@ def _random_rows(rng: np.random.Generator, rows: int, S: int, spread: float) -> 
 @pytest.mark.parametrize("spread", [0.1, 3.0, 30.0])
 def test_closed_form_second_order_never_undercuts_the_exact_one(spread):
     """The closed form is an upper bound of the exact pairwise term wherever it is used."""
-    from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.model import softmax
 
     rng = np.random.default_rng(7)
     p = _random_rows(rng, 64, 37, spread)
@@ -251,37 +251,37 @@ def test_closed_form_second_order_never_undercuts_the_exact_one(spread):
         tau = rng.uniform(0, top, size=p.shape)
         ptau = p * tau
         ell = tau + ptau.sum(-1, keepdims=True) - 2 * ptau
-        exact = np.maximum(tol._softmax_worst(p, tau) - p * ell, 0.0)
-        got = tol._second_order(p, tau)
+        exact = np.maximum(softmax.softmax_worst(p, tau) - p * ell, 0.0)
+        got = softmax.second_order(p, tau)
         # the exact term is float64 arithmetic on O(p) quantities: rounding of ~8 ulp of p
         assert np.all(got >= exact - 8 * 2.0**-53 * p), (spread, top)
         # and second order where the closed form is used: far below the first-order term's size
-        if top <= tol.SECOND_ORDER_CLOSED_FORM / 2:
+        if top <= softmax.SECOND_ORDER_CLOSED_FORM / 2:
             assert np.all(got <= p * (2 * top) ** 2 * 2), (spread, top)
 
 
 def test_float32_products_round_up():
-    from mhaspec.conformance.tolerance import _Pair, _upper32
+    from mhaspec.conformance.model.vocabulary import Pair, upper32
 
     rng = np.random.default_rng(3)
     a, b = rng.uniform(0, 1, (4, 50, 300)), rng.uniform(0, 1, (4, 300, 20)) ** 3
-    assert np.all(_upper32(a, _Pair.of(b)) >= a @ b)
+    assert np.all(upper32(a, Pair.of(b)) >= a @ b)
     huge = np.full((2, 3), 1e300)  # beyond float32: computed in float64 instead, never inf
-    assert np.isfinite(_upper32(huge, _Pair.of(np.ones((3, 2))))).all()
+    assert np.isfinite(upper32(huge, Pair.of(np.ones((3, 2))))).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_bounds_equal_whole_stage_bounds(dtype, monkeypatch):
     """The chunk size changes only the bounds' own float64 roundings (and the float32 products')."""
     from mhaspec.conformance import tolerance as tol
-
+    from mhaspec.conformance.engine import chunks
     from mhaspec.fixtures import GoldenSet
 
     golden = GoldenSet().load("causal_and_mask")
     whole = tol.golden_bounds(golden, dtype)
     own = {k: v.astype(np.float32).astype(np.float64) for k, v in golden.stages.items()}
     whole_local = tol.local_references(golden, own, dtype)
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 7)  # one query row (or less) per chunk
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 7)  # one query row (or less) per chunk
     for name, bound in tol.golden_bounds(golden, dtype).items():
         np.testing.assert_allclose(bound.tolerance(8), whole[name].tolerance(8), rtol=1e-6, err_msg=name)
     for name, (ref, bound) in tol.local_references(golden, own, dtype).items():
@@ -304,11 +304,11 @@ def test_large_cases_get_a_timeout_scaled_by_their_size():
 
 
 def _general_only(monkeypatch) -> None:
-    """Every chunk through the general (np.where) functions: the fast in-place ones decline."""
-    from mhaspec.conformance import tolerance as tol
+    """Every chunk through the model's general (np.where) rules: the in-place engine declines."""
+    from mhaspec.conformance.engine import inplace
 
-    for name in ("_attention_chunk_fast", "_local_scores_fast", "_local_weights_fast", "_local_outputs_fast"):
-        monkeypatch.setattr(tol, name, lambda *args, **kwargs: False)
+    for name in ("attention_chunk", "local_scores", "local_weights", "local_outputs"):
+        monkeypatch.setattr(inplace, name, lambda *args, **kwargs: False)
 
 
 def _assert_same_bounds(fast, general, rtol: float) -> None:
@@ -338,29 +338,30 @@ def _own_with_special_values(golden: GoldenCase) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("rows_per_chunk", ["whole", "one, on three threads"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_bounds_equal_the_general_ones_on_every_case(dtype, rows_per_chunk, monkeypatch):
-    """The in-place path of the chunk loops (tolerance._attention_chunk_fast and the local
-    ones) computes the general functions' bounds, to the rounding of the bounds' own
+    """The in-place engine of the chunk loops (engine.inplace) computes the model's general
+    rules' bounds (model.forward.attention_chunk, model.local), to the rounding of the bounds' own
     arithmetic, on every catalog case (masks, blind rows, large logits, GQA) — in one chunk,
     and one query row a chunk on three threads (the general path: whole cases)."""
     from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.engine import chunks
     from mhaspec.fixtures import GoldenSet
 
     golden_set = GoldenSet()
     fast = {}
     if rows_per_chunk != "whole":
-        monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 1)
-        monkeypatch.setattr(tol, "THREADED_MIN_CHUNKS", 2)
-        monkeypatch.setattr(tol, "_threads", lambda: 3)
+        monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(chunks, "THREADED_MIN_CHUNKS", 2)
+        monkeypatch.setattr(chunks, "threads", lambda: 3)
     for case_id in golden_set.ids():
         golden = golden_set.load(case_id)
         own = _own_with_special_values(golden)
         fast[case_id] = (tol.golden_bounds(golden, dtype), tol.local_references(golden, own, dtype))
     _general_only(monkeypatch)
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1 << 30)
     for case_id in golden_set.ids():
         golden = golden_set.load(case_id)
         general = (tol.golden_bounds(golden, dtype), tol.local_references(golden, _own_with_special_values(golden), dtype))
-        # other chunk shapes round the float32 products (tolerance._upper32) otherwise, by <= γ₃₂(n)
+        # other chunk shapes round the float32 products (model.vocabulary.upper32) otherwise, by <= γ₃₂(n)
         # ~ 1e-6, which the second-order term's cancellation (exact − p·ℓ) can amplify a few times
         _assert_same_bounds(fast[case_id], general, rtol=1e-9 if rows_per_chunk == "whole" else 1e-5)
 
@@ -391,17 +392,18 @@ def test_threaded_chunks_give_the_single_thread_bounds_bit_for_bit(monkeypatch):
     thread and on several (the chunks write disjoint slices), and the general functions' to
     rounding."""
     from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.engine import chunks
     from mhaspec.reference.onthefly import golden_case
 
     spec = CaseSpec(id="threads", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1, tgt_len=300,
                     src_len=300, inputs="self", seed=3)
     golden = golden_case(spec)
     own = _own_with_special_values(golden)
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 4096)  # 13 query rows a chunk
-    assert len(tol._chunks(2, 300, 300)) >= tol.THREADED_MIN_CHUNKS
-    monkeypatch.setattr(tol, "_threads", lambda: 3)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 4096)  # 13 query rows a chunk
+    assert len(chunks.chunks(2, 300, 300)) >= chunks.THREADED_MIN_CHUNKS
+    monkeypatch.setattr(chunks, "threads", lambda: 3)
     threaded = (tol.golden_bounds(golden, "bfloat16"), tol.local_references(golden, own, "bfloat16"))
-    monkeypatch.setattr(tol, "_threads", lambda: 1)
+    monkeypatch.setattr(chunks, "threads", lambda: 1)
     single = (tol.golden_bounds(golden, "bfloat16"), tol.local_references(golden, own, "bfloat16"))
     _assert_same_bounds(threaded, single, rtol=0)
     _general_only(monkeypatch)
@@ -416,6 +418,7 @@ def test_threaded_chunks_run_under_the_callers_floating_point_error_state(monkey
     import warnings
 
     from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.engine import chunks
     from mhaspec.reference.onthefly import golden_case
 
     spec = CaseSpec(id="threads", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1, tgt_len=300,
@@ -424,9 +427,9 @@ def test_threaded_chunks_run_under_the_callers_floating_point_error_state(monkey
     own = _own_with_special_values(golden)
     own["scores"][0, 1, 250, 3] = np.nan
     own["attn_weights"][0, 0, 280, 9] = np.nan
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 4096)
     for threads in (1, 2):
-        monkeypatch.setattr(tol, "_threads", lambda threads=threads: threads)
+        monkeypatch.setattr(chunks, "threads", lambda threads=threads: threads)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # in any thread: a warning there is an error
             refs = tol.local_references(golden, own, "float32")
@@ -441,6 +444,7 @@ def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(pre
     chunks; they are exactly LAMBDA·sigma + worst of golden_bounds, with the reference error
     where it is asked (an on-the-fly golden has one), in every dtype, also on several threads."""
     from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.engine import chunks
     from mhaspec.fixtures import GoldenSet
     from mhaspec.reference.onthefly import golden_case
 
@@ -449,9 +453,9 @@ def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(pre
     goldens = [GoldenSet().load("self_basic"), GoldenSet().load("custom_mask"), golden_case(spec)]
     assert goldens[-1].reference_error is not None and isinstance(goldens[-1].reference_error["attn_weights"],
                                                                   np.ndarray)
-    monkeypatch.setattr(tol, "CHUNK_ELEMENTS", 1024)  # several chunks, on three threads
-    monkeypatch.setattr(tol, "THREADED_MIN_CHUNKS", 2)
-    monkeypatch.setattr(tol, "_threads", lambda: 3)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1024)  # several chunks, on three threads
+    monkeypatch.setattr(chunks, "THREADED_MIN_CHUNKS", 2)
+    monkeypatch.setattr(chunks, "threads", lambda: 3)
     for golden in goldens:
         for dtype in DTYPES:
             bounds = tol.golden_bounds(golden, dtype, precision)
@@ -467,14 +471,15 @@ def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(pre
 
 
 def test_the_exact_softmax_bound_of_a_key_that_holds_its_row_is_not_lost_to_cancellation():
-    """_softmax_worst needs Σ_{k≠j} p_k e^{±τ_k} for every key j.  Formed as Σ_k − (the j-th term),
+    """softmax_worst needs Σ_{k≠j} p_k e^{±τ_k} for every key j.  Formed as Σ_k − (the j-th term),
     it is the sum's rounding error where key j holds nearly all of its row (it came out 0 or a
     fraction of the true value: a tolerance up to 9x too tight on large_logits in bfloat16).  Each
     key's bound is compared with the one formed from the other keys' terms alone (math.fsum)."""
     import math
 
-    from mhaspec.conformance.tolerance import _exact_second_into, _softmax_worst
     from mhaspec.conformance.compare import Scratch
+    from mhaspec.conformance.engine.inplace import exact_second_into
+    from mhaspec.conformance.model.softmax import softmax_worst
 
     rng = np.random.default_rng(7)
     s = rng.normal(size=(6, 40))
@@ -490,10 +495,10 @@ def test_the_exact_softmax_bound_of_a_key_that_holds_its_row_is_not_lost_to_canc
             lo = p[i, j] / (p[i, j] + math.exp(tau[i, j]) * up)
             hi = p[i, j] / (p[i, j] + math.exp(-tau[i, j]) * down)
             expected[i, j] = min(max(hi - p[i, j], p[i, j] - lo), 1.0)
-    got = _softmax_worst(p, tau)
+    got = softmax_worst(p, tau)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
     assert (expected[:, 3] > 0.05).all()  # the dominant weight may fall a long way: the bound says so
     ell = np.zeros_like(p)
     fast = np.empty_like(p)
-    _exact_second_into(p, tau, ell, None, fast, Scratch())  # the in-place form (ℓ = 0: the bound itself)
+    exact_second_into(p, tau, ell, None, fast, Scratch())  # the in-place form (ℓ = 0: the bound itself)
     np.testing.assert_allclose(fast, expected, rtol=1e-12, atol=0)

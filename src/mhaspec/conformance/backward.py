@@ -18,7 +18,7 @@ from ..fixtures import GoldenCase
 from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES, compared_entries
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
-from .tolerance_backward import backward_bounds, local_checks
+from .tolerance import backward_bounds, local_checks
 
 NO_BACKWARD = "the adapter has no backward(case) method"
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters import Deviation, load_adapter
-from ..adapters.base import match_pattern
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
+from ..protocol.contract import Deviation, match_pattern
+from ..protocol.loading import load_adapter
+from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker,  # noqa: F401 (re-exported)
+                                   validate_timeout)
 from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, REGISTRY, STAGES, compared_entries
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
 from .diagnose import diagnose
@@ -23,8 +25,7 @@ from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, St
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
                         judging_bounds, local_references, worst_case_tolerances)
-from .tolerance_backward import backward_bounds
-from .worker import AdapterCrash, CaseTimeout, InProcess, Worker, _describe, validate_timeout  # noqa: F401 (re-exported)
+from .tolerance import backward_bounds
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
@@ -119,17 +120,17 @@ class Session:
         self.isolate = bool(isolate)
         #: The adapter object, when it lives in this process (given as an object, or isolate=False).
         self.adapter: Any = None
-        if isinstance(adapter, Worker):  # already started (the CLI starts it before importing the rest)
+        if isinstance(adapter, Transport):  # already started (the CLI starts it before importing the rest)
             self._worker = adapter
         elif self.isolate and isinstance(adapter, str) and _jsonable(options):
-            self._worker: Worker | InProcess = Worker(adapter, options)  # a spawned worker loads it by name
+            self._worker: Transport = Worker(adapter, options)  # a spawned worker loads it by name
             self._worker.start()  # it imports the framework while this process reads the golden folder
         else:
             self.adapter = load_adapter(adapter, **options)
             self._worker = Worker(self.adapter) if self.isolate else InProcess(self.adapter)
         try:
             self.golden = golden if isinstance(golden, GoldenSet) else GoldenSet(golden)
-            info = self._worker.wait_loaded() if isinstance(self._worker, Worker) else self._worker.info
+            info = self._worker.wait_loaded()
         except BaseException:
             self.close()
             raise
@@ -170,14 +171,13 @@ class Session:
         next case while this process judges the current one.  Optional; any other order still works."""
         keys = list(keys)
         self._next = dict(zip(keys, [*keys[1:], None]))
-        if isinstance(self._worker, Worker):
-            self._worker.on_idle = self._send_ahead
+        self._worker.on_idle = self._send_ahead  # (called by a transport that can send a case ahead)
 
     def _send_ahead(self) -> None:
         key = self._next.get(self._current) if self._current is not None else None
         while key is not None and (key in self._results or key[1] not in self.dtypes):
             key = self._next.get(key)
-        if key is None or self._timeouts >= MAX_TIMEOUTS or not isinstance(self._worker, Worker):
+        if key is None or self._timeouts >= MAX_TIMEOUTS:
             return
         if self.backward:  # the worker is not idle: backward(case) of this case comes next
             return

@@ -13,7 +13,11 @@ input gradients.  Under the two precision contracts of docs/tolerances.md:
   an implementation may have used them unrounded — and of the result);
 * ``"worst-case"``: accumulation in the dtype itself: ``ρ(n) = γ_u(n + k)``.
 
-The forward bounds come from :mod:`mhaspec.conformance.tolerance` (the same contract).
+The forward bounds are an input (``forward``, under the same contract:
+:func:`mhaspec.conformance.tolerance.golden_bounds` or ``stage_tolerances`` computes them);
+the rounding facts (:class:`~.vocabulary.Rounding`, ρ(n) = ``Rounding.rel``), the storage
+rounding and the softmax propagation are the forward model's (:mod:`.vocabulary`,
+:mod:`.softmax`).  The local checks are in :mod:`.backward_local`.
 
 Where a correct implementation may take one of two routes, the bound is the
 larger of the two: the softmax-Jacobian row term δ = Σ_S P ⊙ dP may be computed
@@ -30,78 +34,36 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .tolerance import heads as _heads, merge as _merge
-
-from ..fixtures import GoldenCase
-from ..spec import INPUT_GRADIENTS
-from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
-from .tolerance import U64, PRECISIONS, Bound, gamma, golden_bounds, stage_tolerances, worst_case_tolerances
-
-
-class _Rounding(NamedTuple):
-    """Rounding facts of one dtype under one precision contract."""
-
-    u: float  # unit roundoff of the dtype: one stored result
-    acc: float  # of the accumulator (float32 for 16-bit dtypes under the standard contract)
-    store: float  # storage roundings counted on top of the accumulation (3 standard, 0 worst-case)
-    k: int  # extra roundings inside a sum (bias add, scale, golden's own)
-
-    def rel(self, n: int | np.ndarray) -> np.ndarray:
-        """ρ(n): relative bound of a length-n sum of products, its storage included."""
-        return gamma(np.asarray(n) + self.k, self.acc) + self.store * self.u
-
-
-def _rounding(dtype: str, precision: str, table: ToleranceTable) -> _Rounding:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    u = table.dtypes[dtype].unit_roundoff
-    if precision == "worst-case":
-        return _Rounding(u, u, 0.0, table.extra_ops)
-    return _Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops)
-
-
-def _grouped_t(x: np.ndarray, kv_heads: int) -> np.ndarray:
-    """(B, H, T, F) -> (B, G, F, group·T): a group's query heads stacked along the summed axis."""
-    B, H, T, F = x.shape
-    return np.swapaxes(x.reshape(B, kv_heads, (H // kv_heads) * T, F), -1, -2)
-
-
-def _grouped(x: np.ndarray, kv_heads: int) -> np.ndarray:
-    """(B, H, T, F) -> (B, G, group·T, F)."""
-    B, H, T, F = x.shape
-    return x.reshape(B, kv_heads, (H // kv_heads) * T, F)
+from ...fixtures import GoldenCase
+from ...spec import INPUT_GRADIENTS
+from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .softmax import rest_of_row, softmax_sigma2
+from .forward import worst_case_tolerances
+from .vocabulary import Bound, Rounding, grouped, grouped_t, heads, merge, rounding, stored, swap
 
 
 def _product_bound(a: np.ndarray, e_a: np.ndarray, b: np.ndarray, e_b: np.ndarray,
-                   n: int, r: _Rounding) -> np.ndarray:
+                   n: int, r: Rounding) -> np.ndarray:
     """Bound of ``a @ b`` when |a|, |b| are off by e_a, e_b: propagated + ρ(n)·(|a|+e_a)(|b|+e_b)."""
     hi = (a + e_a) @ (b + e_b)
     return (hi - a @ b) + r.rel(n) * hi
 
 
-def _sum_bound(d: np.ndarray, e_d: np.ndarray, r: _Rounding) -> np.ndarray:
+def _sum_bound(d: np.ndarray, e_d: np.ndarray, r: Rounding) -> np.ndarray:
     """Bound of Σ over B and L of ``d`` (B, L, N) off by e_d: Σ e_d + ρ(B·L)·Σ(|d| + e_d)."""
     rows = d.shape[0] * d.shape[1]
     return e_d.sum(axis=(0, 1)) + r.rel(rows) * (d + e_d).sum(axis=(0, 1))
 
 
-def backward_tolerances(
-    golden: GoldenCase,
-    dtype: str,
-    forward: dict[str, np.ndarray] | None = None,
-    table: ToleranceTable = DEFAULT_TOLERANCES,
-    precision: str = "standard",
-) -> dict[str, np.ndarray]:
-    """The allowed absolute error of every element of every backward stage of ``golden`` in ``dtype``.
+def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np.ndarray],
+                        table: ToleranceTable = DEFAULT_TOLERANCES, precision: str = "standard") -> dict[str, np.ndarray]:
+    """The allowed absolute error of every element of every backward stage of ``golden`` in ``dtype``:
+    every error at its full size (the ``"worst-case"`` contract's bound; under ``"standard"``, a
+    far wider bound than :func:`backward_bounds`).
 
-    ``forward`` are the forward stages' element-wise bounds under the same ``precision``
-    contract (default: computed here).
+    ``forward`` are the forward stages' element-wise bounds under the same ``precision`` contract.
     """
-    rule = table.dtypes[dtype]
-    r = _rounding(dtype, precision, table)
-    if forward is None:
-        forward = (worst_case_tolerances(golden, dtype, table) if precision == "worst-case"
-                   else stage_tolerances(golden, dtype, table, precision))
+    r = rounding(dtype, precision, table)
     fw = forward
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
@@ -114,12 +76,12 @@ def backward_tolerances(
 
     # 1. d_concat = d_output @ w_oᵀ: exact operands, only local rounding; d_head_outputs is a relabelling.
     e_dc = r.rel(cfg.d_out) * (dY @ A(w["w_o"]).T)
-    e_dO = _heads(e_dc, H)
+    e_dO = heads(e_dc, H)
     dO = A(g["d_head_outputs"])
 
     # 2. d_attn_weights = dO Vᵀ (V off by the forward's E_v).
-    V, e_V = A(_heads(g["v_proj"], G, group)), _heads(fw["v_proj"], G, group)
-    e_dP = _product_bound(dO, e_dO, np.swapaxes(V, -1, -2), np.swapaxes(e_V, -1, -2), E, r)
+    V, e_V = A(heads(g["v_proj"], G, group)), heads(fw["v_proj"], G, group)
+    e_dP = _product_bound(dO, e_dO, swap(V), swap(e_V), E, r)
 
     # 3. d_scores = P ⊙ (dP − δ).  δ either as Σ_S P·dP or as Σ_E dO·O: the larger bound.
     P, e_P = g["attn_weights"], np.where(visible, fw["attn_weights"], 0.0)
@@ -139,13 +101,13 @@ def backward_tolerances(
 
     # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
     dS = A(g["d_scores"])
-    K, e_K = A(_heads(g["k_proj"], G, group)), _heads(fw["k_proj"], G, group)
-    Q, e_Q = A(_heads(g["q_proj"], H)), _heads(fw["q_proj"], H)
+    K, e_K = A(heads(g["k_proj"], G, group)), heads(fw["k_proj"], G, group)
+    Q, e_Q = A(heads(g["q_proj"], H)), heads(fw["q_proj"], H)
     n_group = group * golden.spec.tgt_len
-    e_dq = _merge(scale * _product_bound(dS, e_dS, K, e_K, S, r))
-    e_dk = _merge(scale * _product_bound(_grouped_t(dS, G), _grouped_t(e_dS, G), _grouped(Q, G), _grouped(e_Q, G),
+    e_dq = merge(scale * _product_bound(dS, e_dS, K, e_K, S, r))
+    e_dk = merge(scale * _product_bound(grouped_t(dS, G), grouped_t(e_dS, G), grouped(Q, G), grouped(e_Q, G),
                                          n_group, r))
-    e_dv = _merge(_product_bound(_grouped_t(P, G), _grouped_t(e_P, G), _grouped(dO, G), _grouped(e_dO, G),
+    e_dv = merge(_product_bound(grouped_t(P, G), grouped_t(e_P, G), grouped(dO, G), grouped(e_dO, G),
                                  n_group, r))
     bounds = {
         "d_concat": e_dc, "d_head_outputs": e_dO, "d_attn_weights": e_dP, "d_scores": e_dS,
@@ -179,136 +141,10 @@ def backward_tolerances(
         if cfg.bias:
             bounds[f"d_b_{n}"] = _sum_bound(d_y[n], e_y[n], r)
 
-    floor = rule.floor
+    floor = r.floor
     out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in bounds.items() if name in g}
     out["d_scores"] = np.where(visible, out["d_scores"], 0.0)  # masked: exactly 0
     return out
-
-
-# -- local checks -----------------------------------------------------------------------------------
-#
-# Each backward stage is also judged against the float64 recomputation from the adapter's *own*
-# previous stages (forward and backward), with only that stage's own rounding as tolerance: in
-# float16 and bfloat16 the propagated golden bound grows wide, the local one does not, so a wrong
-# formula is caught at its own stage in every dtype.
-
-
-def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: _Rounding) -> np.ndarray:
-    """How far a correct backward's P may be from the forward's returned P, element-wise.
-
-    A backward may reuse the returned weights or recompute them (FlashAttention:
-    exp(s − logsumexp)); each is within the softmax's own rounding of the exact
-    softmax of the scores — γ_acc(S + k) + u_acc·(|s_j| + max|s|) relative
-    (docs/tolerances.md) — so the two are within twice that; under the standard
-    contract, plus the storage of P and of the scores it came from (u·(2 + |s_j| + max|s|)).
-    """
-    S = P.shape[-1]
-    row_max = np.max(np.where(visible, s_abs, 0.0), axis=-1, keepdims=True)
-    rel = 2 * (gamma(S + r.k, r.acc) + r.acc * (s_abs + row_max))
-    if r.store:
-        rel = rel + r.u * (2 + s_abs + row_max)
-    return np.where(visible, P * rel, 0.0)
-
-
-def local_checks(
-    golden: GoldenCase,
-    dtype: str,
-    own: dict[str, np.ndarray],
-    table: ToleranceTable = DEFAULT_TOLERANCES,
-    precision: str = "standard",
-) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
-    """``{stage: (float64 recomputation, tolerance, the adapter's stages it came from)}``.
-
-    ``own`` holds the adapter's returned stages (forward and backward) as float64
-    arrays of the canonical shapes; a check whose sources are not all there is left out.
-    """
-    floor = table.dtypes[dtype].floor
-    r = _rounding(dtype, precision, table)
-    cfg, g, w = golden.spec.config, golden.stages, golden.weights
-    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
-    scale = float(cfg.scale)  # type: ignore[arg-type]
-    S, E, T = golden.spec.src_len, cfg.D_v, golden.spec.tgt_len
-    visible = golden.visible
-    A = np.abs
-    assert golden.d_output is not None
-    dY = golden.d_output
-
-    def has(*names: str) -> bool:
-        return all(n in own for n in names)
-
-    out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
-    if has("d_concat"):
-        x = _heads(own["d_concat"], H)
-        out["d_head_outputs"] = (x, r.rel(0) * A(x) + floor, ("d_concat",))
-    if has("d_head_outputs", "v_proj"):
-        dO, V = own["d_head_outputs"], _heads(own["v_proj"], G, group)
-        Vt = np.swapaxes(V, -1, -2)
-        out["d_attn_weights"] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor, ("d_head_outputs", "v_proj"))
-    s_abs = A(own["scores"]) if "scores" in own else A(g["scores"])  # magnitudes only
-    if has("attn_weights", "d_attn_weights"):
-        P, dP = np.where(visible, own["attn_weights"], 0.0), np.where(visible, own["d_attn_weights"], 0.0)
-        e_P = _softmax_recompute(A(P), s_abs, visible, r)
-        dO = A(own["d_head_outputs"]) if "d_head_outputs" in own else A(g["d_head_outputs"])
-        V = A(_heads(own["v_proj"] if "v_proj" in own else g["v_proj"], G, group))
-        O = A(own["head_outputs"]) if "head_outputs" in own else A(P) @ V
-        delta = (P * dP).sum(-1, keepdims=True)
-        e_route_p = (e_P * A(dP)).sum(-1, keepdims=True) + r.rel(S) * ((A(P) + e_P) * A(dP)).sum(-1, keepdims=True)
-        e_route_o = (dO * (r.rel(S) * ((A(P) + e_P) @ V))).sum(-1, keepdims=True) \
-            + (A(P) * (r.rel(E) * (dO @ np.swapaxes(V, -1, -2)))).sum(-1, keepdims=True) \
-            + r.rel(E) * (dO * O).sum(-1, keepdims=True) + e_route_p
-        e_delta = np.maximum(e_route_p, e_route_o)
-        dS = P * (dP - delta)
-        tol = e_P * (A(dP - delta) + e_delta) + A(P) * e_delta \
-            + r.rel(0) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
-        out["d_scores"] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
-                           ("attn_weights", "d_attn_weights"))
-    if has("d_scores", "k_proj"):
-        dS, K = own["d_scores"], _heads(own["k_proj"], G, group)
-        out["d_q_proj"] = (_merge(scale * (dS @ K)), _merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
-                           ("d_scores", "k_proj"))
-    n_group = group * T
-    if has("d_scores", "q_proj"):
-        dSg, Qg = _grouped_t(own["d_scores"], G), _grouped(_heads(own["q_proj"], H), G)
-        out["d_k_proj"] = (_merge(scale * (dSg @ Qg)), _merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor,
-                           ("d_scores", "q_proj"))
-    if has("attn_weights", "d_head_outputs"):
-        P = np.where(visible, own["attn_weights"], 0.0)
-        e_P = _softmax_recompute(A(P), s_abs, visible, r)
-        Pg, ePg, dOg = _grouped_t(P, G), _grouped_t(e_P, G), _grouped(own["d_head_outputs"], G)
-        tol = ePg @ A(dOg) + r.rel(n_group) * ((A(Pg) + ePg) @ A(dOg))
-        out["d_v_proj"] = (_merge(Pg @ dOg), _merge(tol) + floor, ("attn_weights", "d_head_outputs"))
-
-    def input_check(names: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
-        srcs = tuple(f"d_{x}_proj" for x in names)
-        if not has(*srcs):
-            return None
-        n = sum(w[f"w_{x}"].shape[1] for x in names)
-        val = sum(own[f"d_{x}_proj"] @ w[f"w_{x}"].T for x in names)
-        mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
-        return val, r.rel(n) * mag + floor, srcs
-
-    targets = INPUT_GRADIENTS[golden.spec.inputs]
-    for stage, names in targets.items():
-        check = input_check(names)
-        if check is not None:
-            out[stage] = check
-    x = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"]}
-    for n in "qkvo":
-        src = "concat" if n == "o" else f"d_{n}_proj"
-        if n == "o":
-            if not has("concat"):
-                continue
-            xs, dy = own["concat"], dY
-        else:
-            if not has(src):
-                continue
-            xs, dy = x[n], own[src]
-        rows = xs.shape[0] * xs.shape[1]
-        xf, df = xs.reshape(rows, -1), dy.reshape(rows, -1)
-        out[f"d_w_{n}"] = (xf.T @ df, r.rel(rows) * (A(xf).T @ A(df)) + floor, (src,))
-        if cfg.bias and n != "o":
-            out[f"d_b_{n}"] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
-    return {s: v for s, v in out.items() if s in g}
 
 
 # -- the standard contract's bounds: the forward's model, carried through the backward pass ---------
@@ -337,17 +173,12 @@ class _Err(NamedTuple):
         return _Err(*(fn(v) if np.ndim(v) else v for v in self))
 
 
-def _stored2(u: float, x: np.ndarray) -> np.ndarray:
-    """Variance of storing ``x`` in the dtype (and of the golden's own float64 rounding)."""
-    return (u**2 + U64**2) * x * x
-
-
 def _product(a: np.ndarray, ea: _Err, b: np.ndarray, eb: _Err, c: np.ndarray | None, u: float,
              g: float) -> _Err:
     """Error of a @ b when a and b carry ``ea``, ``eb``; ``g`` = γ_acc(n + k) of its length-n sums;
     ``c``: the result as stored in the dtype (None: not stored here, the caller stores it)."""
     A = np.abs
-    var: Any = 0.0 if c is None else _stored2(u, c)
+    var: Any = 0.0 if c is None else stored(u, c)
     lin: np.ndarray | float = 0.0
     if np.any(np.asarray(ea.total_var)):
         var = var + np.broadcast_to(ea.total_var, a.shape) @ (b * b)
@@ -368,31 +199,24 @@ def _forward_err(bound: Bound, carried: bool) -> _Err:
     return _Err(bound.sigma**2, 0.0, bound.worst)
 
 
-def backward_bounds(
-    golden: GoldenCase,
-    dtype: str,
-    forward: Mapping[str, Bound] | None = None,
-    table: ToleranceTable = DEFAULT_TOLERANCES,
-    precision: str = "standard",
-) -> dict[str, Bound]:
+def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound] | None,
+                    table: ToleranceTable = DEFAULT_TOLERANCES, precision: str = "standard") -> dict[str, Bound]:
     """The allowed error of every backward stage of ``golden`` in ``dtype`` as :class:`Bound`\\ s.
 
     ``"standard"``: the forward's model (rounding noise root-sum-square, accumulation worst-case;
     docs/tolerances.md, docs/backward.md) carried through the backward pass, from the forward
     stages' bounds (``forward``: :func:`~mhaspec.conformance.tolerance.golden_bounds`).
-    ``"worst-case"``: :func:`backward_tolerances` as the worst-case part, no noise part.
+    ``"worst-case"``: :func:`backward_tolerances` as the worst-case part, no noise part (from the
+    forward's worst-case tolerances, computed here: ``forward`` is not read).
     """
+    r = rounding(dtype, precision, table)
     if precision == "worst-case":
-        return {k: Bound(np.zeros_like(v), v) for k, v in backward_tolerances(golden, dtype, table=table,
+        fw = worst_case_tolerances(golden, dtype, table)
+        return {k: Bound(np.zeros_like(v), v) for k, v in backward_tolerances(golden, dtype, fw, table=table,
                                                                               precision=precision).items()}
-    if precision != "standard":
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    fb = forward if forward is not None else golden_bounds(golden, dtype, precision, table)
-    u = table.dtypes[dtype].unit_roundoff
-    ua, k = min(u, table.dtypes["float32"].unit_roundoff), table.extra_ops
-
-    def gam(n: int) -> float:
-        return float(gamma(n + k, ua))
+    assert forward is not None, "the standard contract's backward bounds start from the forward's"
+    fb = forward
+    u, gam = r.u, r.gamma
 
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
@@ -409,14 +233,14 @@ def backward_bounds(
         # 1. d_concat = d_output @ w_oᵀ (exact operands); d_head_outputs relabels it.
         err["d_concat"] = _product(dY, exact, w["w_o"].T, exact, g["d_concat"], u, gam(cfg.d_out))
         e = err["d_concat"]
-        err["d_head_outputs"] = e.map(lambda x: _heads(x, H))
+        err["d_head_outputs"] = e.map(lambda x: heads(x, H))
         dO, e_dO = g["d_head_outputs"], err["d_head_outputs"]
 
         # 2. d_attn_weights = dO Vᵀ (V off by the forward's bound).
-        V = _heads(g["v_proj"], G, group)
-        e_Vt = _forward_err(fb["v_proj"], carried=False).map(lambda x: np.swapaxes(_heads(x, G, group), -1, -2))
+        V = heads(g["v_proj"], G, group)
+        e_Vt = _forward_err(fb["v_proj"], carried=False).map(lambda x: swap(heads(x, G, group)))
         dP = g["d_attn_weights"]
-        err["d_attn_weights"] = _product(dO, e_dO, np.swapaxes(V, -1, -2), e_Vt, dP, u, gam(E))
+        err["d_attn_weights"] = _product(dO, e_dO, swap(V), e_Vt, dP, u, gam(E))
         e_dP = err["d_attn_weights"]
 
         # 3. d_scores = P ⊙ (dP − δ), linearised with the exact coefficients: ∂dS_j/∂P_k =
@@ -431,9 +255,9 @@ def backward_bounds(
         delta = np.sum(P * dPv, axis=-1, keepdims=True)
         diff = dPv - delta
         a_j = diff - P * dPv
-        # route P: δ = Σ_S P dP, its accumulation γ(S)·Σ|P dP|
-        var_p = (a_j**2 * vP + P**2 * np.maximum(np.sum(dPv**2 * vP, -1, keepdims=True) - dPv**2 * vP, 0.0)
-                 + P**2 * ((1 - P) ** 2 * vdP + np.maximum(np.sum(P**2 * vdP, -1, keepdims=True) - P**2 * vdP, 0.0)))
+        # route P: δ = Σ_S P dP, its accumulation γ(S)·Σ|P dP|; P's noise enters through a_j and the row's other
+        # keys, dP's as score noise enters the softmax (its Jacobian P_j (δ_jk − P_k): softmax_sigma2)
+        var_p = a_j**2 * vP + P**2 * rest_of_row(dPv**2 * vP) + softmax_sigma2(P, vdP)
         lin_p = (A(a_j) * lP + P * np.sum(A(dPv) * lP, -1, keepdims=True)
                  + P * ((1 - P) * ldP + np.sum(P * ldP, -1, keepdims=True)))
         acc_p = P * gam(S) * np.sum(A(P * dPv), -1, keepdims=True)
@@ -447,38 +271,38 @@ def backward_bounds(
         acc_o = P * gam(E) * np.sum(A(dO * O), -1, keepdims=True)
         dS = g["d_scores"]
         # the difference and the product (or P·dP − P·δ expanded) are each stored once more
-        var_s = np.maximum(var_p, var_o) + u**2 * P**2 * (diff**2 + dPv**2 + delta**2) + _stored2(u, dS)
+        var_s = np.maximum(var_p, var_o) + u**2 * P**2 * (diff**2 + dPv**2 + delta**2) + stored(u, dS)
         err["d_scores"] = _Err(np.where(vis, var_s, 0.0), np.where(vis, np.maximum(lin_p, lin_o), 0.0),
                                np.where(vis, np.maximum(acc_p, acc_o), 0.0))
         e_dS = err["d_scores"]
 
         # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
-        K = _heads(g["k_proj"], G, group)
-        e_K = _forward_err(fb["k_proj"], carried=False).map(lambda x: _heads(x, G, group))
-        Q = _heads(g["q_proj"], H)
-        e_Q = _forward_err(fb["q_proj"], carried=False).map(lambda x: _heads(x, H))
+        K = heads(g["k_proj"], G, group)
+        e_K = _forward_err(fb["k_proj"], carried=False).map(lambda x: heads(x, G, group))
+        Q = heads(g["q_proj"], H)
+        e_Q = _forward_err(fb["q_proj"], carried=False).map(lambda x: heads(x, H))
 
         def scaled(x: _Err, f: float) -> _Err:
             return _Err(x.var * f * f, x.lin * f, x.acc * f)
 
-        def stored(x: _Err, y: np.ndarray) -> _Err:  # merged to the canonical shape, stored in the dtype
-            x = x.map(_merge)
-            return _Err(x.var + _stored2(u, y), x.lin, x.acc)
+        def merged_stored(x: _Err, y: np.ndarray) -> _Err:  # merged to the canonical shape, stored in the dtype
+            x = x.map(merge)
+            return _Err(x.var + stored(u, y), x.lin, x.acc)
 
-        def grouped_t(x: np.ndarray) -> np.ndarray:
-            return _grouped_t(x, G)
+        def stacked_t(x: np.ndarray) -> np.ndarray:
+            return grouped_t(x, G)
 
-        def grouped(x: np.ndarray) -> np.ndarray:
-            return _grouped(x, G)
+        def stacked(x: np.ndarray) -> np.ndarray:
+            return grouped(x, G)
 
         n_group = group * T
         e = _product(dS, e_dS, K, e_K, None, u, gam(S))
-        err["d_q_proj"] = stored(scaled(e, scale), g["d_q_proj"])
-        e = _product(grouped_t(dS), e_dS.map(grouped_t), grouped(Q), e_Q.map(grouped), None, u, gam(n_group))
-        err["d_k_proj"] = stored(scaled(e, scale), g["d_k_proj"])
-        e_Pg = _Err(grouped_t(vP), grouped_t(lP), 0.0)
-        e = _product(grouped_t(P), e_Pg, grouped(dO), e_dO.map(grouped), None, u, gam(n_group))
-        err["d_v_proj"] = stored(e, g["d_v_proj"])
+        err["d_q_proj"] = merged_stored(scaled(e, scale), g["d_q_proj"])
+        e = _product(stacked_t(dS), e_dS.map(stacked_t), stacked(Q), e_Q.map(stacked), None, u, gam(n_group))
+        err["d_k_proj"] = merged_stored(scaled(e, scale), g["d_k_proj"])
+        e_Pg = _Err(stacked_t(vP), stacked_t(lP), 0.0)
+        e = _product(stacked_t(P), e_Pg, stacked(dO), e_dO.map(stacked), None, u, gam(n_group))
+        err["d_v_proj"] = merged_stored(e, g["d_v_proj"])
 
         # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
         d_y = {x: g[f"d_{x}_proj"] for x in "qkv"}
@@ -486,7 +310,7 @@ def backward_bounds(
             if name not in g:
                 continue
             n = sum(w[f"w_{x}"].shape[1] for x in sums)
-            var: Any = _stored2(u, g[name])
+            var: Any = stored(u, g[name])
             lin: Any = 0.0
             mag: Any = 0.0
             for x in sums:
@@ -514,9 +338,9 @@ def backward_bounds(
             if cfg.bias and f"d_b_{n}" in g:
                 tv = np.reshape(np.broadcast_to(ey.total_var, ys[n].shape), (rows, -1)).sum(0)
                 ln = np.reshape(np.broadcast_to(ey.lin, ys[n].shape), (rows, -1)).sum(0)
-                err[f"d_b_{n}"] = _Err(tv + _stored2(u, g[f"d_b_{n}"]), ln, gam(rows) * A(yf).sum(0))
+                err[f"d_b_{n}"] = _Err(tv + stored(u, g[f"d_b_{n}"]), ln, gam(rows) * A(yf).sum(0))
 
-    floor = table.dtypes[dtype].floor
+    floor = r.floor
     out = {}
     for name, e in err.items():
         if name not in g:

@@ -1,12 +1,12 @@
 """Compiled chunk loops of the tolerance computation (optional: numba, the ``fast`` extra).
 
 :func:`attention_chunk` computes, for one chunk of query rows, what
-:func:`mhaspec.conformance.tolerance._attention_chunk_fast` computes with some seventy
-NumPy passes over the chunk: the bounds of the scores and of the attention weights (steps 2
-and 3 of docs/tolerances.md) and the operands of the head outputs' bound products (step 4),
-in a few sweeps of each row that stay in the processor's L1 cache;
+:func:`mhaspec.conformance.engine.inplace.attention_chunk` computes with some seventy
+NumPy passes over the chunk (the model's :func:`mhaspec.conformance.model.forward.scores`,
+``weights`` and the operands of ``head_outputs``' bound products), in a few sweeps of each
+row that stay in the processor's L1 cache;
 :func:`local_weights_chunk` does the same for the local attention-weights check
-(:func:`mhaspec.conformance.tolerance._local_weights_fast`), :func:`local_scores_chunk` and
+(:func:`mhaspec.conformance.engine.inplace.local_weights`), :func:`local_scores_chunk` and
 :func:`local_outputs_operands` for the element-wise passes of the local scores and head-outputs
 checks.  The formulas are the same, term by term; what differs is only the order of the float64
 roundings of the bounds themselves (row sums added in another order than NumPy's pairwise one,
@@ -18,7 +18,7 @@ second-order term (never less).  The tolerances differ from NumPy's in their las
 them: no floating-point max reductions (:func:`_largest`), no index searches.
 
 Everything here is imported only when a large case is judged and numba is installed
-(:func:`mhaspec.conformance.tolerance._kernels`); ``import mhaspec`` never imports numba.
+(:func:`mhaspec.conformance.engine.compiled.kernels_for_shape`); ``import mhaspec`` never imports numba.
 """
 
 import math
@@ -33,7 +33,8 @@ from numba.extending import intrinsic
 #: What a failed compilation raises: the caller then switches to the NumPy loops (same bounds).
 ERRORS = (NumbaError,)
 
-from .tolerance import LAMBDA, SECOND_ORDER_CLOSED_FORM, U64  # the model's own constants (compile-time here)
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM  # noqa: E402 (the model's own constants, compile-time here)
+from ..model.vocabulary import LAMBDA, U64  # noqa: E402
 
 U64_2 = U64**2
 #: exp(a)·exp(b)·EXP_PRODUCT >= exp(a + b): two exponentials (:func:`_exp`) within two ulps each,
@@ -129,7 +130,7 @@ def _largest(a, S):
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _others_sum(a, S):
     """(Σ_{k≠j} a_k where a_j is the row's largest term, that term) of the non-negative ``a``:
-    tolerance._others without an index (ties: the largest term counted once less), so that
+    model.softmax.others without an index (ties: the largest term counted once less), so that
     Σ_{k≠j} a_k = sum for a key j that holds the top, (sum − a_j) + top for the others."""
     top = _largest(a, S)
     rest = 0.0
@@ -143,7 +144,7 @@ def _others_sum(a, S):
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
-    """tolerance._second_order of one row into ``out``: the closed form, or the exact pairwise bound
+    """model.softmax.second_order of one row into ``out``: the closed form, or the exact pairwise bound
     less its first-order part where some X_j = ℓ_j + ρ of a key with p > 0 exceeds
     SECOND_ORDER_CLOSED_FORM.  ``ell`` holds ℓ (>= 0); ``eel``, ``ups``, ``dns``, ``spare``: work rows."""
     rho = 0.0
@@ -160,7 +161,7 @@ def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
             x = ell[j] + rho
             out[j] = p[j] * (rho + 0.5 * x * x * (eel[j] * erho))
         return
-    # the exact bound on this row; Σ_{k≠j} p_k e^{±τ_k} as tolerance._others: the row's largest
+    # the exact bound on this row; Σ_{k≠j} p_k e^{±τ_k} as model.softmax.others: the row's largest
     # term out of the sum, added back for the other keys
     for j in range(S):
         tt = min(tau[j], 350.0)
@@ -266,7 +267,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
     """The local attention-weights check of a (heads, rows, S) chunk from the adapter's own scores ``s``
-    (tolerance._local_weights_fast): the float64 softmax of the visible scores into ``ref`` (a row with
+    (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
     no visible key: 0), the bound of its own rounding and of the scores' storage rounding into ``sig``
     and ``wor``.  Masked scores (often -inf) take no part.  ``work``: eight rows of S float64.
     Returns False where a visible score or a value written is not finite."""
@@ -331,7 +332,7 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, floor, sig, wor):
     """The local scores check of a (heads, rows, S) chunk once its products are formed
-    (tolerance._local_scores_fast): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
+    (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
     sqrt(c_sig·m_sig + stored·ref²), ``wor`` = c_wor·m_wor + floor, from the float32 products
     ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  False where a value is not finite."""
     n_heads, R, S = ref.shape
@@ -354,7 +355,7 @@ def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, floor, si
 def local_outputs_operands(pc, pp32, apc32):
     """The float32 operands p² and |p| of the local head-outputs check's bound products, from the
     adapter's own (heads, rows, S) attention weights ``pc``, in one sweep
-    (tolerance._local_outputs_fast).  False where a weight is not finite."""
+    (compiled.local_outputs).  False where a weight is not finite."""
     n_heads, R, S = pc.shape
     chk = 0.0
     for h in range(n_heads):

@@ -1,0 +1,166 @@
+"""The compiled path of the chunk loops (optional: numba, the ``fast`` extra): which cases take it,
+and the calls into its loops (:mod:`.kernels`), the model's rules by the same formulas.
+
+A case of more than :data:`COMPILED_MIN_ELEMENTS` per (B, H, T, S) stage, with numba installed
+and not switched off (:data:`NUMBA_ENV`), takes it (:func:`kernels_for`); each function here
+returns False where a value is not finite, or where numba cannot compile a loop (:func:`run`:
+it warns once, and the process goes on with the NumPy loops).  The products stay in BLAS.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ...fixtures import GoldenCase
+from ..compare import Scratch
+from ..model.forward import AttentionConstants
+from ..model.vocabulary import U32, U64, Pair, gamma, stored, swap
+from . import inplace
+
+
+#: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24; the whole case's,
+#: also where it is judged in smaller blocks) takes the compiled chunk loop when numba is installed
+#: (:func:`kernels_for`): numba compiles it once per process (about 3 s), which a run of the four
+#: dtypes wins back from about this size on (docs/tolerances.md).  The committed catalog's cases
+#: (at most 2^15) never do.
+COMPILED_MIN_ELEMENTS = 1 << 24
+
+#: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
+#: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
+#: 2^18: 0.86 s for the golden tolerances at T = S = 2048, docs/tolerances.md).
+COMPILED_CHUNK_ELEMENTS = 1 << 18
+
+#: ``MHASPEC_NUMBA=off`` (or ``0``, ``no``, ``false``): the NumPy chunk loops even where numba is installed.
+NUMBA_ENV = "MHASPEC_NUMBA"
+
+
+#: The first compilation error of the compiled loops in this process (they are not tried again).
+_COMPILE_FAILED: list[str] = []
+_COMPILE_LOCK = threading.Lock()
+
+
+def kernels_for(golden: GoldenCase) -> Any:
+    """:func:`kernels_for_shape` for ``golden``, sized by the whole case where it is one block of query
+    rows (:mod:`mhaspec.conformance.blocks`): what pays back the compilation is the whole case's work,
+    and a large case is judged in blocks smaller than :data:`COMPILED_MIN_ELEMENTS`."""
+    B, H, T, S = golden.whole_shape or golden.visible.shape
+    return kernels_for_shape(B * H, T, S)
+
+
+def kernels_for_shape(N: int, T: int, S: int) -> Any:
+    """The compiled chunk loops (:mod:`.kernels`) for a (N, T, S) case, or None: a small case, numba
+    not installed (the ``fast`` extra), switched off by :data:`NUMBA_ENV`, or failed to compile."""
+    if N * T * S <= COMPILED_MIN_ELEMENTS or _COMPILE_FAILED:
+        return None
+    if os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
+        return None
+    try:
+        from . import kernels
+    except ImportError:  # numba absent (or unusable with this NumPy): the NumPy loops, same bounds
+        return None
+    return kernels
+
+
+_DUMMY = np.empty((1, 1, 1))
+
+
+def run(kernels: Any, name: str, *args: Any) -> bool:
+    """``kernels.name(*args)``; False (the caller takes the NumPy loop) where numba cannot compile it,
+    which then warns once and switches the compiled loops off for the rest of the process."""
+    if _COMPILE_FAILED:  # an earlier chunk's: numba would try (and fail) to compile it again
+        return False
+    try:
+        return bool(getattr(kernels, name)(*args))
+    except kernels.ERRORS as exc:
+        with _COMPILE_LOCK:
+            if not _COMPILE_FAILED:
+                _COMPILE_FAILED.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+                warnings.warn(f"mhaspec: numba could not compile the tolerance loop ({_COMPILE_FAILED[0]}); "
+                              f"the NumPy loops are used instead (the same verdicts, slower)", RuntimeWarning,
+                              stacklevel=2)
+        return False
+
+
+def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair,
+                    aK: Pair, V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray,
+                    p: np.ndarray, o: np.ndarray, vis: np.ndarray, *,
+                    bounds: tuple[np.ndarray, ...] | None, tolerances: tuple[np.ndarray, ...] | None,
+                    extras: tuple[Any, Any], out: tuple[np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """:func:`.inplace.attention_chunk` by the compiled loop (:func:`.kernels.attention_chunk`): the bounds
+    of the scores and the attention weights into ``bounds`` (sigma and worst of each) and/or their
+    tolerances with the reference error ``extras`` into ``tolerances`` (as :func:`.inplace.tolerance_into`),
+    (variance, worst) of the head outputs into ``out``; False (nothing to trust) where a value is not finite."""
+    u2 = c.u**2
+    shape = s.shape
+    S = shape[-1]
+    lhs_in = np.concatenate([tQ2 / u2, Q * Q], axis=-1)
+    m1, m2 = buf("k_m1", shape, np.float32), buf("k_m2", shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.matmul(lhs_in.astype(np.float32), KK.f32, out=m1)  # upper32's products, factors in c1, c2
+        np.matmul(np.abs(Q).astype(np.float32), aK.f32, out=m2)
+    c1 = c.scale**2 * u2 * (1 + 2 * float(gamma(lhs_in.shape[-1] + 2, U32)))
+    c2 = c.g_d * c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, U32)))
+    lhs, q, pk = buf("k_lhs", shape), buf("k_q", shape), buf("k_pk", shape[:-1])
+    pp32, lhs32 = buf("k_pp32", shape, np.float32), buf("k_lhs32", shape, np.float32)
+    # the reference errors: both arrays, or both values (the two arrays of a float64 golden are 0)
+    arrays = not all(isinstance(e, float) for e in extras)
+    ext: list[Any] = [arrays]
+    for e in extras:
+        ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = run(
+            kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
+            bounds is not None, *(bounds or (_DUMMY,) * 4), tolerances is not None,
+            *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
+            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
+        if not ok:
+            return False
+        # 4. head outputs, as inplace.attention_chunk
+        f32 = 1 + 2 * float(gamma(S + 2, U32))
+        o2 = (np.maximum(lhs @ V2 - 2 * o * (q @ V) + o * o * pk[..., None], 0.0)
+              + (u2 * f32) * (pp32 @ tV2.f32) + stored(c.u, o, o))
+        wo = lhs32 @ aV.f32
+        if not inplace.finite(o2, wo):
+            return False
+    out[0][...] = o2
+    np.multiply(wo, f32, out=out[1], dtype=np.float64)
+    return True
+
+
+def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
+                 u: float, g_d: float, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 buf: Scratch) -> bool:
+    """:func:`.inplace.local_scores` with its elementwise passes in one compiled sweep
+    (:func:`.kernels.local_scores_chunk`)."""
+    ref, sig, wor = out
+    np.matmul(q, swap(K), out=ref)
+    m_sig, m_wor = buf("k_ls_sig", ref.shape, np.float32), buf("k_ls_wor", ref.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.matmul((q * q).astype(np.float32), K2.f32, out=m_sig)
+        np.matmul(np.abs(q).astype(np.float32), aK.f32, out=m_wor)
+    f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, U32))  # inplace.product32's factor
+    return run(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
+               2 * u * u + U64**2, g_d * scale * f32, floor, sig, wor)
+
+
+def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
+                  out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`)."""
+    ref, sig, wor = out
+    return run(kernels, "local_weights_chunk", s, vis, u**2, ua, g_s, floor, ref, sig, wor,
+               buf("k_rows", (8, s.shape[-1])))
+
+
+def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g_s: float,
+                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """:func:`.inplace.local_outputs` with the float32 operands p² and |p| of its bound products formed
+    in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers."""
+    sq, ab = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
+    if not run(kernels, "local_outputs_operands", pc, sq, ab):
+        return False
+    return inplace.local_outputs(pc, V, V2, aV, u, g_s, floor, out, buf, operands=(sq, ab))

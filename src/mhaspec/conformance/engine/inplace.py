@@ -1,0 +1,310 @@
+"""The in-place NumPy path of the chunk loops: the model's rules, the same formulas, faster.
+
+The functions here compute exactly what :func:`mhaspec.conformance.model.forward.attention_chunk`
+and the local rules of :mod:`mhaspec.conformance.model.local` compute (tests/test_tolerance_model.py
+compares them: the same bounds to the rounding of the bounds' own arithmetic), but in place on
+work arrays reused from chunk to chunk, and without ``np.where`` on chunks that need no mask:
+``np.where`` costs about ten in-place passes, a fresh array a page fault per 4 KiB.  Masked
+entries need no mask where the formula multiplies by the attention weight, which is 0 there.
+A chunk where anything is not finite (an adapter's own wild values) is left to the model's
+general rules, which handle every special value; the functions here then return False.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..compare import Scratch
+from ..model.forward import AttentionConstants
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
+from ..model.vocabulary import LAMBDA, U32, U64, Pair, gamma, stored, swap, upper32
+
+
+def finite(*arrays: np.ndarray) -> bool:
+    """Every value finite: one reduction each, the sum, which is NaN or ±inf when a value is.  A sum
+    of finite values that overflows says False too, and such a chunk takes the general path (the
+    same bounds, only slower)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return all(a.size == 0 or np.isfinite(a.sum()) for a in arrays)
+
+
+def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray) -> bool:
+    """``out = factor · upper32(a, b)`` (float64), False when the float32 product is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        m = a.astype(np.float32, copy=False) @ b.f32
+    if not np.isfinite(m.max()):
+        return False
+    np.multiply(m, factor * (1 + 2 * float(gamma(a.shape[-1] + 2, U32))), out=out, dtype=np.float64)
+    return True
+
+
+def row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: Scratch) -> np.ndarray:
+    """max over the visible entries of each row of the non-negative ``x`` (0 where none)."""
+    if visf is None:
+        return x.max(axis=-1, keepdims=True)
+    t = buf("rowmax", x.shape)
+    np.multiply(x, visf, out=t)
+    return t.max(axis=-1, keepdims=True)
+
+
+def second_order_into(p: np.ndarray, tau: np.ndarray, positive: np.ndarray | None, out: np.ndarray,
+                       buf: Scratch) -> None:
+    """:func:`second_order` (``p``, ``tau`` finite, non-negative) into ``out``; ``positive``:
+    where p > 0, None when it is everywhere."""
+    shape = p.shape
+    ptau = buf("so_ptau", shape)
+    np.multiply(p, tau, out=ptau)
+    row = ptau.sum(axis=-1, keepdims=True)
+    ell = buf("so_ell", shape)
+    np.add(tau, row, out=ell)
+    ptau *= 2
+    ell -= ptau  # ℓ = τ + row − 2pτ >= τ(1 − p) >= 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        ell_max = (ell.max(axis=-1) if positive is None
+                   else np.max(np.multiply(ell, positive, out=buf("so_pos", shape)), axis=-1))
+        if (ell_max > SECOND_ORDER_CLOSED_FORM).all():  # every row takes the exact bound (X >= ℓ)
+            exact_second_into(p, tau, ell, positive, out, buf)
+            return
+        t = buf("so_t", shape)
+        np.minimum(ell, 350.0, out=t)
+        np.exp(t, out=t)
+        e = buf("so_e", shape)
+        np.multiply(p, ell, out=e)
+        e *= ell
+        e *= t
+        rho = 0.5 * e.sum(axis=-1, keepdims=True)
+        x = buf("so_x", shape)
+        np.add(ell, rho, out=x)
+        np.minimum(x, 350.0, out=t)
+        np.exp(t, out=t)
+        np.multiply(x, 0.5, out=out)
+        out *= x
+        out *= t
+        out += rho
+        out *= p
+        x_max = (x.max(axis=-1) if positive is None
+                 else np.max(np.multiply(x, positive, out=buf("so_pos", shape)), axis=-1))
+    exact_rows = x_max > SECOND_ORDER_CLOSED_FORM
+    if not exact_rows.any():
+        return
+    if exact_rows.all():
+        exact_second_into(p, tau, ell, positive, out, buf)
+        return
+    rows = np.nonzero(exact_rows)
+    sub = np.empty(p[rows].shape)
+    exact_second_into(p[rows], tau[rows], ell[rows], None if positive is None else positive[rows], sub,
+                       Scratch())
+    out[rows] = sub
+
+
+def exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive: np.ndarray | None,
+                       out: np.ndarray, buf: Scratch) -> None:
+    """``max(softmax_worst(p, tau) − p·ℓ, 0)`` into ``out`` (the exact rows of :func:`second_order`)."""
+    shape = p.shape
+    up, down = buf("sw_up", shape), buf("sw_down", shape)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        np.minimum(tau, 350.0, out=up)
+        np.negative(up, out=down)
+        np.exp(up, out=up)
+        np.exp(down, out=down)
+        for e, name in ((up, "sw_lo"), (down, "sw_hi")):
+            t = buf(name, shape)
+            np.multiply(p, e, out=t)
+            t[...] = others(t)
+            t *= e
+            t += p
+            np.divide(p, t, out=t)  # lo (up), hi (down)
+        lo, hi = buf("sw_lo", shape), buf("sw_hi", shape)
+        hi -= p
+        np.subtract(p, lo, out=lo)
+        np.maximum(hi, lo, out=out)
+        np.fmin(out, 1.0, out=out)  # fmin: NaN (0/0, inf/inf) -> 1
+        if positive is not None:
+            np.copyto(out, 0.0, where=~positive)
+        np.multiply(p, ell, out=lo)
+        out -= lo
+        np.maximum(out, 0.0, out=out)
+
+
+class WeightsParts(NamedTuple):
+    pp: np.ndarray  # p²
+    q: np.ndarray  # p²·t_s²
+    pk: np.ndarray  # Σ_S p²·t_s² (per row)
+    p_round: np.ndarray  # the softmax's own rounding, worst-case
+    second: np.ndarray  # the second-order term
+
+
+def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.ndarray | None, u: float,
+                  ua: float, g_s: float, floor: float, cap: bool, sig_out: np.ndarray, wor_out: np.ndarray,
+                  buf: Scratch) -> WeightsParts:
+    """Bound of the attention weights ``p`` whose scores have error variances ``ts2`` (any finite
+    value where masked: p is 0 there): sigma and worst into ``sig_out`` and ``wor_out``, 0 where
+    masked (``visf``: the visibility as 0/1, None when all visible).  ``cap``: the worst part is
+    at most 1 (+ floor).  As the model's :func:`~mhaspec.conformance.model.forward.weights` and the
+    local :func:`~mhaspec.conformance.model.local.weights`."""
+    shape, u2 = p.shape, u * u
+    pp, q = buf("w_pp", shape), buf("w_q", shape)
+    np.multiply(p, p, out=pp)
+    np.multiply(pp, ts2, out=q)
+    pk = q.sum(axis=-1, keepdims=True)
+    # sigma = p·sqrt((1 − p)² t² + max(pk − p² t², 0) + u² + U64²)  (:func:`_softmax_rel2`)
+    t, d = buf("w_t", shape), buf("w_d", shape)
+    np.subtract(1.0, p, out=t)
+    np.multiply(t, t, out=t)
+    t *= ts2
+    np.subtract(pk, q, out=d)
+    np.maximum(d, 0.0, out=d)
+    t += d
+    t += u2
+    t += U64**2
+    np.sqrt(t, out=t)
+    np.multiply(p, t, out=sig_out)
+    # the softmax's own rounding: p (g_s + ua (|s| + max_visible |s|))
+    p_round = buf("w_round", shape)
+    np.add(abs_s, row_max_visible(abs_s, visf, buf), out=p_round)
+    p_round *= ua
+    p_round += g_s
+    p_round *= p
+    # the second-order term, scores moving by up to LAMBDA·sqrt(t²)
+    tau = buf("w_tau", shape)
+    np.sqrt(ts2, out=tau)
+    tau *= LAMBDA
+    if visf is not None:
+        tau *= visf
+    positive = None if p.min() > 0 else np.greater(p, 0.0, out=buf("w_pos", shape, bool))
+    second = buf("w_second", shape)
+    second_order_into(p, tau, positive, second, buf)
+    np.add(p_round, second, out=wor_out)
+    if cap:
+        np.minimum(wor_out, 1.0, out=wor_out)
+    wor_out += floor
+    if visf is not None:
+        wor_out *= visf
+    return WeightsParts(pp, q, pk, p_round, second)
+
+
+def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
+                          V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray,
+                          o: np.ndarray, vis: np.ndarray, out: tuple[np.ndarray, ...], buf: Scratch) -> bool:
+    """:func:`mhaspec.conformance.model.forward.attention_chunk`, in place (see above); False (nothing
+    to trust in ``out``) where a value is not finite."""
+    u, u2 = c.u, c.u**2
+    shape = s.shape
+    sig_s, wor_s, sig_p, wor_p, o2_out, wo_out = out
+    visf = None if vis.all() else vis.astype(np.float64)
+    # 2. scores
+    s2, ws = buf("a_s2", shape), buf("a_ws", shape)
+    if not product32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK, c.scale**2 * u2, s2):
+        return False
+    t = buf("a_t", shape)
+    np.multiply(s, s, out=t)
+    t *= 2 * u2 + U64**2  # stored(u, s, s)
+    s2 += t
+    np.sqrt(s2, out=sig_s)
+    if not product32(np.abs(Q), aK, c.g_d * c.scale, ws):
+        return False
+    np.add(ws, c.floor, out=wor_s)
+    # 3. attention weights
+    ts2 = buf("a_ts2", shape)
+    np.multiply(ws, ws, out=ts2)
+    ts2 += s2
+    abs_s = np.abs(s, out=t)
+    w = weights_into(p, ts2, abs_s, visf, u, c.ua, c.g_s, c.floor, True, sig_p, wor_p, buf)
+    # 4. head outputs (the model's head_outputs)
+    lhs = buf("a_lhs", shape)
+    np.multiply(w.pp, u2 + U64**2, out=lhs)
+    np.add(w.q, lhs, out=lhs)
+    np.multiply(w.p_round, w.p_round, out=t)
+    lhs += t
+    var_v2 = lhs @ V2
+    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2) + stored(u, o, o))
+    np.multiply(p, c.g_s, out=lhs)
+    np.add(w.second, lhs, out=lhs)
+    o2_out[...] = o2
+    wo_out[...] = upper32(lhs, aV)
+    return finite(sig_s, wor_s, sig_p, wor_p, o2_out, wo_out)
+
+
+def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, u: float, g_d: float,
+                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
+    sigma, worst); False where a value is not finite."""
+    ref, sig, wor = out
+    np.matmul(q, swap(K), out=ref)
+    ref *= scale
+    if not product32(q * q, K2, 2 * scale**2 * u * u, sig):
+        return False
+    t = buf("ls_t", ref.shape)
+    np.multiply(ref, ref, out=t)
+    t *= 2 * u * u + U64**2  # stored(u, x, x)
+    sig += t
+    np.sqrt(sig, out=sig)
+    if not product32(np.abs(q), aK, g_d * scale, wor):
+        return False
+    wor += floor
+    return finite(ref, sig, wor)
+
+
+def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+    """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
+    ref, sig, wor = out
+    if vis.all():
+        if not finite(s):
+            return False
+        visf = None
+        np.subtract(s, s.max(axis=-1, keepdims=True), out=ref)
+        np.exp(ref, out=ref)
+        ref /= ref.sum(axis=-1, keepdims=True)  # >= 1: the row's peak
+    else:
+        ref[...] = softmax_visible(s, vis)
+        clean = buf("lw_s", s.shape)
+        np.copyto(clean, s)
+        np.copyto(clean, 0.0, where=~vis)  # masked scores (often -inf) take no part in the bounds
+        if not finite(clean):
+            return False
+        s, visf = clean, vis.astype(np.float64)
+    ts2, abs_s = buf("lw_ts2", s.shape), buf("lw_abs", s.shape)
+    np.multiply(s, s, out=ts2)
+    ts2 *= U64**2 + u * u  # stored(u, s)
+    np.abs(s, out=abs_s)
+    weights_into(ref, ts2, abs_s, visf, u, ua, g_s, floor, False, sig, wor, buf)
+    return finite(sig, wor)
+
+
+def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g_s: float,
+                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                  operands: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+    """The local head-outputs check of one chunk from the adapter's own weights ``pc``; ``operands``:
+    the float32 operands p² and |p| of its bound products, already formed (and ``pc`` found finite)
+    by the compiled loop (:func:`.compiled.local_outputs`), the same numbers."""
+    ref, sig, wor = out
+    if operands is not None:
+        sq, ab = operands
+    else:
+        if not finite(pc):
+            return False
+        sq, ab = np.multiply(pc, pc, out=buf("lo_t", pc.shape)), None
+    np.matmul(pc, V, out=ref)
+    if not product32(sq, V2, 2 * u * u, sig):
+        return False
+    sig += stored(u, ref, ref)
+    np.sqrt(sig, out=sig)
+    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, g_s, wor):
+        return False
+    wor += floor
+    return finite(ref, sig, wor)
+
+
+def tolerance_into(sigma: np.ndarray, worst: np.ndarray, extra: Any, out: np.ndarray, buf: Scratch) -> None:
+    """``out = LAMBDA·sigma + (worst + extra)`` (``extra``: a reference error), in place: the numbers
+    of ``Bound(sigma, worst)`` widened by :meth:`~mhaspec.fixtures.GoldenCase.with_reference_error`,
+    then :meth:`~mhaspec.conformance.model.vocabulary.Bound.tolerance`."""
+    if isinstance(extra, float) and extra == 0.0:
+        w = worst
+    else:
+        w = np.add(worst, extra, out=buf("tol_w", worst.shape))
+    np.multiply(sigma, LAMBDA, out=out)
+    out += w

@@ -1,0 +1,128 @@
+"""The backward stages' local checks: each backward stage recomputed in float64 from the adapter's
+*own* previous stages (forward and backward), with only that stage's own rounding as tolerance
+(docs/backward.md).  In float16 and bfloat16 the propagated golden bound
+(:mod:`.backward`) grows wide, the local one does not, so a wrong formula is caught at its own
+stage in every dtype.  A length-n sum of products is allowed ρ(n)·Σ|aᵢ·bᵢ| (``Rounding.rel``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...fixtures import GoldenCase
+from ...spec import INPUT_GRADIENTS
+from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .softmax import softmax_rounding, visible_row_max
+from .vocabulary import Rounding, grouped, grouped_t, heads, merge, rounding, swap
+
+
+def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: Rounding) -> np.ndarray:
+    """How far a correct backward's P may be from the forward's returned P, element-wise.
+
+    A backward may reuse the returned weights or recompute them (FlashAttention:
+    exp(s − logsumexp)); each is within the softmax's own rounding of the exact
+    softmax of the scores — γ_acc(S + k) + u_acc·(|s_j| + max|s|) relative
+    (docs/tolerances.md) — so the two are within twice that; under the standard
+    contract, plus the storage of P and of the scores it came from (u·(2 + |s_j| + max|s|)).
+    """
+    row_max = visible_row_max(s_abs, visible)
+    rel = 2 * softmax_rounding(s_abs, row_max, r.gamma(P.shape[-1]), r.acc)
+    if r.store:
+        rel = rel + r.u * (2 + s_abs + row_max)
+    return np.where(visible, P * rel, 0.0)
+
+
+def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], table: ToleranceTable = DEFAULT_TOLERANCES,
+                 precision: str = "standard") -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
+    """``{stage: (float64 recomputation, tolerance, the adapter's stages it came from)}``.
+
+    ``own`` holds the adapter's returned stages (forward and backward) as float64
+    arrays of the canonical shapes; a check whose sources are not all there is left out.
+    """
+    r = rounding(dtype, precision, table)
+    floor = r.floor
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    S, E, T = golden.spec.src_len, cfg.D_v, golden.spec.tgt_len
+    visible = golden.visible
+    A = np.abs
+    assert golden.d_output is not None
+    dY = golden.d_output
+
+    def has(*names: str) -> bool:
+        return all(n in own for n in names)
+
+    out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
+    if has("d_concat"):
+        x = heads(own["d_concat"], H)
+        out["d_head_outputs"] = (x, r.rel(0) * A(x) + floor, ("d_concat",))
+    if has("d_head_outputs", "v_proj"):
+        dO, V = own["d_head_outputs"], heads(own["v_proj"], G, group)
+        Vt = swap(V)
+        out["d_attn_weights"] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor, ("d_head_outputs", "v_proj"))
+    s_abs = A(own["scores"]) if "scores" in own else A(g["scores"])  # magnitudes only
+    if has("attn_weights", "d_attn_weights"):
+        P, dP = np.where(visible, own["attn_weights"], 0.0), np.where(visible, own["d_attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        dO = A(own["d_head_outputs"]) if "d_head_outputs" in own else A(g["d_head_outputs"])
+        V = A(heads(own["v_proj"] if "v_proj" in own else g["v_proj"], G, group))
+        O = A(own["head_outputs"]) if "head_outputs" in own else A(P) @ V
+        delta = (P * dP).sum(-1, keepdims=True)
+        e_route_p = (e_P * A(dP)).sum(-1, keepdims=True) + r.rel(S) * ((A(P) + e_P) * A(dP)).sum(-1, keepdims=True)
+        e_route_o = (dO * (r.rel(S) * ((A(P) + e_P) @ V))).sum(-1, keepdims=True) \
+            + (A(P) * (r.rel(E) * (dO @ swap(V)))).sum(-1, keepdims=True) \
+            + r.rel(E) * (dO * O).sum(-1, keepdims=True) + e_route_p
+        e_delta = np.maximum(e_route_p, e_route_o)
+        dS = P * (dP - delta)
+        tol = e_P * (A(dP - delta) + e_delta) + A(P) * e_delta \
+            + r.rel(0) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
+        out["d_scores"] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
+                           ("attn_weights", "d_attn_weights"))
+    if has("d_scores", "k_proj"):
+        dS, K = own["d_scores"], heads(own["k_proj"], G, group)
+        out["d_q_proj"] = (merge(scale * (dS @ K)), merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
+                           ("d_scores", "k_proj"))
+    n_group = group * T
+    if has("d_scores", "q_proj"):
+        dSg, Qg = grouped_t(own["d_scores"], G), grouped(heads(own["q_proj"], H), G)
+        out["d_k_proj"] = (merge(scale * (dSg @ Qg)), merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor,
+                           ("d_scores", "q_proj"))
+    if has("attn_weights", "d_head_outputs"):
+        P = np.where(visible, own["attn_weights"], 0.0)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        Pg, ePg, dOg = grouped_t(P, G), grouped_t(e_P, G), grouped(own["d_head_outputs"], G)
+        tol = ePg @ A(dOg) + r.rel(n_group) * ((A(Pg) + ePg) @ A(dOg))
+        out["d_v_proj"] = (merge(Pg @ dOg), merge(tol) + floor, ("attn_weights", "d_head_outputs"))
+
+    def input_check(names: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
+        srcs = tuple(f"d_{x}_proj" for x in names)
+        if not has(*srcs):
+            return None
+        n = sum(w[f"w_{x}"].shape[1] for x in names)
+        val = sum(own[f"d_{x}_proj"] @ w[f"w_{x}"].T for x in names)
+        mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
+        return val, r.rel(n) * mag + floor, srcs
+
+    targets = INPUT_GRADIENTS[golden.spec.inputs]
+    for stage, names in targets.items():
+        check = input_check(names)
+        if check is not None:
+            out[stage] = check
+    x = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"]}
+    for n in "qkvo":
+        src = "concat" if n == "o" else f"d_{n}_proj"
+        if n == "o":
+            if not has("concat"):
+                continue
+            xs, dy = own["concat"], dY
+        else:
+            if not has(src):
+                continue
+            xs, dy = x[n], own[src]
+        rows = xs.shape[0] * xs.shape[1]
+        xf, df = xs.reshape(rows, -1), dy.reshape(rows, -1)
+        out[f"d_w_{n}"] = (xf.T @ df, r.rel(rows) * (A(xf).T @ A(df)) + floor, (src,))
+        if cfg.bias and n != "o":
+            out[f"d_b_{n}"] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
+    return {s: v for s, v in out.items() if s in g}

@@ -1,0 +1,228 @@
+"""The forward stages' golden bounds, one rule per stage (docs/tolerances.md "The bound").
+
+Each rule returns, per element, ``var`` — the variance bound of everything that reached the
+stage from earlier stages (their storage roundings and their accumulation errors, propagated
+linearised) plus its own storage roundings — and ``worst`` — its own accumulation error,
+worst-case, which is not averaged within the element but enters later stages as one more
+independent term, ``T² = var + worst²``:
+
+1. :func:`projection`   y = x W + b                        (q_proj, k_proj, v_proj)
+2. :func:`scores`       s = scale · Q Kᵀ                   (per chunk of query rows)
+3. :func:`weights`      p = softmax_visible(s)
+4. :func:`head_outputs` o = P V
+5. :func:`output`       concat relabels the heads; y = concat W_o + b_o
+
+Steps 2–4 run on one chunk of heads × query rows at a time (:func:`attention_chunk`): every
+formula there is element-wise or per row.  :func:`worst_case_tolerances` is the other
+precision contract's bound.  :mod:`mhaspec.conformance.engine` computes 2–4 faster, by the
+same formulas; :mod:`mhaspec.conformance.tolerance` chooses, per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ...fixtures import GoldenCase
+from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from .softmax import (score_moves, second_order, softmax_rounding, softmax_worst, visible_row_max,
+                      weights_sigma)
+from .vocabulary import (LAMBDA, U64, Bound, Pair, Rounding, gamma, heads, inf_for_nan, merge, stored, swap,
+                         upper32)
+
+
+def projection(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray,
+               r: Rounding) -> tuple[np.ndarray, np.ndarray]:
+    """1. y = x @ W + b: inputs and weights are exact; the product and the bias add may each be
+    rounded to the dtype; the sum is accumulated in the accumulator.
+
+    var = u²·(|xW|² + |y|²) + U64²·y², worst = γ_acc(d_in + k)·(|x|@|W| + |b|)."""
+    xw = y if b is None else y - b
+    mag = np.abs(x) @ np.abs(w) + (0.0 if b is None else np.abs(b))
+    return stored(r.u, xw, y), r.gamma(w.shape[0]) * mag
+
+
+class AttentionConstants(NamedTuple):
+    u: float  # the dtype's unit roundoff
+    ua: float  # the accumulator's
+    scale: float
+    g_d: float  # γ_acc(D_k + k): the score sums
+    g_s: float  # γ_acc(S + k): the softmax and P·V sums
+    floor: float  # the dtype's absolute floor
+
+    @classmethod
+    def of(cls, golden: GoldenCase, r: Rounding) -> "AttentionConstants":
+        cfg = golden.spec.config
+        return cls(u=r.u, ua=r.acc, scale=float(cfg.scale), g_d=r.gamma(cfg.D_k),  # type: ignore[arg-type]
+                   g_s=r.gamma(golden.visible.shape[-1]), floor=r.floor)
+
+
+class KeySide(NamedTuple):
+    """The keys' and values' bounds and the operands of steps 2–4 made of them, (B·H, S, ·).
+
+    ``KK`` = [K², T_K²/u²]ᵀ and ``aK`` = |K|ᵀ; ``V2`` = V², ``aV`` = |V|, ``tV2`` = T_V²/u² (the
+    variances scaled by 1/u² so that the float32 products of :func:`upper32` cannot underflow)."""
+
+    k2: np.ndarray
+    wk: np.ndarray
+    v2: np.ndarray
+    wv: np.ndarray
+    KK: Pair
+    aK: Pair
+    V: np.ndarray
+    V2: np.ndarray
+    aV: Pair
+    tV2: Pair
+
+
+def key_side(golden: GoldenCase, r: Rounding) -> KeySide:
+    """:class:`KeySide` of ``golden`` (the same in every block of query rows of a batch entry)."""
+    cfg, g, w, inp = golden.spec.config, golden.stages, golden.weights, golden.inputs
+    G, group, N = cfg.H_kv, cfg.group_size, golden.visible.shape[0] * cfg.H
+    S, E, u2 = golden.visible.shape[-1], g["head_outputs"].shape[-1], r.u**2
+    k2, wk = projection(inp["key"], w["w_k"], w.get("b_k"), g["k_proj"], r)
+    v2, wv = projection(inp["value"], w["w_v"], w.get("b_v"), g["v_proj"], r)
+    K = heads(g["k_proj"], G, group).reshape(N, S, -1)
+    tK2 = heads(k2 + wk**2, G, group).reshape(N, S, -1)
+    V = heads(g["v_proj"], G, group).reshape(N, S, E)
+    tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
+    KK = Pair.of(swap(np.concatenate([K * K, tK2 / u2], axis=-1)))
+    return KeySide(k2, wk, v2, wv, KK, Pair.of(swap(np.abs(K))), V, V * V, Pair.of(np.abs(V)), Pair.of(tV2 / u2))
+
+
+def scores(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
+           s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """2. scores = scale · Q Kᵀ: δs = scale Σ_d (δQ_d K_d + Q_d δK_d), so
+
+    var = scale²·(T_Q² @ K²ᵀ + Q² @ T_K²ᵀ) + 2u²·s² + U64²·s², worst = γ_acc(D_k + k)·scale·|Q|@|K|ᵀ
+    (``tQ2`` = T_Q²; ``KK``, ``aK``: :class:`KeySide`)."""
+    u2 = c.u**2
+    s2 = (c.scale**2 * u2) * upper32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK) + stored(c.u, s, s)
+    ws = (c.g_d * c.scale) * upper32(np.abs(Q), aK)
+    return s2, ws
+
+
+class Weights(NamedTuple):
+    ts2: np.ndarray  # T_s² = var + worst² of the scores, 0 where masked
+    sigma: np.ndarray
+    worst: np.ndarray
+    p_round: np.ndarray  # the softmax's own rounding, worst-case
+    second: np.ndarray  # the second-order term
+
+
+def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray, s2: np.ndarray,
+            ws: np.ndarray) -> Weights:
+    """3. attention weights: the score errors through the softmax, linearised, and the storage
+    rounding of P (sigma); the float32 softmax's own rounding and the second-order term of exp
+    (worst), 0 where masked:
+
+    sigma² = p_j²·((1 − p_j)²·T²_sj + Σ_{k≠j} p_k²·T²_sk) + (u² + U64²)·p_j² (:func:`~.softmax.weights_sigma`),
+    worst = min(p_j·(γ_acc(S + k) + u_acc·(|s_j| + max|s|)) + second order, 1) + floor
+    (:func:`~.softmax.softmax_rounding`, :func:`~.softmax.second_order` with τ = LAMBDA·T_s)."""
+    ts2 = np.where(vis, s2 + ws * ws, 0.0)
+    sigma = np.where(vis, weights_sigma(p, ts2, c.u), 0.0)
+    abs_s = np.abs(s)
+    p_round = p * softmax_rounding(abs_s, visible_row_max(abs_s, vis), c.g_s, c.ua)
+    second = np.where(vis, second_order(p, score_moves(ts2, vis)), 0.0)
+    worst = np.where(vis, inf_for_nan(np.minimum(p_round + second, 1.0)) + c.floor, 0.0)
+    return Weights(ts2, sigma, worst, p_round, second)
+
+
+def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndarray, V2: np.ndarray,
+                 aV: Pair, tV2: Pair, w: Weights) -> tuple[np.ndarray, np.ndarray]:
+    """4. head outputs o = P V.  Score errors move o by Σ_j p_j δs_j (v_j − o) (the weights sum to 1),
+    whose variance Σ_j q_j (v_j − o)², q = p² T_s², is expanded into products (in float64: it
+    cancels); P's own storage rounding and softmax rounding add Σ_j c_j v_j², with
+    c = (u² + U64²) p² + p_round², folded into the same product; V's add Σ_j p_j² T²_{V,j}:
+
+    var = Σ_j q_j v_j² − 2o Σ_j q_j v_j + o² Σ_j q_j + Σ_j c_j v_j² + Σ_j p_j² T²_Vj + 2u²·o² + U64²·o²,
+    worst = (second order + γ_acc(S + k)·P) @ |V| (the second-order part of P carried worst-case)."""
+    u2 = c.u**2
+    pp = p * p
+    q_ = pp * w.ts2
+    var_v2 = (q_ + (u2 + U64**2) * pp + w.p_round * w.p_round) @ V2
+    o2 = (np.maximum(var_v2 - 2 * o * (q_ @ V) + o * o * np.sum(q_, axis=-1, keepdims=True), 0.0)
+          + u2 * upper32(pp, tV2) + stored(c.u, o, o))
+    wo = upper32(w.second + c.g_s * p, aV)
+    return o2, wo
+
+
+def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, V: np.ndarray,
+                    V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray, o: np.ndarray,
+                    vis: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
+    """Steps 2–4 for one chunk of query rows (every special value handled): (sigma, worst) of the
+    scores and of the attention weights, and (variance, worst) of the head outputs, into ``out``."""
+    s2, ws = scores(c, Q, tQ2, KK, aK, s)
+    w = weights(c, s, p, vis, s2, ws)
+    o2, wo = head_outputs(c, p, o, V, V2, aV, tV2, w)
+    sig_s = inf_for_nan(np.sqrt(np.maximum(s2, 0.0)))
+    for dst, src in zip(out, (sig_s, inf_for_nan(ws + c.floor), w.sigma, w.worst, o2, wo)):
+        dst[...] = src
+
+
+def output(golden: GoldenCase, o2: np.ndarray, wo: np.ndarray, r: Rounding) -> dict[str, tuple[np.ndarray, Any]]:
+    """5. concat relabels the heads' (variance, worst); output = concat @ W_o + b_o:
+
+    var = T_c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y², worst = γ_acc(H·D_v + k)·(|c|@|W_o| + |b_o|)."""
+    sc2, wc = merge(o2), merge(wo)
+    g, w = golden.stages, golden.weights
+    c, y, wo_mat, bo = g["concat"], g["output"], w["w_o"], w.get("b_o")
+    cw = y if bo is None else y - bo
+    y2 = (sc2 + wc**2) @ wo_mat**2 + stored(r.u, cw, y)
+    wy = r.gamma(wo_mat.shape[0]) * (np.abs(c) @ np.abs(wo_mat) + (0.0 if bo is None else np.abs(bo)))
+    return {"concat": (sc2, wc), "output": (y2, wy)}
+
+
+def bound(var: np.ndarray, worst: np.ndarray, floor: float) -> Bound:
+    """A stage's :class:`Bound` from its (variance, worst): sigma = sqrt(var), worst + floor, NaN -> inf."""
+    return Bound(inf_for_nan(np.sqrt(np.maximum(var, 0.0))), inf_for_nan(worst + floor))
+
+
+def worst_case_tolerances(golden: GoldenCase, dtype: str,
+                          table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
+    """The ``precision="worst-case"`` bound: any correct algorithm accumulating in ``dtype``.
+
+    Each stage: propagated error of its inputs + γ_d(n + k)·Σ|aᵢbᵢ| of its own
+    arithmetic, in any summation order (docs/tolerances.md "The worst-case contract").
+    Infinite where n·u ≥ 1: such stages are uninformative, never a pass.
+    """
+    u, k = table.dtypes[dtype].unit_roundoff, table.extra_ops
+    cfg, g, w = golden.spec.config, golden.stages, golden.weights
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    vis = golden.visible
+
+    def linear(x_abs, e_x, wm, b):
+        x_hi = x_abs if e_x is None else x_abs + e_x
+        mag = x_hi @ np.abs(wm) + (0.0 if b is None else np.abs(b))
+        local = gamma(wm.shape[0] + k, u) * mag
+        return local if e_x is None else e_x @ np.abs(wm) + local
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        e_q = linear(np.abs(golden.inputs["query"]), None, w["w_q"], w.get("b_q"))
+        e_k = linear(np.abs(golden.inputs["key"]), None, w["w_k"], w.get("b_k"))
+        e_v = linear(np.abs(golden.inputs["value"]), None, w["w_v"], w.get("b_v"))
+        q_abs, k_abs = np.abs(heads(g["q_proj"], H)), np.abs(heads(g["k_proj"], G, group))
+        scale = float(cfg.scale)  # type: ignore[arg-type]
+        hi = scale * ((q_abs + heads(e_q, H)) @ swap(k_abs + heads(e_k, G, group)))
+        e_s = (hi - scale * (q_abs @ swap(k_abs))) + gamma(cfg.D_k + k, u) * hi
+        p, s = g["attn_weights"], g["scores"]
+        S = s.shape[-1]
+        abs_s = np.abs(s)
+        e_p = softmax_worst(p, np.where(vis, e_s, 0.0)) + p * softmax_rounding(
+            abs_s, visible_row_max(abs_s, vis), gamma(S + k, u), u)
+        e_p = np.where(vis, np.minimum(np.nan_to_num(e_p, nan=np.inf), 1.0), 0.0)
+        v_abs = np.abs(heads(g["v_proj"], G, group))
+        v_hi = v_abs + heads(e_v, G, group)
+        hi_o = (p + e_p) @ v_hi
+        e_o = (hi_o - p @ v_abs) + gamma(S + k, u) * hi_o
+        e_c = merge(e_o)
+        e_y = linear(np.abs(g["concat"]), e_c, w["w_o"], w.get("b_o"))
+    floor = table.dtypes[dtype].floor
+    out = {
+        "q_proj": e_q, "k_proj": e_k, "v_proj": e_v, "scores": e_s, "attn_weights": e_p,
+        "head_outputs": e_o, "concat": e_c, "output": e_y,
+    }
+    out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in out.items()}
+    out["attn_weights"] = np.where(vis, out["attn_weights"], 0.0)
+    return out

@@ -1,0 +1,178 @@
+"""The words every rule of the tolerance model is written in, forward and backward.
+
+* :class:`Bound` — an allowed error ``LAMBDA·sigma + worst`` (docs/tolerances.md "The bound");
+* :class:`Rounding` — the rounding facts of one dtype under one precision contract: u, u_acc,
+  γ_acc(n + k) (:func:`gamma`), the floor;
+* :func:`stored` — the variance of storing an intermediate result in the dtype;
+* :func:`upper32` — an upper bound of a product of non-negative operands, formed in float32;
+* :func:`heads`, :func:`merge`, :func:`grouped` — the relabellings between (B, L, H·D) and
+  (B, H, L, D), and a GQA group's query heads stacked.
+
+Shapes (axis legend B, T, S, H, G = H_kv, D = D_k, E = D_v):
+q (B,T,H·D), k (B,S,G·D), v (B,S,G·E), scores/attn (B,H,T,S),
+heads (B,H,T,E), concat (B,T,H·E), output (B,T,d_out).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ...spec.tolerance import ToleranceTable
+
+PRECISIONS = ("standard", "worst-case")
+
+#: Per-element allowance in units of sigma.  Under the model each element's error is a sum of
+#: independent zero-mean roundings with |term_i| <= b_i and sigma² = Σ b_i², so by Hoeffding's
+#: inequality P(|error| > LAMBDA·sigma) <= 2·exp(-LAMBDA²/2) = 2.5e-14 for LAMBDA = 8
+#: (docs/tolerances.md).
+LAMBDA = 8.0
+
+#: Limit on the mean of (error/sigma)² over a stage (standard contract).  A rounding error
+#: uniform in [-b, b] has mean square b²/3, so correct code averages <= 1/3; KAPPA = 1 leaves 3x.
+KAPPA = 1.0
+
+#: The mean-square test needs this many compared elements (fewer: element-wise test only).
+KAPPA_MIN_ELEMENTS = 16
+
+#: Unit roundoff of the golden itself (float64): its own rounding enters every bound.
+U64 = 2.0**-53
+
+#: Unit roundoff of float32, in which the bounds' own non-negative sums are formed (:func:`upper32`).
+U32 = 2.0**-24
+
+
+class Bound(NamedTuple):
+    """Allowed error of every element: ``LAMBDA·sigma + worst`` (the floor is in ``worst``)."""
+
+    sigma: np.ndarray  # rounding noise, root-sum-square (a standard-deviation bound)
+    worst: np.ndarray  # worst-case part (accumulation, second order, floor)
+
+    def tolerance(self, lam: float) -> np.ndarray:
+        out = np.multiply(self.sigma, lam)
+        if np.shape(out) == np.broadcast_shapes(np.shape(out), np.shape(self.worst)):
+            out += self.worst  # one new array, not two (``lam * sigma + worst``): the same numbers
+            return out
+        return out + self.worst
+
+
+def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
+    """γ(n) = n·u / (1 - n·u): the relative bound of a length-n sum (inf once n·u >= 1)."""
+    if isinstance(n, (int, np.integer)):  # one length (most calls): the same value, without arrays
+        nu = float(n) * u
+        return np.float64(nu / (1 - nu) if nu < 1 else np.inf)  # type: ignore[return-value]
+    nu = np.asarray(n, dtype=np.float64) * u
+    with np.errstate(divide="ignore"):
+        return np.where(nu < 1, nu / np.maximum(1 - nu, 0), np.inf)
+
+
+class Rounding(NamedTuple):
+    """The rounding facts of one dtype under one precision contract (:func:`rounding`)."""
+
+    u: float  # the dtype's unit roundoff: one rounding of a stored result
+    acc: float  # the accumulator's: float32 for 16-bit dtypes under the standard contract, else u
+    store: float  # storage roundings a backward sum counts on top of its accumulation (3 standard, 0 worst-case)
+    k: int  # extra roundings inside a sum (bias add, scale, storing, the golden's own)
+    floor: float  # the dtype's absolute floor: its smallest normal number (flushed subnormals)
+
+    def gamma(self, n: int) -> float:
+        """γ_acc(n + k): the relative bound of a length-n sum in the accumulator."""
+        return float(gamma(n + self.k, self.acc))
+
+    def rel(self, n: int | np.ndarray) -> np.ndarray:
+        """ρ(n) = γ_acc(n + k) + store·u: a length-n sum of products with its storage, worst-case
+        (the backward's bounds, docs/backward.md)."""
+        return gamma(np.asarray(n) + self.k, self.acc) + self.store * self.u
+
+
+def rounding(dtype: str, precision: str, table: ToleranceTable) -> Rounding:
+    """:class:`Rounding` of ``dtype``: ``"standard"`` accumulates in float32 or wider (the dtype's own
+    for float64), ``"worst-case"`` in the dtype itself (docs/tolerances.md "The precision contract")."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    rule = table.dtypes[dtype]
+    u = rule.unit_roundoff
+    if precision == "worst-case":
+        return Rounding(u, u, 0.0, table.extra_ops, rule.floor)
+    return Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops, rule.floor)
+
+
+def stored(u: float, *values: np.ndarray) -> np.ndarray:
+    """Variance bound of storing each of ``values`` in the dtype (one rounding each) plus the
+    golden's own float64 rounding of the last: ``U64²·values[-1]² + Σ u²·v²``."""
+    out = U64**2 * values[-1] ** 2
+    for v in values:
+        out = out + u**2 * v**2
+    return out
+
+
+class Pair(NamedTuple):
+    """A right-hand operand of :func:`upper32` in float64 and, cast once, in float32."""
+
+    f64: np.ndarray
+    f32: np.ndarray
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> "Pair":
+        return cls(x, x.astype(np.float32))
+
+    def __getitem__(self, index: Any) -> "Pair":  # type: ignore[override]
+        return Pair(self.f64[index], self.f32[index])
+
+
+def upper32(a: np.ndarray, b: Pair) -> np.ndarray:
+    """``a @ b`` for non-negative ``a`` and ``b``, formed in float32 and rounded up.
+
+    A sum of n non-negative terms in float32 is below the exact one by at most γ₃₂(n + 2)
+    relative (two more roundings: the inputs'); multiplying by 1 + 2γ₃₂ keeps it an upper
+    bound, at half the cost of a float64 product.  Callers scale ``a`` and ``b`` to O(1)
+    magnitudes so that nothing that matters underflows."""
+    n = a.shape[-1] + 2
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (a.astype(np.float32) @ b.f32).astype(np.float64)
+    if not np.isfinite(out).all():  # beyond float32's range (an adapter's own wild values)
+        return a @ b.f64
+    return out * (1 + 2 * gamma(n, U32))
+
+
+def nonnegative_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """An upper bound of ``a @ b`` for non-negative ``a`` (N, T, S) and ``b`` (N, S, E), in float64:
+    the computed sum is below the exact one by at most γ₆₄(S) relative."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = a @ b
+    return inf_for_nan(out * (1 + gamma(a.shape[-1], U64)))
+
+
+def inf_for_nan(x: np.ndarray) -> np.ndarray:
+    """``x`` with every NaN made +inf, in place: a bound that cannot be formed allows anything."""
+    np.copyto(x, np.inf, where=np.isnan(x))
+    return x
+
+
+def heads(x: np.ndarray, n_heads: int, group: int = 1) -> np.ndarray:
+    """(B, L, n_heads·D) -> (B, n_heads·group, L, D), repeating each head ``group`` times (GQA)."""
+    B, L, F = x.shape
+    return np.repeat(x.reshape(B, L, n_heads, F // n_heads).transpose(0, 2, 1, 3), group, axis=1)
+
+
+def merge(x: np.ndarray) -> np.ndarray:
+    """(B, H, T, E) -> (B, T, H·E): heads concatenated in head order."""
+    B, H, T, E = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * E)
+
+
+def swap(x: np.ndarray) -> np.ndarray:
+    """The last two axes exchanged: ``K`` (…, S, D) -> ``Kᵀ`` (…, D, S)."""
+    return np.swapaxes(x, -1, -2)
+
+
+def grouped(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, group·T, F): a GQA group's query heads stacked along T."""
+    B, H, T, F = x.shape
+    return x.reshape(B, kv_heads, (H // kv_heads) * T, F)
+
+
+def grouped_t(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, G, F, group·T): :func:`grouped`, transposed (the summed axis last)."""
+    return swap(grouped(x, kv_heads))
