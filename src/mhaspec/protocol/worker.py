@@ -95,7 +95,6 @@ def load_and_serve(pipe: wire.Pipe, ref: str, options: Mapping[str, Any]) -> Non
     """Load the adapter named ``ref``, answer ``ready`` with its description (or the error), then serve."""
     try:
         adapter = load_adapter(ref, **options)
-        info = describe_adapter(adapter)
     except SystemExit as exc:
         pipe.send(wire.failure("ready", f"adapter called sys.exit({exc.code!r}) while being loaded"))
         return
@@ -105,12 +104,11 @@ def load_and_serve(pipe: wire.Pipe, ref: str, options: Mapping[str, Any]) -> Non
     except BaseException as exc:  # noqa: BLE001
         pipe.send(wire.failure("ready", f"loading adapter {ref!r} failed: {describe_exception(exc)}"))
         return
-    pipe.send(wire.ready(info, describe_environment(process="worker")))
-    serve(pipe, adapter)
+    describe_and_serve(pipe, adapter)
 
 
 def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
-    """An inherited adapter object: describe it here, in the process where it computes (reading its
+    """A loaded or inherited adapter object: describe it here, in the process where it computes (reading its
     ``known_deviations`` may run the framework, e.g. the TensorFlow adapters' probe), answer with the
     description (or the error) — the start-up is not counted in the first case's timeout — then serve."""
     try:
