@@ -82,7 +82,11 @@ def main() -> int:
     parser.add_argument("--new", type=Path, default=Path(__file__).resolve().parents[1], help="default: this checkout")
     parser.add_argument("--backward", action="store_true", help="judge the backward stages too (--backward)")
     parser.add_argument("--catalog", type=Path, help="judge the cases of this catalog file, computed on the fly")
-    parser.add_argument("--keep", type=Path, help="keep the reports in this folder (OLD-/NEW-ADAPTER.json)")
+    parser.add_argument("--keep", type=Path, help="keep the reports in this folder (old-/new-ADAPTER.json)")
+    parser.add_argument("--reuse-old", action="store_true",
+                        help="with --keep: take an old-ADAPTER.json already there instead of running the old checkout "
+                             "again (the old side can be run once, ahead of the change)")
+    parser.add_argument("--only-old", action="store_true", help="run the old side only (with --keep, for --reuse-old)")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="mhaspec-compare-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,13 +94,20 @@ def main() -> int:
     for adapter in args.adapters:
         label = adapter.replace("/", "_").replace(":", "_")
         reports = []
-        for side, checkout in (("old", args.old), ("new", args.new)):
+        sides = (("old", args.old),) if args.only_old else (("old", args.old), ("new", args.new))
+        for side, checkout in sides:
             path = folder / f"{side}-{label}.json"
+            if side == "old" and args.reuse_old and path.is_file():
+                reports.append(json.loads(path.read_text()))
+                continue
             code, err = run_report(checkout, adapter, args.backward, path, args.catalog)
             if not path.is_file():
                 print(f"{adapter}: the {side} run wrote no report (exit {code}): {err}")
                 return 2
             reports.append(json.loads(path.read_text()))
+        if args.only_old:
+            print(f"{adapter}: old report kept ({len(reports[0]['results'])} case×dtype, exit {reports[0]['exit_code']})")
+            continue
         found = differences(*reports)
         judged = sum(len(r.get("stages", [])) for r in reports[1]["results"])
         if found:

@@ -14,11 +14,12 @@ from .case import Case, CaseSpec, Dtype, Inputs, MaskSpec, Weights
 from .catalog import CATALOG, Catalog, load_catalog_file
 from .config import DTYPES, INPUT_NAMES, STAGES, WEIGHT_NAMES, MHAConfig
 from .manifest import MANIFEST_NAME, SPEC_VERSION, Manifest, ManifestEntry
-from .stages import ALL_STAGES, REGISTRY, Stage, compared_entries, stage
+from .stages import ALL_STAGES, REGISTRY, STAGE, Stage, compared_entries, stage
 
 __all__ = [
     "ALL_STAGES",
     "REGISTRY",
+    "STAGE",
     "Stage",
     "compared_entries",
     "stage",

@@ -4,7 +4,7 @@ stage)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -189,6 +189,9 @@ class Weights(BaseModel):
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
+_T = TypeVar("_T")
+
+
 class Case(BaseModel):
     """What an adapter receives: read-only, float64, canonical layout.
 
@@ -225,6 +228,17 @@ class Case(BaseModel):
     @property
     def S(self) -> int:
         return self.src_len
+
+    def inputs_as(self, convert: Callable[[np.ndarray], _T]) -> tuple[_T, _T, _T]:
+        """(query, key, value), each converted by ``convert`` once per distinct tensor.
+
+        In self-attention the three are one converted object; with ``key_is_value`` key and
+        value are one — so a framework is handed one tensor where the caller has one (which
+        changes what it may fuse, and where its gradients add up)."""
+        query = convert(self.inputs.query)
+        key = query if self.self_attention else convert(self.inputs.key)
+        value = key if self.key_is_value else convert(self.inputs.value)
+        return query, key, value
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Case:

@@ -142,3 +142,25 @@ def compared_entries(name: str, visible: Any) -> Any:
     """Which entries of ``name`` are compared: ``visible`` (the (B, H, T, S) visibility) where its masked
     entries are excluded from comparison, else None (every entry)."""
     return visible if REGISTRY[name].masked == "excluded" else None
+
+
+class _StageNames:
+    """Every declared stage's name as an attribute: ``STAGE.attn_weights == "attn_weights"``.
+
+    Code outside the declarations (the tolerance model, the runner, diagnosis) names a stage
+    through :data:`STAGE` rather than a string of its own, so that a stage is spelt in one place
+    and a misspelt one is an AttributeError, never a silently missing key."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> str:
+        if name in REGISTRY:
+            return name
+        raise AttributeError(f"unknown stage {name!r}; stages are {', '.join(ALL_STAGES)}")
+
+    def __dir__(self) -> list[str]:
+        return list(REGISTRY)
+
+
+#: The stage names (:class:`_StageNames`).
+STAGE = _StageNames()

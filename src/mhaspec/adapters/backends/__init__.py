@@ -1,0 +1,52 @@
+"""What every framework backend of the built-in adapters offers, under the same names.
+
+One module per framework (``numpy``, ``torch``, ``tensorflow``, ``jax``, ``onnx``), each with
+the same functions for the same jobs (those a framework has):
+
+* ``dtype(name)`` — the framework's dtype for a spec dtype name (``"bfloat16"`` …);
+* ``array_in(x, dtype, …)`` — a canonical float64 NumPy array as a framework array in ``dtype``;
+* ``array_out(x)`` — a framework array (or a nest of them) back as float64 NumPy;
+* ``keep_mask(case, …)`` — the case's visibility (explicit mask and causal band, True = may
+  attend) in the polarity and shape the framework takes;
+* ``weights_in(weights, config)`` / ``weights_out(params)`` — canonical weights to the
+  framework's parameters and back.
+
+The deviations the adapters declare are data, beside them: :func:`declared` reads them from
+``adapters/deviations/<family>.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from mhaspec.protocol.contract import Deviation
+
+_FIELDS = ("reason", "case", "dtype", "stage", "rows", "within")
+
+
+@functools.cache
+def _table(family: str) -> dict[str, Any]:
+    text = resources.files("mhaspec.adapters").joinpath("deviations", f"{family}.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def declared(family: str, key: str, **values: Any) -> list[Deviation]:
+    """The deviations filed under ``key`` in ``deviations/<family>.json``.
+
+    An entry is one declaration (an object with the fields of :class:`Deviation`) or a list of
+    them; ``{name}`` in a field is filled from ``values`` (what the adapter measured: a probe's
+    figures, the stages one mechanism reaches), ``{{`` and ``}}`` are literal braces."""
+    table = _table(family)
+    if key not in table:
+        raise KeyError(f"deviations/{family}.json has no entry {key!r}; entries are {', '.join(table)}")
+    entries = table[key]
+    out = []
+    for entry in entries if isinstance(entries, list) else [entries]:
+        unknown = set(entry) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"deviations/{family}.json {key!r}: unknown field(s) {', '.join(sorted(unknown))}")
+        out.append(Deviation(**{k: v.format(**values) if isinstance(v, str) else v for k, v in entry.items()}))
+    return out
