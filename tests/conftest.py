@@ -26,13 +26,13 @@ def require(module: str):
 def _cache_outside_home(tmp_path_factory):
     """Tests never write the user's cache (~/.cache/mhaspec): without MHASPEC_CACHE_DIR (tox
     sets it to a folder in its env, kept between runs), the session gets a fresh one."""
-    from mhaspec.cache import ENV
+    from mhaspec.protocol.contract import CACHE_ENV
 
-    if ENV in os.environ:
+    if CACHE_ENV in os.environ:
         yield
         return
-    os.environ[ENV] = str(tmp_path_factory.mktemp("mhaspec-cache"))
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("mhaspec-cache"))
     try:
         yield
     finally:
-        os.environ.pop(ENV, None)
+        os.environ.pop(CACHE_ENV, None)

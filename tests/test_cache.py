@@ -1,4 +1,4 @@
-"""mhaspec.cache: where rebuildable things are kept, and that the cache can never cost a run."""
+"""mhaspec.protocol.contract.cache_dir & co.: where rebuildable things are kept, and that the cache can never cost a run."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from mhaspec import cache
+from mhaspec.protocol import contract as cache
 
 
 def test_the_cache_folder_follows_the_environment(tmp_path, monkeypatch) -> None:
-    monkeypatch.delenv(cache.ENV, raising=False)
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache.cache_root() == tmp_path / "xdg" / "mhaspec"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache.cache_root() == tmp_path / "home" / ".cache" / "mhaspec"
-    monkeypatch.setenv(cache.ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "mine"))
     assert cache.cache_root() == tmp_path / "mine"
     folder = cache.cache_dir("torch-onnx")
     assert folder == tmp_path / "mine" / "torch-onnx" and folder.is_dir()
@@ -25,14 +25,14 @@ def test_the_cache_folder_follows_the_environment(tmp_path, monkeypatch) -> None
 
 @pytest.mark.parametrize("value", ["off", "OFF", "0", "none", "false", "no", ""])
 def test_the_cache_can_be_switched_off(tmp_path, monkeypatch, value: str) -> None:
-    monkeypatch.setenv(cache.ENV, value)
+    monkeypatch.setenv(cache.CACHE_ENV, value)
     monkeypatch.chdir(tmp_path)
     assert cache.cache_root() is None and cache.cache_dir("jax") is None
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_folder_that_cannot_be_written_is_no_cache(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     real = os.access
     monkeypatch.setattr(cache.os, "access", lambda p, mode: False if mode == os.W_OK else real(p, mode))
     assert cache.cache_dir("torch-onnx") is None
@@ -41,17 +41,17 @@ def test_a_folder_that_cannot_be_written_is_no_cache(tmp_path, monkeypatch) -> N
 def test_a_folder_that_cannot_be_made_is_no_cache(tmp_path, monkeypatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the folder should be")
-    monkeypatch.setenv(cache.ENV, str(blocker))
+    monkeypatch.setenv(cache.CACHE_ENV, str(blocker))
     assert cache.cache_dir("torch-onnx") is None
 
 
 def test_writes_are_whole_or_nothing(tmp_path) -> None:
     path = tmp_path / "entry.onnx"
-    assert cache.write(path, b"first") and cache.read(path) == b"first"
-    assert cache.write(path, b"second") and cache.read(path) == b"second"
+    assert cache.cache_write(path, b"first") and cache.cache_read(path) == b"first"
+    assert cache.cache_write(path, b"second") and cache.cache_read(path) == b"second"
     assert [p.name for p in tmp_path.iterdir()] == ["entry.onnx"], "no temporary file left behind"
-    assert cache.read(tmp_path / "missing") is None
-    assert not cache.write(tmp_path / "no-such-folder" / "x", b"data")
+    assert cache.cache_read(tmp_path / "missing") is None
+    assert not cache.cache_write(tmp_path / "no-such-folder" / "x", b"data")
     assert [p.name for p in tmp_path.iterdir()] == ["entry.onnx"]
 
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import cache
+from ..protocol import contract as cache
 from ..spec import MHAConfig
 
 # -- dtype, x64 and device -------------------------------------------------
@@ -107,7 +107,7 @@ def compiled(fun: Callable, static_argnames: tuple[str, ...], fast: bool) -> Cal
 
 @functools.cache
 def use_compilation_cache() -> str | None:
-    """Switch on JAX's persistent compilation cache in ``mhaspec.cache.cache_dir("jax")``, once per
+    """Switch on JAX's persistent compilation cache in ``mhaspec.protocol.contract.cache_dir("jax")``, once per
     process (every JAX/Flax adapter calls it when it is made); the folder, or None where it is not ours.
 
     A later run compiling the same program (same StableHLO, so the same shapes and dtypes, same

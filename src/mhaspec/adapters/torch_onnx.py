@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 import torch
 
-from .. import cache
+from ..protocol import contract as cache
 from ..protocol.contract import Deviation
 from ..spec import STAGES, Case, MHAConfig, Weights
 from ._onnx_common import ORT_NO_BFLOAT16, initializer_arrays, ort_session, replace_initializers, to_dtype
@@ -338,7 +338,7 @@ def _export_source() -> str:
 
 class ExportCache:
     """Exported graphs (zero weights) on disk, one ONNX file per structure × dtype, under
-    ``mhaspec.cache.cache_dir("torch-onnx")`` (``MHASPEC_CACHE_DIR``; ``off`` switches it off).
+    ``mhaspec.protocol.contract.cache_dir("torch-onnx")`` (``MHASPEC_CACHE_DIR``; ``off`` switches it off).
 
     The key is everything an export depends on: the installed torch, onnxscript and onnx,
     the source of :mod:`.torch_layer`, this module and :mod:`._torch_common`, the config,
@@ -364,7 +364,7 @@ class ExportCache:
         """The cached graph of ``key`` in ``dtype``, or None (not cached, unreadable, not this graph)."""
         if self.folder is None:
             return None
-        data = cache.read(self._path(key, dtype))
+        data = cache.cache_read(self._path(key, dtype))
         if data is None:
             return None
         try:
@@ -382,7 +382,7 @@ class ExportCache:
         if self.folder is None:
             return
         for dtype, model in models.items():
-            self.writes += cache.write(self._path(key, dtype), model.SerializeToString())
+            self.writes += cache.cache_write(self._path(key, dtype), model.SerializeToString())
 
 
 def case_mask(case: Case) -> np.ndarray | None:
