@@ -1,7 +1,7 @@
 """The tolerance table: the constants of the element-wise error model.
 
-The model itself (how the bounds propagate through the stages) lives in
-:mod:`mhaspec.conformance.tolerance` and is written up in
+The model itself (how the bounds propagate through the stages, one rule per
+stage) lives in :mod:`mhaspec.conformance.model` and is written up in
 ``docs/tolerances.md``.  This table holds only the numbers it uses, so they
 are visible in ``mhaspec schema`` and in one place.
 """
