@@ -45,7 +45,6 @@ from onnx import TensorProto, helper
 
 from ..spec import Case, MHAConfig, Weights
 from .backends import declared
-from .backends.numpy import weights_in as canonical
 from .backends.onnx import ORT_NO_BFLOAT16, input_feed, keep_mask, ort_session, weights_in, weights_out
 from .backends.onnx import dtype as elem_type
 
@@ -65,7 +64,7 @@ def canonical_to_initializers(weights: Weights | Mapping[str, Any], dtype: str =
     ``b_*`` added by ``Add``.  Exact for every dtype (the case's weights are
     representable in each).
     """
-    return weights_in(canonical(weights), dtype)
+    return weights_in(weights, dtype)
 
 
 def initializers_to_canonical(model: onnx.ModelProto | onnx.GraphProto) -> dict[str, np.ndarray]:

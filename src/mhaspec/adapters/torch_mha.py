@@ -42,7 +42,8 @@ from torch import nn
 from ..spec import Case, Weights
 from .backends import declared
 from .backends import torch as backend
-from .backends.torch import as_float64, canonical
+from .backends.numpy import weights_in as canonical
+from .backends.torch import as_float64
 
 _Q, _K, _V = "w_q", "w_k", "w_v"
 

@@ -19,8 +19,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ...spec import Case, masks
+from ...spec import Case, Weights, masks
 from .numpy import array_in
+from .numpy import weights_in as canonical
 
 __all__ = [
     "ELEM_TYPES", "ORT_NO_BFLOAT16", "array_in", "dtype", "graph_structure", "input_feed", "keep_mask", "ort_session",
@@ -74,9 +75,10 @@ def input_feed(case: Case, **extra: np.ndarray | None) -> dict[str, np.ndarray]:
     return feed
 
 
-def weights_in(arrays: Mapping[str, np.ndarray], dtype: str) -> list[TensorProto]:
-    """``{name: float64 array}`` -> initializers of the spec dtype ``dtype``, same names, same layout."""
-    return [numpy_helper.from_array(array_in(a, dtype), name) for name, a in arrays.items()]
+def weights_in(weights: Weights | Mapping[str, Any], dtype: str) -> list[TensorProto]:
+    """Weights (canonical, or any ``{name: float64 array}``) -> initializers of the spec dtype
+    ``dtype``, same names, same layout (absent biases left out)."""
+    return [numpy_helper.from_array(array_in(a, dtype), name) for name, a in canonical(weights).items()]
 
 
 def weights_out(graph: onnx.GraphProto, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
