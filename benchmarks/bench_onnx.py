@@ -131,7 +131,7 @@ def compare_reports(a: str, b: str) -> str:
 
 def check_side_by_side() -> None:
     from mhaspec.adapters import torch_onnx
-    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.adapters.backends.onnx import graph_structure, keep_mask
     from mhaspec.fixtures import GoldenSet
 
     seen: set[tuple] = set()
@@ -139,7 +139,7 @@ def check_side_by_side() -> None:
     golden = GoldenSet()
     for case_id in golden.ids():
         case = golden.load(case_id).case("float32")
-        mask = torch_onnx.case_mask(case)
+        mask = keep_mask(case)
         shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
                      mask_shape=None if mask is None else mask.shape)
         key = (case.config.model_dump_json(), *shape.values())

@@ -19,7 +19,7 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 import mhaspec  # noqa: E402
 from mhaspec.adapters import onnx_attention  # noqa: E402
-from mhaspec.adapters._onnx_common import ort_session, replace_initializers, to_dtype  # noqa: E402
+from mhaspec.adapters.backends.onnx import array_in, keep_mask, ort_session, replace_initializers  # noqa: E402
 from mhaspec.spec import STAGES, MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.onnx
@@ -55,7 +55,7 @@ def test_initializer_converters_round_trip_through_a_real_graph(case_id: str, dt
     model = onnx_attention.attention_model(case.config, dtype, case.weights, batch=2, tgt_len=3, src_len=4)
     stored = {t.name: t for t in model.graph.initializer}
     assert set(stored) == set(case.weights.as_dict())
-    assert {t.data_type for t in stored.values()} == {helper.np_dtype_to_tensor_dtype(to_dtype(np.zeros(1), dtype).dtype)}
+    assert {t.data_type for t in stored.values()} == {helper.np_dtype_to_tensor_dtype(array_in(np.zeros(1), dtype).dtype)}
     assert_same_weights(onnx_attention.initializers_to_canonical(model), case.weights.as_dict())
 
 
@@ -132,10 +132,10 @@ def test_side_by_side_export_is_each_dtypes_own_export(torch_onnx, case_id: str)
     # torch.onnx.export and cuts the graph per dtype: each cut must be, node for node, what
     # torch.onnx.export gives for that dtype's module alone (dtype-specific nodes included:
     # the float64 scale is a float32 Constant Cast to double, the float32 graph has no Cast).
-    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.adapters.backends.onnx import graph_structure
 
     case = golden_case(case_id)
-    mask = torch_onnx.case_mask(case)
+    mask = keep_mask(case)
     shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
                  mask_shape=None if mask is None else mask.shape)
     together = torch_onnx.export_models(case.config, **shape)
@@ -154,7 +154,7 @@ def test_side_by_side_export_is_each_dtypes_own_export(torch_onnx, case_id: str)
 
 
 def test_graph_structure_sees_a_changed_constant_and_ignores_names(torch_onnx) -> None:
-    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.adapters.backends.onnx import graph_structure
 
     case = golden_case("custom_head_dims")
     model = torch_onnx.export_model(case.config, "float32", batch=1, tgt_len=2, src_len=3)
@@ -185,15 +185,16 @@ def test_reused_torchlib_registry_exports_the_same_graph(torch_onnx) -> None:
     # its own: the graphs must be the same.
     import torch
 
-    from mhaspec.adapters._onnx_common import graph_structure
+    from mhaspec.adapters.backends import torch_export
+    from mhaspec.adapters.backends.onnx import graph_structure
 
     case = golden_case("gqa")
     shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len)
     ours = torch_onnx.export_model(case.config, "float16", **shape)
-    assert torch_onnx._REGISTRIES, "the registry is kept"
-    module = torch_onnx._module(case.config, "float16", None)
-    args = tuple(torch_onnx._example(case.config, "float16", case.batch, case.tgt_len, case.src_len, None))
-    with torch_onnx._quiet():
+    assert torch_export._REGISTRIES, "the registry is kept"
+    module = torch_export._module(case.config, "float16", None)
+    args = tuple(torch_export._example(case.config, "float16", case.batch, case.tgt_len, case.src_len, None))
+    with torch_export._quiet():
         plain = torch.onnx.export(module, args, kwargs={"return_stages": True}, dynamo=True, opset_version=23,
                                   optimize=False, input_names=["query", "key", "value"],
                                   output_names=list(STAGES)).model_proto
@@ -245,7 +246,9 @@ def test_torch_onnx_cache_misses_on_another_structure_or_source(torch_onnx, tmp_
     other = torch_onnx.TorchOnnxAdapter()
     other.run(golden_case("gqa", "float32"))  # another config and sizes
     assert (other.exports, other.cache.hits) == (1, 0)
-    monkeypatch.setattr(torch_onnx, "_export_source", lambda: "changed module source")
+    from mhaspec.adapters.backends import torch_export
+
+    monkeypatch.setattr(torch_export, "_export_source", lambda: "changed module source")
     edited = torch_onnx.TorchOnnxAdapter()
     edited.run(golden_case("custom_mask", "float32"))
     assert (edited.exports, edited.cache.hits) == (1, 0)

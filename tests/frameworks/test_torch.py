@@ -14,7 +14,7 @@ torch = require("torch")
 
 import mhaspec  # noqa: E402
 from mhaspec.adapters import torch_layer, torch_mha, torch_sdpa  # noqa: E402
-from mhaspec.adapters._torch_common import visible  # noqa: E402
+from mhaspec.adapters.backends.torch import keep_mask  # noqa: E402
 from mhaspec.spec import MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -117,7 +117,7 @@ def test_bottom_right_causal_polarity_by_hand() -> None:
     assert blocked[:3].all()  # the first T - S rows see no key
     assert blocked[3].tolist() == [False, True, True, True]
     assert not blocked[6].any()
-    allowed = visible(case, "cpu")  # SDPA polarity: True = take part
+    allowed = keep_mask(case, "cpu")  # SDPA polarity: True = take part
     assert torch.equal(allowed[0, 0], ~blocked)
 
 

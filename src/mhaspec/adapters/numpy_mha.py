@@ -13,16 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case, masks
-
-
-def numpy_dtype(name: str) -> Any:
-    """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+from ..spec import Case
+from .backends import numpy as backend
 
 
 class NumpyMHA:
@@ -45,7 +37,7 @@ class NumpyMHA:
     def _forward(self, case: Case) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(every stage, what the backward pass reuses)."""
         cfg = case.config
-        dt = numpy_dtype(case.dtype)
+        dt = backend.dtype(case.dtype)
         acc = np.float32 if case.dtype in ("float16", "bfloat16") else dt
 
         def rnd(x: np.ndarray) -> np.ndarray:  # store a stage in the dtype under test
@@ -73,7 +65,7 @@ class NumpyMHA:
         s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
         s = rnd(s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc))
 
-        allowed = masks.visibility(cfg, case.inputs.mask, B, T, S)  # (B, H, T, S): causal AND mask
+        allowed = backend.keep_mask(case)  # (B, H, T, S): causal AND mask
 
         logits = np.where(allowed, s.astype(acc), -np.inf)
         peak = logits.max(axis=-1, keepdims=True)

@@ -43,47 +43,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..protocol.contract import Deviation
 from ..spec import Case, MHAConfig, Weights
-from ._onnx_common import (
-    ORT_NO_BFLOAT16,
-    causal_visible,
-    elem_type,
-    initializer_arrays,
-    initializers,
-    ort_session,
-    to_dtype,
-)
+from .backends import declared
+from .backends.onnx import ORT_NO_BFLOAT16, input_feed, keep_mask, ort_session, weights_in, weights_out
+from .backends.onnx import dtype as elem_type
 
 #: The first opset with the standard Attention operator.
 ATTENTION_OPSET = 23
 
 #: Stages the graph returns, in its output order.
 GRAPH_STAGES = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "concat", "output")
-
-_SQRT_SCALE_F32 = (
-    "onnxruntime has no float64 kernel for Attention and runs the operator's function body "
-    "(onnx/defs/nn/defs.cc, Attention's function builder: CalculatedScale = Div(1, Sqrt(Cast<float>(head_size))), "
-    "ScaleFactorSqrt = Sqrt(ScaleFactor) in float32, ScaleFactorF = Cast<double>), so Q and K are each multiplied "
-    "by a float32-rounded sqrt(scale): float64 scores are off by ~3e-8 relative, and every later stage with them"
-)
-
-
-_EXPLICIT_SCALE_F32 = (
-    "an explicit scale is the Attention op's 32-bit float attribute, and the reference evaluator takes its "
-    "square root in float32 (onnx/reference/ops/op_attention.py: scale = np.sqrt(scale) on the np.float32 "
-    "attribute, then Q.dtype.type(scale)), as the op's function body does (ScaleFactorSqrt = Sqrt(ScaleF)): "
-    "Q and K are multiplied by a float32-rounded sqrt(scale), float64 scores are off by ~3e-8 relative. "
-    "The default scale (no attribute) is computed in float64 and conforms"
-)
-
-_SOFTMAX_IN_BFLOAT16 = (
-    "the Attention op computes its softmax in the input type unless softmax_precision is set (spec: 'If softmax "
-    "precision is not provided, the same precision as the input of softmax (Q and K) is used'), and the reference "
-    "evaluator does exp and the sum over S in bfloat16 (onnx/reference/ops/op_attention.py _softmax): more "
-    "rounding than a float32 softmax, beyond the precision contract's tolerance at S = 128. With "
-    "softmax_precision=FLOAT the case passes"
-)
 
 
 def canonical_to_initializers(weights: Weights | Mapping[str, Any], dtype: str = "float64") -> list[TensorProto]:
@@ -95,14 +64,13 @@ def canonical_to_initializers(weights: Weights | Mapping[str, Any], dtype: str =
     ``b_*`` added by ``Add``.  Exact for every dtype (the case's weights are
     representable in each).
     """
-    items = weights.as_dict() if isinstance(weights, Weights) else {k: v for k, v in weights.items() if v is not None}
-    return initializers(items, dtype)
+    return weights_in(weights, dtype)
 
 
 def initializers_to_canonical(model: onnx.ModelProto | onnx.GraphProto) -> dict[str, np.ndarray]:
     """The graph's initializers -> canonical float64 weights (``w_q`` … ``b_o`` that are present)."""
     graph = model.graph if isinstance(model, onnx.ModelProto) else model
-    return initializer_arrays(graph, ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"))
+    return weights_out(graph, ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"))
 
 
 def attention_mask(case: Case) -> tuple[np.ndarray | None, bool]:
@@ -114,14 +82,9 @@ def attention_mask(case: Case) -> tuple[np.ndarray | None, bool]:
     T = S) is the op's ``is_causal``; bottom-right with T != S is ANDed into the mask.
     """
     cfg, T, S = case.config, case.tgt_len, case.src_len
-    mask = case.inputs.mask
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-        mask = np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (T, S)), dtype=bool)
     if not cfg.causal or cfg.causal_alignment == "top_left" or T == S:
-        return mask, cfg.causal
-    causal = causal_visible(cfg, T, S)[None, None]  # (1, 1, T, S)
-    return (causal if mask is None else mask & causal), False
+        return keep_mask(case), cfg.causal
+    return keep_mask(case, causal=True), False
 
 
 def default_scale(config: MHAConfig) -> bool:
@@ -204,15 +167,7 @@ def case_model(case: Case, opset: int = ATTENTION_OPSET) -> tuple[onnx.ModelProt
         case.config, case.dtype, case.weights, batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len,
         mask_shape=None if mask is None else mask.shape, is_causal=is_causal, opset=opset,
     )
-    query = to_dtype(case.inputs.query, case.dtype)
-    feed = {
-        "query": query,
-        "key": query if case.self_attention else to_dtype(case.inputs.key, case.dtype),
-        "value": query if case.self_attention else to_dtype(case.inputs.value, case.dtype),
-    }
-    if mask is not None:
-        feed["attn_mask"] = mask
-    return model, feed
+    return model, input_feed(case, attn_mask=mask)
 
 
 def _scale_limit(case: Case) -> bool | str:
@@ -229,8 +184,7 @@ class OnnxRuntimeAdapter:
 
     name = "onnxruntime"
     framework = "onnxruntime"
-    known_deviations = [Deviation(_SQRT_SCALE_F32, dtype="float64", stage=s, within="float32")
-                        for s in ("scores", "attn_weights", "concat", "output")]
+    known_deviations = declared("onnx", "onnxruntime")
 
     def __init__(self, *, opset: int = ATTENTION_OPSET, threads: int = 1) -> None:
         if opset < ATTENTION_OPSET:
@@ -253,14 +207,9 @@ class OnnxReferenceAdapter:
 
     name = "onnx-reference"
     framework = "onnx"
-    #: the catalog's one case with an explicit scale; a float64 case of your own with one deviates alike
-    known_deviations = [
-        *(Deviation(_EXPLICIT_SCALE_F32, case="custom_scale", dtype="float64", stage=s, within="float32")
-          for s in ("scores", "attn_weights", "concat", "output")),
-        # seen where rows are long enough for bfloat16 sums to show (S = 128, 129); shorter rows pass
-        *(Deviation(_SOFTMAX_IN_BFLOAT16, case=c, dtype="bfloat16", stage="attn_weights", within="worst-case")
-          for c in ("long_sequence", "tile_crossing")),
-    ]
+    #: the catalog's one case with an explicit scale (a float64 case of your own with one deviates
+    #: alike); bfloat16's softmax where rows are long enough for its sums to show (S = 128, 129)
+    known_deviations = declared("onnx", "onnx-reference")
 
     def __init__(self, *, opset: int = ATTENTION_OPSET) -> None:
         if opset < ATTENTION_OPSET:

@@ -32,16 +32,7 @@ import torch
 from torch import nn
 
 from ..spec import Case, MHAConfig, Weights
-from ._torch_common import (
-    autograd_backward,
-    causal_visible,
-    check_device,
-    linear_from_state_dict,
-    linear_to_state_dict,
-    to_numpy,
-    to_tensor,
-    torch_dtype,
-)
+from .backends import torch as backend
 
 
 def canonical_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -51,12 +42,12 @@ def canonical_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, t
     ``v_proj.weight = w_v.T (H_kv·D_v, vdim)``, ``out_proj.weight = w_o.T (d_out, H·D_v)``,
     ``*.bias = b_*``.  float64 CPU tensors; ``load_state_dict`` casts them.
     """
-    return linear_to_state_dict(weights)
+    return backend.weights_in(weights)
 
 
 def state_dict_to_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """:class:`MultiHeadAttention` ``state_dict`` -> canonical float64 weights (``w_q`` … ``b_o``)."""
-    return linear_from_state_dict(state_dict)
+    return backend.weights_out(state_dict)
 
 
 class MultiHeadAttention(nn.Module):
@@ -164,7 +155,7 @@ class MultiHeadAttention(nn.Module):
         cfg = self.config
         allowed = None if mask is None else mask.to(device=device, dtype=torch.bool)
         if cfg.causal:
-            causal = causal_visible(cfg, T, S, device)
+            causal = backend.causal_visible(cfg, T, S, device)
             allowed = causal if allowed is None else allowed & causal
         return allowed
 
@@ -176,33 +167,25 @@ class TorchMHAAdapter:
     framework = "torch"
 
     def __init__(self, device: str = "cpu") -> None:
-        self.device = check_device(device)
+        self.device = backend.check_device(device)
 
     def _module(self, case: Case) -> MultiHeadAttention:
-        module = torch.nn.utils.skip_init(  # parameters made in the dtype, no random init
-            MultiHeadAttention, **case.config.model_dump(), device=self.device, dtype=torch_dtype(case.dtype)
-        )
-        module.load_state_dict(canonical_to_state_dict(case.weights))
-        return module.eval()
+        return backend.loaded_module(MultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
+                                     **case.config.model_dump())
 
-    def run(self, case: Case) -> dict[str, np.ndarray]:
-        dtype = torch_dtype(case.dtype)
-        module = self._module(case)
-        query = to_tensor(case.inputs.query, dtype, self.device)
-        key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
-        mask = None if case.inputs.mask is None else to_tensor(case.inputs.mask, torch.bool, self.device)
-
-        with torch.inference_mode():
-            stages = module(query=query, key=key, value=value, mask=mask, return_stages=True)
-        return {name: to_numpy(t) for name, t in stages.items()}
-
-    def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """Every backward stage by ``torch.autograd``: intermediate stages through ``retain_grad``."""
-        module = self._module(case)
-        mask = None if case.inputs.mask is None else to_tensor(case.inputs.mask, torch.bool, self.device)
+    def _call(self, module: MultiHeadAttention, case: Case) -> backend.StagesCall:
+        """``module``'s forward with the case's mask, every stage returned."""
+        mask = None if case.inputs.mask is None else backend.array_in(case.inputs.mask, torch.bool, self.device)
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             return module(query=query, key=key, value=value, mask=mask, return_stages=True)
 
-        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)
+        return call
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        return backend.inference(case, self.device, self._call(self._module(case), case))
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """Every backward stage by ``torch.autograd``: intermediate stages through ``retain_grad``."""
+        module = self._module(case)
+        return backend.autograd_backward(case, self.device, self._call(module, case), module, state_dict_to_canonical)

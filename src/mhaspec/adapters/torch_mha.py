@@ -39,19 +39,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..protocol.contract import Deviation
 from ..spec import Case, Weights
-from ._torch_common import (
-    as_float64,
-    autograd_backward,
-    canonical,
-    causal_visible,
-    check_device,
-    to_numpy,
-    to_tensor,
-    top_left_causal_only,
-    torch_dtype,
-)
+from .backends import declared
+from .backends import torch as backend
+from .backends.numpy import weights_in as canonical
+from .backends.torch import as_float64
 
 _Q, _K, _V = "w_q", "w_k", "w_v"
 
@@ -104,17 +96,17 @@ def torch_masks(case: Case, device: torch.device | str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     key_padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
     if key_padding:  # (B|1, 1, 1, S): the keys each batch entry may see
-        visible = to_tensor(np.broadcast_to(mask, (B, 1, 1, S)).reshape(B, S), torch.bool, device)
+        visible = backend.array_in(np.broadcast_to(mask, (B, 1, 1, S)).reshape(B, S), torch.bool, device)
         kwargs["key_padding_mask"] = ~visible
     visible = None
     if mask is not None and not key_padding:
-        visible = to_tensor(np.broadcast_to(mask, (B, cfg.H, T, S)), torch.bool, device)
+        visible = backend.array_in(np.broadcast_to(mask, (B, cfg.H, T, S)), torch.bool, device)
     if cfg.causal:
-        causal = causal_visible(cfg, T, S, device)
+        causal = backend.causal_visible(cfg, T, S, device)
         visible = causal if visible is None else visible & causal
     if visible is not None:
         kwargs["attn_mask"] = ~(visible.reshape(B * cfg.H, T, S) if visible.dim() == 4 else visible)
-        kwargs["is_causal"] = top_left_causal_only(case)  # a hint torch trusts: only for the plain top-left mask
+        kwargs["is_causal"] = backend.top_left_causal_only(case)  # a hint torch trusts: only for the plain top-left mask
     return kwargs
 
 
@@ -127,23 +119,10 @@ class TorchMultiheadAttentionAdapter:
 
     #: Rows that see no key come out NaN: the need_weights=True path adds -inf and calls plain
     #: softmax (0/0).  Open upstream since 2020.  Scoped to those rows: anything else still fails.
-    known_deviations = [
-        Deviation(
-            "a query row with no visible key gives NaN attn_weights and output (softmax over an "
-            "all -inf row) instead of zeros; pytorch/pytorch#41508, #160064",
-            stage=stage, rows="fully_masked",
-        )
-        for stage in ("attn_weights", "output")
-    ] + [
-        Deviation(
-            "backward: the NaN of a query row with no visible key flows into every gradient that sums over "
-            "query rows (d_key, d_value, weights, biases; self-attention: all of d_query); pytorch/pytorch#41508",
-            stage="d_*", rows="fully_masked",
-        )
-    ]
+    known_deviations = declared("torch", "torch-mha")
 
     def __init__(self, device: str = "cpu") -> None:
-        self.device = check_device(device)
+        self.device = backend.check_device(device)
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
@@ -161,42 +140,30 @@ class TorchMultiheadAttentionAdapter:
 
     def _module(self, case: Case) -> nn.MultiheadAttention:
         cfg = case.config
-        module = torch.nn.utils.skip_init(
-            nn.MultiheadAttention, embed_dim=cfg.d_model, num_heads=cfg.H, bias=cfg.bias,
-            kdim=cfg.kdim, vdim=cfg.vdim, batch_first=True, device=self.device, dtype=torch_dtype(case.dtype),
-        )
-        module.load_state_dict(canonical_to_state_dict(case.weights))
-        return module.eval()
+        return backend.loaded_module(nn.MultiheadAttention, canonical_to_state_dict(case.weights), case, self.device,
+                                     embed_dim=cfg.d_model, num_heads=cfg.H, bias=cfg.bias, kdim=cfg.kdim,
+                                     vdim=cfg.vdim, batch_first=True)
 
-    def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """The input and weight gradients by ``torch.autograd``: the layer exposes no intermediate
-        stage to the backward (the attention weights it returns are a view made after their last
-        use, so no gradient reaches them).  With gradients enabled the native fast path is never taken."""
-        module, masks = self._module(case), torch_masks(case, self.device)
+    def _call(self, module: nn.MultiheadAttention, case: Case) -> backend.StagesCall:
+        """The layer called with the case's masks: ``attn_weights`` (need_weights) and ``output``."""
+        masks = torch_masks(case, self.device)
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             output, attn_weights = module(query=query, key=key, value=value, need_weights=self.need_weights,
                                           average_attn_weights=False, **masks)
             return {"output": output} if attn_weights is None else {"attn_weights": attn_weights, "output": output}
 
-        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)
+        return call
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
-        dtype = torch_dtype(case.dtype)
+        return backend.inference(case, self.device, self._call(self._module(case), case))
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The input and weight gradients by ``torch.autograd``: the layer exposes no intermediate
+        stage to the backward (the attention weights it returns are a view made after their last
+        use, so no gradient reaches them).  With gradients enabled the native fast path is never taken."""
         module = self._module(case)
-
-        query = to_tensor(case.inputs.query, dtype, self.device)
-        key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
-
-        with torch.inference_mode():
-            output, attn_weights = module(
-                query=query, key=key, value=value, need_weights=self.need_weights,
-                average_attn_weights=False, **torch_masks(case, self.device),
-            )
-        if attn_weights is None:
-            return {"output": to_numpy(output)}
-        return {"attn_weights": to_numpy(attn_weights), "output": to_numpy(output)}
+        return backend.autograd_backward(case, self.device, self._call(module, case), module, state_dict_to_canonical)
 
 
 class TorchMultiheadAttentionFastAdapter(TorchMultiheadAttentionAdapter):
@@ -206,11 +173,4 @@ class TorchMultiheadAttentionFastAdapter(TorchMultiheadAttentionAdapter):
     need_weights = False
     #: The native fast path (self-attention, even H, biases, eval, no grad) masks with -inf and
     #: softmaxes without zeroing: NaN for such rows.  The SDPA route gives zeros.
-    known_deviations = [
-        Deviation(
-            "native fast path (torch._native_multi_head_attention): a query row with no visible key "
-            "gives NaN output instead of b_o; the SDPA route zeroes such rows. Upstream fix: "
-            "pytorch/pytorch#190486 (open)",
-            stage="output", rows="fully_masked",
-        )
-    ]
+    known_deviations = declared("torch", "torch-mha-fast")

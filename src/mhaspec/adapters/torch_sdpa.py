@@ -26,29 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..spec import Case, MHAConfig, Weights
-from ._torch_common import (
-    autograd_backward,
-    check_device,
-    linear_from_state_dict,
-    linear_to_state_dict,
-    to_numpy,
-    to_tensor,
-    top_left_causal_only,
-    torch_dtype,
-    visible,
-)
+from .backends import torch as backend
 
 
 def canonical_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Canonical weights -> :class:`SDPAMultiHeadAttention` ``state_dict``:
     ``q_proj.weight = w_q.T``, ``k_proj.weight = w_k.T``, ``v_proj.weight = w_v.T``,
     ``out_proj.weight = w_o.T`` (each ``(out, in)``), ``*.bias = b_*``."""
-    return linear_to_state_dict(weights)
+    return backend.weights_in(weights)
 
 
 def state_dict_to_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """:class:`SDPAMultiHeadAttention` ``state_dict`` -> canonical float64 weights."""
-    return linear_from_state_dict(state_dict)
+    return backend.weights_out(state_dict)
 
 
 class SDPAMultiHeadAttention(nn.Module):
@@ -110,7 +100,7 @@ class TorchSDPAAdapter:
     framework = "torch"
 
     def __init__(self, device: str = "cpu") -> None:
-        self.device = check_device(device)
+        self.device = backend.check_device(device)
 
     def supports(self, case: Case) -> bool | str:
         if case.config.H_kv != case.config.H and _torch_version() < (2, 5):
@@ -118,33 +108,26 @@ class TorchSDPAAdapter:
         return True
 
     def _module(self, case: Case) -> SDPAMultiHeadAttention:
-        module = torch.nn.utils.skip_init(  # parameters made in the dtype, no random init
-            SDPAMultiHeadAttention, config=case.config, device=self.device, dtype=torch_dtype(case.dtype)
-        )
-        module.load_state_dict(canonical_to_state_dict(case.weights))
-        return module.eval()
+        return backend.loaded_module(SDPAMultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
+                                     config=case.config)
 
-    def _masks(self, case: Case) -> dict[str, Any]:
-        if top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
-            return {"attn_mask": None, "is_causal": True}
-        return {"attn_mask": visible(case, self.device), "is_causal": False}  # bool, True = take part
-
-    def run(self, case: Case) -> dict[str, np.ndarray]:
-        dtype = torch_dtype(case.dtype)
-        module = self._module(case)
-        query = to_tensor(case.inputs.query, dtype, self.device)
-        key = query if case.self_attention else to_tensor(case.inputs.key, dtype, self.device)
-        value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, self.device)  # one memory tensor
-        with torch.inference_mode():
-            stages = module(query=query, key=key, value=value, **self._masks(case))
-        return {name: to_numpy(t) for name, t in stages.items()}
-
-    def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """The backward stages by ``torch.autograd`` through SDPA's own backward: the projections'
-        and the head outputs' gradients through ``retain_grad`` (SDPA exposes no d_scores, d_attn_weights)."""
-        module, masks = self._module(case), self._masks(case)
+    def _call(self, module: SDPAMultiHeadAttention, case: Case) -> backend.StagesCall:
+        """``module``'s forward with the case's masking as SDPA takes it."""
+        if backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
+            masks: dict[str, Any] = {"attn_mask": None, "is_causal": True}
+        else:
+            masks = {"attn_mask": backend.keep_mask(case, self.device), "is_causal": False}  # bool, True = take part
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             return module(query=query, key=key, value=value, **masks)
 
-        return autograd_backward(case, torch_dtype(case.dtype), self.device, call, module, state_dict_to_canonical)
+        return call
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        return backend.inference(case, self.device, self._call(self._module(case), case))
+
+    def backward(self, case: Case) -> dict[str, np.ndarray]:
+        """The backward stages by ``torch.autograd`` through SDPA's own backward: the projections'
+        and the head outputs' gradients through ``retain_grad`` (SDPA exposes no d_scores, d_attn_weights)."""
+        module = self._module(case)
+        return backend.autograd_backward(case, self.device, self._call(module, case), module, state_dict_to_canonical)

@@ -1,5 +1,6 @@
-"""What the three PyTorch adapters share: dtypes, devices, tensors in and out,
-the mask in the spec's polarity, and the ``nn.Linear`` weight layout.
+"""PyTorch as a backend: dtypes, devices, tensors in and out, the mask in the spec's polarity,
+the ``nn.Linear`` weight layout, and the calls every PyTorch adapter makes (a module loaded
+with the case's weights, a forward under ``inference_mode``, a backward by autograd).
 
 Layout of ``nn.Linear`` (and of every weight in ``nn.MultiheadAttention``):
 ``weight`` is ``(out_features, in_features)`` and the layer computes
@@ -10,13 +11,14 @@ of ``W`` that belong to head h become row blocks of ``weight``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..spec import Case, Weights, masks
+from ...spec import Case, Weights, masks
+from .numpy import weights_in as canonical
 
 _DTYPES = {
     "float64": torch.float64,
@@ -33,13 +35,19 @@ LINEAR_NAMES: dict[tuple[str, str], str] = {
     ("w_o", "b_o"): "out_proj",
 }
 
+#: ``call(query, key, value)`` of an adapter: the forward's stage tensors by name (``output`` required)
+StagesCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
-def torch_dtype(name: str) -> torch.dtype:
+
+def dtype(name: str) -> torch.dtype:
     """The torch dtype for a spec dtype name (``float64`` … ``bfloat16``)."""
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype: {name!r} is not one of {', '.join(_DTYPES)}") from None
+
+
+_dtype = dtype  # for the functions whose argument is named dtype
 
 
 def check_device(device: str) -> torch.device:
@@ -50,24 +58,20 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def to_tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A float64 (or bool) numpy array as a tensor of ``dtype`` on ``device`` (a copy)."""
-    tensor = torch.from_numpy(np.array(array, copy=True))
-    return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+def array_in(x: np.ndarray, dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A float64 (or bool) NumPy array as a tensor of ``dtype`` (a spec name or a torch dtype;
+    a bool array stays bool) on ``device`` (a copy)."""
+    tdt = _dtype(dtype) if isinstance(dtype, str) else dtype
+    tensor = torch.from_numpy(np.array(x, copy=True))
+    return tensor.to(device=device, dtype=tdt if tensor.is_floating_point() else tensor.dtype)
 
 
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A result tensor as numpy, values unchanged (bfloat16 comes back as float32, exactly)."""
+def array_out(tensor: torch.Tensor) -> np.ndarray:
+    """A result tensor as NumPy, values unchanged (bfloat16 comes back as float32, exactly)."""
     tensor = tensor.detach().to("cpu")
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.to(torch.float32)  # numpy has no bfloat16; float32 holds every bf16 value
     return tensor.numpy()
-
-
-def canonical(weights: Weights | Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Canonical weights as a ``{name: float64 array}`` dict (absent biases left out)."""
-    items = weights.as_dict() if isinstance(weights, Weights) else dict(weights)
-    return {k: np.asarray(v, dtype=np.float64) for k, v in items.items() if v is not None}
 
 
 def as_float64(tensor: torch.Tensor) -> np.ndarray:
@@ -75,7 +79,7 @@ def as_float64(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
 
 
-def linear_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def weights_in(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Canonical weights -> ``state_dict`` of a module with four ``nn.Linear``.
 
     Keys: ``q_proj.weight (H·D_k, d_model)``, ``k_proj.weight (H_kv·D_k, kdim)``,
@@ -92,7 +96,7 @@ def linear_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torc
     return out
 
 
-def linear_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def weights_out(state_dict: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """``state_dict`` of a module with four ``nn.Linear`` -> canonical float64 weights."""
     out: dict[str, np.ndarray] = {}
     for (w_name, b_name), prefix in LINEAR_NAMES.items():
@@ -114,7 +118,7 @@ def causal_visible(config: Any, tgt_len: Any, src_len: Any, device: torch.device
     return j <= i + offset
 
 
-def visible(case: Case, device: torch.device | str) -> torch.Tensor | None:
+def keep_mask(case: Case, device: torch.device | str) -> torch.Tensor | None:
     """The spec's mask as a bool tensor, True = may attend: the explicit mask AND the
     causal mask, shaped ``(B|1, 1, T, S)``; None when nothing is masked."""
     cfg, T, S = case.config, case.tgt_len, case.src_len
@@ -138,39 +142,55 @@ def top_left_causal_only(case: Case) -> bool:
     )
 
 
+def loaded_module(cls: Any, state_dict: Mapping[str, torch.Tensor], case: Case, device: torch.device | str,
+                  **kwargs: Any) -> Any:
+    """``cls(**kwargs)`` with parameters made in the case's dtype on ``device`` (no random
+    init), loaded with ``state_dict``, in eval mode."""
+    module = torch.nn.utils.skip_init(cls, **kwargs, device=device, dtype=_dtype(case.dtype))
+    module.load_state_dict(state_dict)
+    return module.eval()
+
+
+def inference(case: Case, device: torch.device | str, call: StagesCall) -> dict[str, np.ndarray]:
+    """The forward stages of ``case``: ``call(query, key, value)`` under ``inference_mode``
+    on the case's inputs in its dtype (one tensor where the case has one), back as NumPy."""
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device))
+    with torch.inference_mode():
+        stages = call(query, key, value)
+    return {name: array_out(t) for name, t in stages.items()}
+
+
 def autograd_backward(
     case: Case,
-    dtype: torch.dtype,
     device: torch.device | str,
-    call: Any,
+    call: StagesCall,
     module: torch.nn.Module,
-    to_canonical: Any,
+    to_canonical: Callable[[Mapping[str, torch.Tensor]], dict[str, np.ndarray]],
 ) -> dict[str, np.ndarray]:
-    """The backward stages of ``case`` by ``torch.autograd``, in ``dtype``.
+    """The backward stages of ``case`` by ``torch.autograd``, in the case's dtype.
 
     ``call(query, key, value)`` returns the forward's stage tensors by name
     (``output`` required); each intermediate one is kept with ``retain_grad`` and
     comes back as ``d_<stage>``.  The input gradients come from the leaf inputs
     (one leaf per tensor: self-attention's ``d_query`` is the sum of the three,
-    shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from ``module``'s parameters through
-    ``to_canonical`` (the state_dict converter: a gradient has its parameter's layout).
+    shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from
+    ``module``'s parameters through ``to_canonical`` (the state_dict converter: a gradient has
+    its parameter's layout).
     """
-    query = to_tensor(case.inputs.query, dtype, device).requires_grad_()
-    key = query if case.self_attention else to_tensor(case.inputs.key, dtype, device).requires_grad_()
-    value = key if case.key_is_value else to_tensor(case.inputs.value, dtype, device).requires_grad_()
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device).requires_grad_())
     module.zero_grad(set_to_none=True)
     with torch.enable_grad():
         stages = call(query, key, value)
         for name, tensor in stages.items():
             if name != "output" and tensor.requires_grad:
                 tensor.retain_grad()
-        stages["output"].backward(to_tensor(case.d_output, dtype, device))
-    out = {f"d_{name}": to_numpy(t.grad) for name, t in stages.items() if name != "output" and t.grad is not None}
-    out["d_query"] = to_numpy(query.grad)
+        stages["output"].backward(array_in(case.d_output, case.dtype, device))
+    out = {f"d_{name}": array_out(t.grad) for name, t in stages.items() if name != "output" and t.grad is not None}
+    out["d_query"] = array_out(query.grad)
     if not case.self_attention:  # one leaf per tensor: a shared one's gradient is the sum (d_key)
-        out["d_key"] = to_numpy(key.grad)
+        out["d_key"] = array_out(key.grad)
         if not case.key_is_value:
-            out["d_value"] = to_numpy(value.grad)
+            out["d_value"] = array_out(value.grad)
     grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
     out.update({f"d_{name}": value for name, value in to_canonical(grads).items()})
     return out

@@ -1,9 +1,9 @@
-"""What the ONNX adapters share: dtypes, arrays in and out, initializers, and
-the onnxruntime session they run in.
+"""ONNX as a backend: element types, initializers, the mask the graphs take, and the
+onnxruntime session they run in.
 
-ONNX tensors have the canonical layout of numpy arrays; the ONNX ``MatMul``
-computes ``x @ W``, so a canonical weight (``(in, out)``, ``y = x @ W + b``)
-is an initializer as it is.  bfloat16 travels as ``ml_dtypes.bfloat16``
+ONNX tensors are NumPy arrays in the canonical layout (arrays in: :func:`array_in`, the NumPy
+backend's); the ONNX ``MatMul`` computes ``x @ W``, so a canonical weight (``(in, out)``,
+``y = x @ W + b``) is an initializer as it is.  bfloat16 travels as ``ml_dtypes.bfloat16``
 (``onnx.numpy_helper`` reads and writes it as ``TensorProto.BFLOAT16``).
 
 onnx is imported here; onnxruntime only inside :func:`ort_session`, so the
@@ -19,7 +19,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..spec import masks
+from ...spec import Case, Weights, masks
+from .numpy import array_in
+from .numpy import weights_in as canonical
+
+__all__ = [
+    "ELEM_TYPES", "ORT_NO_BFLOAT16", "array_in", "dtype", "graph_structure", "input_feed", "keep_mask", "ort_session",
+    "replace_initializers", "weights_in", "weights_out",
+]
 
 #: spec dtype name -> ONNX element type
 ELEM_TYPES: dict[str, int] = {
@@ -37,18 +44,7 @@ ORT_NO_BFLOAT16 = (
 )
 
 
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype for a spec dtype name (bfloat16 is ``ml_dtypes.bfloat16``)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if name not in ELEM_TYPES:
-        raise ValueError(f"dtype: {name!r} is not one of {', '.join(ELEM_TYPES)}")
-    return np.dtype(name)
-
-
-def elem_type(name: str) -> int:
+def dtype(name: str) -> int:
     """The ONNX element type (``TensorProto.DOUBLE`` …) for a spec dtype name."""
     try:
         return ELEM_TYPES[name]
@@ -56,17 +52,36 @@ def elem_type(name: str) -> int:
         raise ValueError(f"dtype: {name!r} is not one of {', '.join(ELEM_TYPES)}") from None
 
 
-def to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
-    """A float64 case array in ``dtype`` (exact: case data is representable in every dtype)."""
-    return np.ascontiguousarray(np.asarray(array, dtype=np.float64).astype(np_dtype(dtype)))
+def keep_mask(case: Case, *, causal: bool = False) -> np.ndarray | None:
+    """The case's explicit mask as ``(B|1, 1, T, S)`` bool, True = may attend (its query axis
+    spelled out), ANDed with the causal band when ``causal``; None when nothing is masked."""
+    T, S = case.tgt_len, case.src_len
+    mask = case.inputs.mask
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = np.ascontiguousarray(np.broadcast_to(mask, mask.shape[:2] + (T, S)), dtype=bool)
+    band = masks.causal_visible(case.config, T, S) if causal else None
+    if band is None:
+        return mask
+    return band[None, None] if mask is None else mask & band[None, None]
 
 
-def initializers(arrays: Mapping[str, np.ndarray], dtype: str) -> list[TensorProto]:
-    """``{name: float64 array}`` -> initializers of ``dtype``, same names, same layout."""
-    return [numpy_helper.from_array(to_dtype(a, dtype), name) for name, a in arrays.items()]
+def input_feed(case: Case, **extra: np.ndarray | None) -> dict[str, np.ndarray]:
+    """A graph's inputs for ``case``: ``query``, ``key``, ``value`` in the case's dtype (one array
+    where the case has one tensor), and each of ``extra`` that is not None (a mask)."""
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype))
+    feed = {"query": query, "key": key, "value": value}
+    feed.update({name: a for name, a in extra.items() if a is not None})
+    return feed
 
 
-def initializer_arrays(graph: onnx.GraphProto, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+def weights_in(weights: Weights | Mapping[str, Any], dtype: str) -> list[TensorProto]:
+    """Weights (canonical, or any ``{name: float64 array}``) -> initializers of the spec dtype
+    ``dtype``, same names, same layout (absent biases left out)."""
+    return [numpy_helper.from_array(array_in(a, dtype), name) for name, a in canonical(weights).items()]
+
+
+def weights_out(graph: onnx.GraphProto, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """A graph's initializers (all, or those in ``names``) as float64 numpy arrays (exact)."""
     wanted = None if names is None else set(names)
     return {
@@ -151,10 +166,3 @@ def ort_session(model: onnx.ModelProto, threads: int = 1) -> Any:
     options.inter_op_num_threads = 1
     options.log_severity_level = 4  # fatal only: errors come back as exceptions
     return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
-
-
-def causal_visible(config: Any, tgt_len: int, src_len: int) -> np.ndarray:
-    """(T, S) bool, True = may attend: the causal rule of the causal ``config`` (spec/masks.py)."""
-    band = masks.causal_visible(config, tgt_len, src_len)
-    assert band is not None, "not a causal configuration"
-    return band
