@@ -249,6 +249,31 @@ def test_backward_contract_errors_name_the_problem(patch, words):
     assert report.exit_code == 2
 
 
+def test_a_gradient_folded_into_another_is_a_contract_error_that_says_where_it_went():
+    from mhaspec.conformance.backward import contract_error
+
+    self_case, shared = GOLDEN.load("self_basic"), GOLDEN.load("cross_shared_kv")
+    some = np.zeros(1)
+    assert contract_error({"d_key": some, "d_value": some}, self_case) == (
+        "backward() returned d_key, d_value for self-attention case self_basic: in a self-attention case d_query "
+        "is the gradient with respect to the one input tensor: the sum of the query, key and value gradients, "
+        "reported as d_query alone")
+    assert contract_error({"d_value": some}, shared) == (
+        "backward() returned d_value for case cross_shared_kv, whose key and value are one tensor: with key and "
+        "value one tensor, d_key is its gradient: the sum of the key and value gradients, reported as d_key alone")
+    assert contract_error({"d_key": some}, shared) == ""  # the one memory tensor's gradient
+
+
+def test_shared_kv_d_key_must_be_the_total():
+    partial = _Returns(lambda out, case: {**out, "d_key": BackwardVariant().backward(
+        case.model_copy(update={"key_is_value": False}))["d_key"]})
+    r = mhaspec.check(partial, dtypes=["float64"], cases=["cross_shared_kv"], backward=True).results[0]
+    assert r.verdict == FAIL and r.stage("d_key").verdict == FAIL
+    assert r.stage("d_key").message.endswith(
+        " (with key and value one tensor, d_key is its gradient: the sum of the key and value gradients)")
+    assert "sum of" not in r.stage("d_query").message
+
+
 def test_partial_backward_is_judged_on_what_it_returns():
     only = _Returns(lambda out, case: {"d_query": out["d_query"], "d_w_o": out["d_w_o"]})
     report = mhaspec.check(only, dtypes=["float32", "bfloat16"], cases=["cross_attention"], backward=True)

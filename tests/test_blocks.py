@@ -42,3 +42,37 @@ def test_blocks_give_the_same_verdicts(name, monkeypatch):
                 assert x.worst_index == y.worst_index, (a.case, x.stage)
             if y.verdict == "fail":
                 assert "[block: batch entry" in y.message
+
+
+def test_a_block_is_plain_golden_data_and_its_judging_state_lives_while_it_is_judged():
+    import dataclasses
+
+    from mhaspec.conformance import judging
+    from mhaspec.fixtures import GoldenSet
+
+    golden = GoldenSet().load("gqa")
+    B, H, T, S = golden.visible.shape
+    block = blocks.block_case(golden, B - 1, 1, T)
+    assert block.visible.shape == (1, H, T - 1, S) and type(block) is type(golden)
+    assert {f.name for f in dataclasses.fields(block)} == {
+        "spec", "inputs", "weights", "stages", "visible", "path", "d_output", "reference_error", "_cases", "sha256"}
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    assert judging.whole_shape(block) == (1, H, T - 1, S)  # not declared a block: a case of its own
+    assert [judging.memoised(block, "k", compute) for _ in range(2)] == [1, 2]  # nothing kept
+    memo: dict = {}
+    with judging.judging_block(block, golden, memo) as judged:
+        assert judged is block and judging.whole_shape(block) == (B, H, T, S)
+        assert [judging.memoised(block, "k", compute) for _ in range(2)] == [3, 3]  # computed once
+        other = blocks.block_case(golden, B - 1, 0, 1)
+        with judging.judging_block(other, golden, memo):  # a sibling block of the same batch entry shares it
+            assert judging.memoised(other, "k", compute) == 3 and judging.whole_shape(other) == (B, H, T, S)
+        with pytest.raises(RuntimeError, match="already being judged"):
+            with judging.judging_block(block, golden, memo):
+                pass
+    assert judging.whole_shape(block) == (1, H, T - 1, S) and judging.memoised(block, "k", compute) == 4
+    assert not judging._BLOCKS  # nothing outlives the judging of a block

@@ -1,5 +1,5 @@
-"""The tolerance bounds of a fixture are computed once per process (``GoldenCase.derived``,
-``mhaspec.fixtures.DERIVED``): every later runner that judges the same file in the same dtype
+"""The tolerance bounds of a fixture are computed once per process (``judging.derived``,
+``mhaspec.conformance.judging.DERIVED``): every later runner that judges the same file in the same dtype
 and precision gets the same numbers without computing them, a changed file or a case computed
 on the fly never gets another's, what is kept is read-only and within its budget, and a forked
 worker finds none of it."""
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import mhaspec
-from mhaspec import fixtures
 from mhaspec.adapters.numpy_mha import NumpyMHA
+from mhaspec.conformance import judging
 from mhaspec.conformance import runner as runner_module
 from mhaspec.conformance import tolerance as tol
-from mhaspec.fixtures import DerivedMemo, GoldenSet
+from mhaspec.conformance.judging import DerivedMemo
+from mhaspec.fixtures import GoldenSet
 from mhaspec.reference.generate import generate
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import CATALOG, Catalog
@@ -23,7 +24,7 @@ from mhaspec.spec import CATALOG, Catalog
 @pytest.fixture
 def counted(monkeypatch):
     """How often the runner computes each kind of bound (an empty memo to start with)."""
-    monkeypatch.setattr(fixtures, "DERIVED", DerivedMemo(fixtures.DERIVED_BUDGET))
+    monkeypatch.setattr(judging, "DERIVED", DerivedMemo(judging.DERIVED_BUDGET))
     calls: dict[str, int] = {"judging": 0, "backward": 0, "worst-case": 0}
 
     def counting(name, real):
@@ -60,7 +61,7 @@ def test_the_bounds_kept_are_read_only_and_those_computed_anew(counted):
     mhaspec.check(NumpyMHA(), ["float16"], ["gqa", "self_basic", "long_sequence"], isolate=False, timeout=None,
                   backward=True)  # other cases judged after gqa: nothing kept may share their memory
     golden = golden_set.load("gqa")
-    raw, tolerances = golden.derived(("judging", "float16", "standard"), lambda: pytest.fail("not kept"))
+    raw, tolerances = judging.derived(golden, ("judging", "float16", "standard"), lambda: pytest.fail("not kept"))
     fresh_raw, fresh_tolerances = tol.judging_bounds(golden, "float16")
     assert raw.keys() == fresh_raw.keys() and tolerances.keys() == fresh_tolerances.keys()
     for stage in raw:
@@ -108,7 +109,7 @@ def test_a_changed_file_or_a_case_computed_on_the_fly_is_never_served_anothers_b
     assert on_the_fly.sha256 is None
     computed = []
     for _ in range(2):
-        on_the_fly.derived(("judging", "float32", "standard"), lambda: computed.append(1))
+        judging.derived(on_the_fly, ("judging", "float32", "standard"), lambda: computed.append(1))
     assert computed == [1, 1]
 
 
@@ -135,13 +136,13 @@ class _LooksForKeptBounds:
     name = "looks-for-kept-bounds"
 
     def run(self, case):
-        if fixtures.DERIVED.nbytes or fixtures.DERIVED._items:
+        if judging.DERIVED.nbytes or judging.DERIVED._items:
             raise AssertionError("the runner's kept bounds reached the worker")
         return NumpyMHA().run(case)
 
 
 def test_a_forked_worker_finds_none_of_the_kept_bounds(counted):
     mhaspec.check(NumpyMHA(), ["float32"], ["gqa"], isolate=False, timeout=None)
-    assert fixtures.DERIVED.nbytes > 0
+    assert judging.DERIVED.nbytes > 0
     report = mhaspec.check(_LooksForKeptBounds(), ["float32"], ["gqa"])  # forked: it inherits this process
     assert report.ok, [r.message for r in report.results]

@@ -179,3 +179,22 @@ def test_committed_fixtures_stay_small():
 
     total = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
     assert total <= 4_000_000, f"golden folder is {total / 1e6:.2f} MB"
+
+
+def test_every_kind_of_inputs_declares_the_tensors_it_passes_and_their_gradients():
+    import typing
+
+    from mhaspec.spec import INPUT_GRADIENT_STAGES, INPUT_GRADIENTS, PASSED_AS, REGISTRY, gradient_of
+    from mhaspec.spec.backward import FOLDED_IN_SELF_ATTENTION
+
+    kinds = typing.get_args(CaseSpec.model_fields["inputs"].annotation)
+    assert set(PASSED_AS) == set(kinds) == set(INPUT_GRADIENTS)
+    for kind, tensors in PASSED_AS.items():
+        passed = [name for names in tensors for name in names]
+        assert sorted(passed) == ["key", "query", "value"], kind  # each input passed exactly once
+        # one gradient per tensor, named after the first input it is passed as, summing every input's projection
+        assert list(INPUT_GRADIENTS[kind].values()) == ["".join(n[0] for n in names) for names in tensors]
+        assert [REGISTRY[g].gradient_of for g in INPUT_GRADIENTS[kind]] == [names[0] for names in tensors]
+    assert INPUT_GRADIENTS["distinct"] == {gradient_of(x): x[0] for x in ("query", "key", "value")}
+    assert INPUT_GRADIENTS["self"] == {gradient_of("query"): "qkv"}
+    assert FOLDED_IN_SELF_ATTENTION == tuple(g for g in INPUT_GRADIENT_STAGES if g != gradient_of("query"))

@@ -19,14 +19,11 @@ Tensor names inside a file::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,62 +98,13 @@ class GoldenCase:
     #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
     reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
-    #: What the blocks of query rows of one batch entry share while one result is judged
-    #: (:meth:`memoised`; set by mhaspec.conformance.blocks); None: nothing is kept.
-    memo: dict[Any, Any] | None = field(default=None, repr=False, compare=False)
-    #: (B, H, T, S) of the whole case when this case is one block of its query rows (set by
-    #: mhaspec.conformance.blocks); None: this is the whole case.
-    whole_shape: tuple[int, int, int, int] | None = field(default=None, repr=False, compare=False)
     #: SHA-256 of the fixture file this case was read from, as verified by :func:`load_case`; None: not
-    #: read from a file (computed on the fly, or one block of a case), so nothing of it is kept (:meth:`derived`).
+    #: read from a file (computed on the fly, or one block of a case).
     sha256: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:
         return self.spec.id
-
-    def derived(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        """``compute()``, a function of this golden alone (its tolerance bounds in one dtype and
-        precision: ``key`` names which), computed once per process for a case read from a file.
-
-        Kept in :data:`DERIVED` under the file's verified SHA-256, the case's spec and ``key``:
-        every new runner of the process (each ``mhaspec.check``, each test) that judges the same
-        fixture in the same dtype finds it there.  The arrays kept are read-only."""
-        if self.sha256 is None:
-            return compute()
-        return DERIVED.get((self.sha256, self._spec_json, key), compute)
-
-    @functools.cached_property
-    def _spec_json(self) -> str:
-        return self.spec.model_dump_json()
-
-    def memoised(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """``compute()``, computed once for every block of query rows of a batch entry when
-        this case is such a block (the keys' and values' side of the bounds: the same in every
-        block), every time otherwise.  The memo lives while one adapter result is judged, so
-        what ``compute`` reads of that result is the same in every block."""
-        if self.memo is None:
-            return compute()
-        if key not in self.memo:
-            self.memo[key] = compute()
-        return self.memo[key]
-
-    def with_reference_error(self, bounds: Mapping[str, Any]) -> dict[str, Any]:
-        """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).
-
-        The reference error is a worst-case bound, not rounding noise: a bound with a
-        worst-case part (``worst``, see :class:`mhaspec.conformance.tolerance.Bound`) gets it
-        there; a plain tolerance array gets it added."""
-        if self.reference_error is None:
-            return dict(bounds)
-        out = {}
-        for stage, bound in bounds.items():
-            extra = self.reference_error[stage]
-            if isinstance(extra, float) and extra == 0.0:  # proven exact (the scores, mostly): unchanged
-                out[stage] = bound
-            else:
-                out[stage] = bound._replace(worst=bound.worst + extra) if hasattr(bound, "_replace") else bound + extra
-        return out
 
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""
@@ -383,64 +331,6 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
     stages = {s: stages[s] for s in STAGES + BACKWARD_STAGES if s in stages}  # pipeline order
     return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"],
                       sha256=digest)
-
-
-class DerivedMemo:
-    """What is derived from verified fixtures alone (their tolerance bounds), kept for the process:
-    least recently used first out, at most ``budget`` bytes of arrays.  A value larger than the
-    budget is returned and not kept.  Each array kept is made read-only, so that no caller can
-    change what the next one gets."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is not None:
-                self._items.move_to_end(key)
-                return hit[0]
-        value = compute()
-        size = _freeze(value)
-        with self._lock:
-            if size <= self.budget and key not in self._items:
-                self._items[key] = (value, size)
-                self._bytes += size
-                while self._bytes > self.budget:
-                    _, (_, dropped) = self._items.popitem(last=False)
-                    self._bytes -= dropped
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-
-def _freeze(value: Any) -> int:
-    """Make every array in ``value`` (nested dicts, tuples, lists) read-only; their bytes."""
-    if isinstance(value, np.ndarray):
-        value.flags.writeable = False
-        return value.nbytes
-    if isinstance(value, Mapping):
-        return sum(_freeze(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return sum(_freeze(v) for v in value)
-    return 0
-
-
-#: Bytes of derived arrays kept per process (:meth:`GoldenCase.derived`): the bounds of the whole
-#: shipped catalog in every dtype, forward and backward, under both precision contracts take 48 MB (the
-#: proofs' 588 bounds, 55 MB).  A single run, which never asks twice, holds at most this much more.
-DERIVED_BUDGET = 64 << 20
-DERIVED = DerivedMemo(DERIVED_BUDGET)
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import BACKWARD_STAGES, INPUT_GRADIENTS, STAGES, compared_entries
+from ..spec import (BACKWARD_STAGES, INPUT_GRADIENT_STAGES, INPUT_GRADIENTS, STAGE, STAGES, compared_entries,
+                    gradient_of)
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
 from .tolerance import backward_bounds, local_checks
@@ -23,10 +24,13 @@ from .tolerance import backward_bounds, local_checks
 NO_BACKWARD = "the adapter has no backward(case) method"
 
 SELF_ATTENTION_NOTE = (
-    "in a self-attention case d_query is the gradient with respect to the one input tensor: "
+    f"in a self-attention case {gradient_of('query')} is the gradient with respect to the one input tensor: "
     "the sum of the query, key and value gradients"
 )
-SHARED_KV_NOTE = "with key and value one tensor, d_key is its gradient: the sum of the key and value gradients"
+SHARED_KV_NOTE = (f"with key and value one tensor, {gradient_of('key')} is its gradient: the sum of the key and "
+                  "value gradients")
+#: What a gradient summing several inputs' gradients holds, by kind of case inputs (``CaseSpec.inputs``).
+_SUM_NOTES = {"self": SELF_ATTENTION_NOTE, "shared_kv": SHARED_KV_NOTE}
 
 
 def case_backward_stages(golden: GoldenCase) -> list[str]:
@@ -45,13 +49,14 @@ def contract_error(returned: Any, golden: GoldenCase) -> str:
     unknown = [n for n in names if n not in BACKWARD_STAGES]
     if unknown:
         return f"backward() returned unknown stage(s) {', '.join(unknown)}; backward stages are {', '.join(BACKWARD_STAGES)}"
-    folded = [n for n in names if n in ("d_key", "d_value") and n not in INPUT_GRADIENTS[golden.spec.inputs]]
+    gradients = INPUT_GRADIENTS[golden.spec.inputs]  # the input gradients this case has
+    folded = [n for n in names if n in INPUT_GRADIENT_STAGES and n not in gradients]
     if folded and golden.spec.inputs == "self":
         return (f"backward() returned {', '.join(folded)} for self-attention case {golden.id}: "
-                f"{SELF_ATTENTION_NOTE}, reported as d_query alone")
+                f"{SELF_ATTENTION_NOTE}, reported as {gradient_of('query')} alone")
     if folded:
-        return (f"backward() returned d_value for case {golden.id}, whose key and value are one tensor: "
-                f"{SHARED_KV_NOTE}, reported as d_key alone")
+        return (f"backward() returned {', '.join(folded)} for case {golden.id}, whose key and value are one tensor: "
+                f"{SHARED_KV_NOTE}, reported as {gradient_of('key')} alone")
     absent = [n for n in names if n not in golden.stages]
     if absent:
         return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have (no bias)"
@@ -100,10 +105,8 @@ def judge_backward(
             fold_local(res, _resolved(lres, golden, local[1]), local[2])
         if res.verdict == FAIL and not res.failed_check:
             res.failed_check = "golden"
-        if res.verdict == FAIL and stage == "d_query" and golden.spec.inputs == "self":
-            res.message += f" ({SELF_ATTENTION_NOTE})"
-        if res.verdict == FAIL and stage == "d_key" and golden.spec.inputs == "shared_kv":
-            res.message += f" ({SHARED_KV_NOTE})"
+        if res.verdict == FAIL and len(INPUT_GRADIENTS[golden.spec.inputs].get(stage, "")) > 1:  # a sum of gradients
+            res.message += f" ({_SUM_NOTES[golden.spec.inputs]})"
         out.append(res)
     return out
 
@@ -121,8 +124,8 @@ def _resolved(res: StageResult, golden: GoldenCase, tolerance: np.ndarray) -> St
     """``d_b_k`` is exactly 0 (a key bias shifts a whole score row, which softmax ignores), so a zero
     result always "passes": it is informative when it would catch the column sums of |d_k_proj|
     that a bug in the reduction leaves."""
-    if res.stage == "d_b_k" and res.verdict == UNINFORMATIVE:
-        if np.any(np.abs(golden.stages["d_k_proj"]).sum(axis=(0, 1)) > tolerance):
+    if res.stage == STAGE.d_b_k and res.verdict == UNINFORMATIVE:
+        if np.any(np.abs(golden.stages[STAGE.d_k_proj]).sum(axis=(0, 1)) > tolerance):
             res.verdict, res.message = PASS, ""
     return res
 

@@ -18,7 +18,7 @@ every committed fixture is judged in one block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
+from .judging import judging_block
 
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
 MAX_BLOCK_ELEMENTS = 1 << 22
@@ -62,9 +63,8 @@ def _slice_stage(stage: str, x: Any, b: int, t0: int, t1: int) -> Any:
     return x[tuple(index)]
 
 
-def block_case(golden: GoldenCase, b: int, t0: int, t1: int, memo: dict[Any, Any] | None = None) -> GoldenCase:
-    """The golden rows [t0, t1) of batch entry ``b``, as a case of its own (B = 1, T = t1 - t0);
-    ``memo``: what the blocks of this batch entry share (:meth:`GoldenCase.memoised`)."""
+def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
+    """The golden rows [t0, t1) of batch entry ``b``, as a case of its own (B = 1, T = t1 - t0)."""
     error = golden.reference_error
     return GoldenCase(
         spec=golden.spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
@@ -74,8 +74,6 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int, memo: dict[Any, Any
         visible=golden.visible[b : b + 1, :, t0:t1],
         path=golden.path,
         reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
-        memo=memo,
-        whole_shape=golden.whole_shape or golden.visible.shape,
     )
 
 
@@ -147,11 +145,14 @@ def judge_in_blocks(
         arrays[stage] = array
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
     memos: dict[int, dict[Any, Any]] = {}  # of the batch entry being judged: its keys' and values' side
+    # (judging.memoised: what every block of the entry shares)
     for b, t0, t1 in blocks:
         if b not in memos:
             memos = {b: {}}
         sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
-        for res in judge(block_case(golden, b, t0, t1, memos[b]), sub):
+        with judging_block(block_case(golden, b, t0, t1), golden, memos[b]) as block:
+            results = judge(block, sub)
+        for res in results:
             if ROW_AXIS[res.stage] is None and t0 > 0:
                 continue  # key/value projections: judged once per batch entry
             per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))

@@ -26,13 +26,18 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import REGISTRY, STAGES
+from ..spec import REGISTRY, STAGE, STAGES, downstream
 from .compare import FAIL, StageResult, as_float_array, representable
 
 #: unit roundoff of each dtype
 EPS = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 #: forward stages whose second axis is the query head: (B, H, T, ·)
 HEAD_AXIS_STAGES = tuple(name for name in STAGES if REGISTRY[name].head_axis_first)
+#: forward stages of the attention proper that hold one slice per query head (heads on an axis of
+#: their own, or packed with the features): where heads can come back in the wrong order
+PER_HEAD_STAGES = tuple(name for name in STAGES if REGISTRY[name].attends and REGISTRY[name].heads is not None)
+#: the stages from the softmax on: those a query row that sees no key can make fail
+AFTER_SOFTMAX = downstream(STAGE.attn_weights)
 NARROWER = {"float64": ("float32", "bfloat16", "float16"), "float32": ("bfloat16", "float16"),
             "float16": (), "bfloat16": ()}
 
@@ -86,37 +91,38 @@ def head_permutation(got: np.ndarray, golden: np.ndarray, heads: int, dtype: str
 def blind_rows(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str, failing_elsewhere: bool) -> str:
     """NaN or uniform attention on the query rows that see no key, when only those rows fail."""
     blind = ~golden.visible.any(axis=-1)  # (B, H, T)
-    if not blind.any() or failing_elsewhere or stage not in ("attn_weights", "head_outputs", "concat", "output"):
+    if not blind.any() or failing_elsewhere or stage not in AFTER_SOFTMAX:
         return ""
-    if stage in ("attn_weights", "head_outputs"):
+    per_head = REGISTRY[stage].head_axis_first  # (B, H, T, ·); else (B, T, ·)
+    if per_head:
         rows = got[blind]  # (n, ·)
     else:
         rows = got[blind.any(axis=1)]
-    n = int(blind.sum()) if stage in ("attn_weights", "head_outputs") else int(blind.any(axis=1).sum())
+    n = int(blind.sum()) if per_head else int(blind.any(axis=1).sum())
     where = f"the {n} query row(s) that see no key"
     if np.isnan(rows).any():
         return f"NaN in {where} (a softmax over only -inf; spec: zero weights, zero head outputs, output = b_o)"
-    if stage == "attn_weights":
+    if stage == STAGE.attn_weights:
         S = got.shape[-1]
         if _close(rows, np.full_like(rows, 1.0 / S), dtype):
             return (f"{where} attend uniformly (weight 1/S = {1 / S:.4g} on every key: masked logits filled "
                     f"with a finite number instead of -inf); spec: zero weights")
         return ""
-    v = golden.stages["v_proj"]  # (B, S, G·E): uniform attention averages the values over S
+    v = golden.stages[STAGE.v_proj]  # (B, S, G·E): uniform attention averages the values over S
     H, G = golden.spec.config.H, golden.spec.config.H_kv
     mean = v.reshape(v.shape[0], v.shape[1], G, -1).mean(axis=1)  # (B, G, E)
     heads = np.repeat(mean, H // G, axis=1)  # (B, H, E)
-    uniform_heads = np.broadcast_to(heads[:, :, None, :], golden.stages["head_outputs"].shape)  # (B, H, T, E)
-    if stage == "head_outputs":
+    uniform_heads = np.broadcast_to(heads[:, :, None, :], golden.stages[STAGE.head_outputs].shape)  # (B, H, T, E)
+    if stage == STAGE.head_outputs:
         alt = uniform_heads
     else:
-        concat = uniform_heads.transpose(0, 2, 1, 3).reshape(golden.stages["concat"].shape)
-        if stage == "concat":
+        concat = uniform_heads.transpose(0, 2, 1, 3).reshape(golden.stages[STAGE.concat].shape)
+        if stage == STAGE.concat:
             alt = concat
         else:
             w = golden.weights
             alt = concat @ w["w_o"] + (w["b_o"] if "b_o" in w else 0)
-    mask = blind if stage == "head_outputs" else blind.any(axis=1)
+    mask = blind if stage == STAGE.head_outputs else blind.any(axis=1)
     if _close(got[mask], alt[mask], dtype, slack=1024.0):
         return (f"{where} attend uniformly (the mean of the values: masked logits filled with a finite "
                 f"number instead of -inf); spec: zero head outputs, output = b_o")
@@ -126,8 +132,9 @@ def blind_rows(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str, fail
 def transposed_weight(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str) -> str:
     """The stage equals the golden computed with its (square) weight matrix transposed."""
     w = golden.weights
-    sources = {"q_proj": ("w_q", "b_q", golden.inputs["query"]), "k_proj": ("w_k", "b_k", golden.inputs["key"]),
-               "v_proj": ("w_v", "b_v", golden.inputs["value"]), "output": ("w_o", "b_o", golden.stages["concat"])}
+    sources = {STAGE.q_proj: ("w_q", "b_q", golden.inputs["query"]), STAGE.k_proj: ("w_k", "b_k", golden.inputs["key"]),
+               STAGE.v_proj: ("w_v", "b_v", golden.inputs["value"]),
+               STAGE.output: ("w_o", "b_o", golden.stages[STAGE.concat])}
     if stage not in sources:
         return ""
     name, bias, x = sources[stage]
@@ -168,9 +175,8 @@ def diagnose(golden: GoldenCase, returned: Mapping[str, Any], dtype: str, stages
             continue
         with np.errstate(all="ignore"):
             found = (
-                (constant_factor(got, gold, golden.visible, dtype) if st.stage == "scores" else "")
-                or (head_permutation(got, gold, H, dtype, st.stage)
-                    if st.stage in (*HEAD_AXIS_STAGES, "concat") else "")
+                (constant_factor(got, gold, golden.visible, dtype) if st.stage == STAGE.scores else "")
+                or (head_permutation(got, gold, H, dtype, st.stage) if st.stage in PER_HEAD_STAGES else "")
                 or blind_rows(got, golden, st.stage, dtype, _fails_outside_blind_rows(got, gold, golden, st.stage, dtype))
                 or transposed_weight(got, golden, st.stage, dtype)
                 or narrower_dtype(got, gold, dtype)
@@ -183,11 +189,8 @@ def diagnose(golden: GoldenCase, returned: Mapping[str, Any], dtype: str, stages
 def _fails_outside_blind_rows(got: np.ndarray, gold: np.ndarray, golden: GoldenCase, stage: str, dtype: str) -> bool:
     """Whether ``got`` is far from the golden (beyond rounding) outside the rows that see no key."""
     blind = ~golden.visible.any(axis=-1)
-    if stage in ("attn_weights", "head_outputs"):
-        keep = ~blind
-    elif stage in ("concat", "output"):
-        keep = ~blind.any(axis=1)
-    else:
+    if stage not in AFTER_SOFTMAX:
         return True
+    keep = ~blind if REGISTRY[stage].head_axis_first else ~blind.any(axis=1)
     g, v = gold[keep], got[keep]
     return not _close(v, g, dtype, slack=4096.0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -13,16 +12,19 @@ import numpy as np
 
 from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
-from ..protocol.contract import Deviation, match_pattern
+from ..protocol.contract import Deviation
 from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker,  # noqa: F401 (re-exported)
                                    validate_timeout)
-from ..spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, REGISTRY, STAGES, compared_entries
+from ..spec import STAGE, STAGES, compared_entries
+from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
-from .diagnose import diagnose
 from .blocks import judge_in_blocks
+from .deviations import DeclaredDeviations
+from .diagnose import diagnose
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
+from .selection import resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
                         judging_bounds, local_references, worst_case_tolerances)
 from .tolerance import backward_bounds
@@ -49,49 +51,6 @@ def case_timeout(timeout: float | None, case: Any) -> float | None:
 #: After this many timed-out case × dtype, the session stops calling the adapter: the rest are
 #: ``error`` ("not run"), so an adapter that hangs everywhere costs about 3 minutes at the default.
 MAX_TIMEOUTS = 3
-
-
-def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern: str | None = None) -> list[str]:
-    """Case ids to run: ``cases`` (exact ids) and/or ``pattern`` (comma-separated
-    substrings or shell patterns, like pytest's -k on names)."""
-    ids = golden.ids()
-    if cases is not None:
-        cases = list(cases)
-        unknown = [c for c in cases if c not in ids]
-        if unknown:
-            raise MhaspecError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(ids)}")
-        ids = [c for c in ids if c in cases]
-    if pattern:
-        alternatives = [p.strip() for p in pattern.split(",") if p.strip()]
-
-        def hit(case_id: str) -> bool:
-            return any(
-                fnmatch.fnmatchcase(case_id, p) if any(ch in p for ch in "*?[") else p in case_id
-                for p in alternatives
-            )
-
-        ids = [c for c in ids if hit(c)]
-        if not ids:
-            raise MhaspecError(f"no case matches -k {pattern!r}; cases: {', '.join(golden.ids())}")
-    return ids
-
-
-def _outside_blind_rows(golden: GoldenCase, stage: str):
-    """Boolean selection (stage shape) of the elements *not* in a query row that sees no key,
-    or None for a stage without a query-row axis (the projections of key and value); none
-    (all False) for a gradient without a query-row axis, to which every query row contributes —
-    all True if the case has no such row (nothing to excuse)."""
-    st = REGISTRY[stage]
-    if not st.attends:
-        return None
-    blind = ~golden.visible.any(axis=-1)  # (B, H, T)
-    shape = golden.stages[stage].shape
-    summed = INPUT_GRADIENTS[golden.spec.inputs].get(stage, "")  # d_query of self-attention holds d_key, d_value
-    if st.rows is None or "k" in summed or "v" in summed:  # every element sums over every query row, if any
-        return np.full(shape, not blind.any())
-    if st.head_axis_first:  # (B, H, T, ·)
-        return np.broadcast_to(~blind[..., None], shape)
-    return np.broadcast_to(~blind.any(axis=1)[..., None], shape)  # (B, T, ·)
 
 
 class Session:
@@ -136,7 +95,9 @@ class Session:
             raise
         self.name: str = info["name"]
         self.framework: tuple[str | None, str | None] = (info["framework"], info["framework_version"])
-        self.deviations = [Deviation(**d) for d in info["deviations"]]
+        self._deviations = DeclaredDeviations(Deviation(**d) for d in info["deviations"])
+        #: The adapter's declared deviations.
+        self.deviations = self._deviations.declared
         self.dtypes = tuple(info["dtypes"])
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
@@ -145,8 +106,6 @@ class Session:
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
-        self._used: set[int] = set()  # indices of deviations that excused a failing stage
-        self._passed_matching: set[int] = set()
         self._no_backward_golden = 0  # case×dtype judged with --backward whose golden has no backward stages
         self._results: dict[tuple[str, str], CaseResult] = {}
 
@@ -237,9 +196,9 @@ class Session:
         if unknown:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
-        if "output" not in returned:
+        if STAGE.output not in returned:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
-                              message="run() did not return the required stage 'output'")
+                              message=f"run() did not return the required stage {STAGE.output!r}")
 
         # large cases are judged in blocks of query rows (memory-bounded); small ones in one block
         stages = judge_in_blocks(golden, returned, lambda g, r: self.judge_stages(g, dtype, r))
@@ -254,7 +213,7 @@ class Session:
             verdict = FAIL
         elif KNOWN_DEVIATION in verdicts:
             verdict = KNOWN_DEVIATION
-        elif next(st for st in stages if st.stage == "output").verdict == UNINFORMATIVE:
+        elif next(st for st in stages if st.stage == STAGE.output).verdict == UNINFORMATIVE:
             verdict = UNINFORMATIVE  # the required stage could not be judged: never a pass
         else:
             verdict = PASS
@@ -266,11 +225,11 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
-        # tolerances: + the golden's own error; a fixture's, once per process (GoldenCase.derived)
-        raw, tolerances = golden.derived(("judging", dtype, self.precision),
-                                         lambda: judging_bounds(golden, dtype, self.precision))
+        # tolerances: + the golden's own error; a fixture's, once per process (judging.derived)
+        raw, tolerances = judging.derived(golden, ("judging", dtype, self.precision),
+                                          lambda: judging_bounds(golden, dtype, self.precision))
         self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
-        bounds = golden.with_reference_error(raw)  # fast reference: + its error
+        bounds = judging.with_reference_error(golden, raw)  # fast reference: + its error
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
         for stage, value in returned.items():
@@ -286,10 +245,10 @@ class Session:
             """``stage`` against the golden with the tolerances a bounded deviation allows."""
             if within not in within_tolerances:
                 if within == "worst-case":
-                    within_tolerances[within] = golden.with_reference_error(self._worst_case(golden, dtype))
+                    within_tolerances[within] = judging.with_reference_error(golden, self._worst_case(golden, dtype))
                 else:
-                    wider = golden.with_reference_error(golden.derived(
-                        ("bounds", within, self.precision), lambda: golden_bounds(golden, within, self.precision)))
+                    wider = judging.with_reference_error(golden, judging.derived(
+                        golden, ("bounds", within, self.precision), lambda: golden_bounds(golden, within, self.precision)))
                     within_tolerances[within] = {k: b.tolerance(LAMBDA) for k, b in wider.items()}
             res = compare_stage(stage, returned[stage], golden.stages[stage], within_tolerances[within][stage],
                                 dtype, selected)
@@ -326,22 +285,22 @@ class Session:
 
             visible = compared_entries(stage, golden.visible)
             res = judge(visible)
-            self._apply_deviations(res, golden, dtype, visible, judge,
+            self._deviations.apply(res, golden, dtype, visible, judge,
                                    lambda within, selected, stage=stage: within_judge(within, selected, stage))
             stages.append(res)
         return stages
 
     @staticmethod
     def _worst_case(golden: GoldenCase, dtype: str) -> dict[str, np.ndarray]:
-        return golden.derived(("worst-case", dtype), lambda: worst_case_tolerances(golden, dtype))
+        return judging.derived(golden, ("worst-case", dtype), lambda: worst_case_tolerances(golden, dtype))
 
     @staticmethod
     def _backward_bounds(golden: GoldenCase, dtype: str, precision: str,
                          forward: Mapping[str, Bound] | None = None) -> dict[str, Bound]:
         """:func:`backward_bounds`, kept for a fixture (``forward``, the forward's bounds of the same
         golden, dtype and precision, or None: computed here — the same numbers)."""
-        return golden.derived(("backward", dtype, precision),
-                              lambda: backward_bounds(golden, dtype, forward, precision=precision))
+        return judging.derived(golden, ("backward", dtype, precision),
+                               lambda: backward_bounds(golden, dtype, forward, precision=precision))
 
     def _diagnose_imprecise(self, res: StageResult, golden: GoldenCase, dtype: str, returned: Mapping[str, Any],
                             own: dict[str, np.ndarray], selected: np.ndarray | None, worst: dict[str, Any]) -> None:
@@ -349,7 +308,7 @@ class Session:
         algorithm in ``dtype`` (golden and local): too much rounding error for the standard
         contract (float32 accumulation), not necessarily a wrong function."""
         if not worst:
-            worst["golden"] = golden.with_reference_error(self._worst_case(golden, dtype))
+            worst["golden"] = judging.with_reference_error(golden, self._worst_case(golden, dtype))
             worst["local"] = local_references(golden, own, dtype, "worst-case")
         stage = res.stage
         again = compare_stage(stage, returned[stage], golden.stages[stage], worst["golden"][stage], dtype, selected)
@@ -411,85 +370,13 @@ class Session:
                 return judge_stage(stage, returned[stage], golden, bounds[stage], dtype, self.precision, selected)
 
             visible = compared_entries(res.stage, golden.visible)
-            self._apply_deviations(res, golden, dtype, visible, judge,
+            self._deviations.apply(res, golden, dtype, visible, judge,
                                    lambda within, selected, stage=res.stage: within_judge(within, selected, stage))
         return results, "", seconds
 
-    def _apply_deviations(
-        self,
-        res: StageResult,
-        golden: GoldenCase,
-        dtype: str,
-        visible: np.ndarray | None,
-        judge: Callable[[np.ndarray | None], StageResult],
-        judge_within: Callable[[str, np.ndarray | None], StageResult],
-    ) -> None:
-        """Turn a failing ``res`` into a known deviation when the first applicable declaration excuses it.
-
-        A row-scoped declaration applies only where the case has rows that see
-        no key, and excuses the failure only if ``judge`` passes everything
-        outside those rows.  A bounded one (``within``) excuses it only if
-        ``judge_within`` passes the stage with the tolerances it names: an
-        error beyond them is a bug the deviation cannot account for.
-        """
-        beyond = ""
-        for i, dev in enumerate(self.deviations):
-            if not dev.matches(golden.id, dtype, res.stage):
-                continue
-            outside = None
-            if dev.rows == "fully_masked":
-                outside = _outside_blind_rows(golden, res.stage)
-                if outside is None or outside.all():
-                    continue  # this case has no such rows, or the stage has no query-row axis
-            if res.verdict != FAIL:
-                self._passed_matching.add(i)
-                return
-            if dev.within is not None:
-                # rows that a row-scoped declaration of this stage excuses are left to it (a uniform row
-                # and a float32 scale, say, in the same case): the bound holds for everything else
-                selected, rows_excused = visible, ""
-                if any(o.rows == "fully_masked" and o.matches(golden.id, dtype, res.stage) for o in self.deviations):
-                    outside_rows = _outside_blind_rows(golden, res.stage)
-                    if outside_rows is not None and not outside_rows.all():
-                        selected = outside_rows if visible is None else outside_rows & visible
-                        rows_excused = "; the query rows that see no key are left to its row-scoped declaration"
-                bounded = judge_within(dev.within, selected)
-                if bounded.verdict == FAIL:
-                    what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
-                    ratio = "" if bounded.worst_ratio is None else f", worst ratio {bounded.worst_ratio:.3g}"
-                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{ratio} — "
-                              f"a bug the deviation cannot account for")
-                    continue
-                res.message += rows_excused  # (within and rows never combine: outside is None here)
-            if outside is not None:
-                rest = judge(outside if visible is None else outside & visible)
-                if rest.verdict == FAIL:
-                    continue  # it fails outside those rows too: a real failure
-                if rest.worst_ratio is None and rest.compared == 0 and res.stage in BACKWARD_STAGES:
-                    res.message += "; every element of this gradient sums over the query rows that see no key"
-                elif rest.worst_ratio is None:  # every row sees no key: nothing outside them to compare
-                    res.message += "; every query row here sees no key"
-                else:
-                    res.message += (f"; outside the query rows that see no key every element passes "
-                                    f"(worst ratio {rest.worst_ratio:.3g})")
-            res.verdict, res.reason = KNOWN_DEVIATION, dev.reason
-            self._used.add(i)
-            return
-        res.message += beyond
-
     def deviation_warnings(self) -> list[str]:
         """Declared deviations that match no catalog case, or that never occurred in this run."""
-        out = []
-        ids = self.golden.ids()
-        # a case of the built-in catalog is a case too: an adapter's deviations name them, and a user's own
-        # golden folder or --catalog need not hold them
-        known = ids + [c.id for c in CATALOG]
-        for i, dev in enumerate(self.deviations):
-            if not any(match_pattern(c, dev.case) for c in known):
-                out.append(f"known deviation {dev.pattern} matches no case in the golden folder or the catalog")
-            elif i in self._passed_matching and i not in self._used:
-                out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
-        return out
+        return self._deviations.warnings(self.golden.ids())
 
     def report(self, results: list[CaseResult], dtypes: list[str], duration: float, **partial: Any) -> Report:
         """The report of ``results``; ``partial=True, partial_reason=...`` for a run cut short."""
@@ -523,18 +410,6 @@ def _jsonable(options: Mapping[str, Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def resolve_dtypes(dtypes: Iterable[str] | str | None) -> list[str]:
-    if dtypes is None:
-        return list(DTYPES)
-    if isinstance(dtypes, str):
-        dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
-    dtypes = list(dtypes)
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        raise MhaspecError(f"unknown dtype(s) {', '.join(unknown)}; dtypes are {', '.join(DTYPES)}")
-    return [d for d in DTYPES if d in dtypes]
 
 
 def check(

@@ -183,14 +183,15 @@ def forget_golden() -> None:
     """In a forked worker: empty every golden fixture inherited from the runner's memory.
 
     A forked child starts as a copy of the runner, golden stages included; the
-    adapter must find none of them (e.g. through ``gc``).
+    adapter must find none of them (e.g. through ``gc``).  What the judging side
+    derived from them (bounds, memos) it drops itself in a forked child
+    (``os.register_at_fork``, in mhaspec.conformance.judging).
     """
     fixtures = sys.modules.get("mhaspec.fixtures")
     if fixtures is None:
         return
     import gc
 
-    fixtures.DERIVED.clear()  # the bounds kept for the process (GoldenCase.derived)
     for obj in gc.get_objects():
         if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
             for name, value in list(vars(obj).items()):

@@ -7,6 +7,7 @@ from .backward import (
     BACKWARD_STAGES,
     FOLDED_IN_SELF_ATTENTION,
     INPUT_GRADIENTS,
+    PASSED_AS,
     backward_stage_shapes,
     make_d_output,
 )
@@ -14,18 +15,23 @@ from .case import Case, CaseSpec, Dtype, Inputs, MaskSpec, Weights
 from .catalog import CATALOG, Catalog, load_catalog_file
 from .config import DTYPES, INPUT_NAMES, STAGES, WEIGHT_NAMES, MHAConfig
 from .manifest import MANIFEST_NAME, SPEC_VERSION, Manifest, ManifestEntry
-from .stages import ALL_STAGES, REGISTRY, STAGE, Stage, compared_entries, stage
+from .stages import (ALL_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, STAGE, Stage, compared_entries, downstream,
+                     gradient_of, stage)
 
 __all__ = [
     "ALL_STAGES",
+    "INPUT_GRADIENT_STAGES",
     "REGISTRY",
     "STAGE",
     "Stage",
     "compared_entries",
+    "downstream",
+    "gradient_of",
     "stage",
     "BACKWARD_STAGES",
     "FOLDED_IN_SELF_ATTENTION",
     "INPUT_GRADIENTS",
+    "PASSED_AS",
     "backward_stage_shapes",
     "make_d_output",
     "CATALOG",

@@ -31,20 +31,26 @@ import numpy as np
 
 from .config import MHAConfig
 from .data import dyadic_tensor
-from .stages import BACKWARD_STAGES, REGISTRY
+from .stages import BACKWARD_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, gradient_of
 
-#: Input gradients that self-attention folds into ``d_query``.
-FOLDED_IN_SELF_ATTENTION: tuple[str, ...] = ("d_key", "d_value")
-
-#: For each kind of case inputs (``CaseSpec.inputs``): the input gradients it has, and the
-#: projections (q, k, v) whose gradients each one sums (one tensor passed twice gets the sum).
-INPUT_GRADIENTS: dict[str, dict[str, str]] = {
-    "distinct": {"d_query": "q", "d_key": "k", "d_value": "v"},
-    "shared_kv": {"d_query": "q", "d_key": "kv"},
-    "self": {"d_query": "qkv"},
+#: For each kind of case inputs (``CaseSpec.inputs``): the tensors a case passes, each as the
+#: inputs it is passed as (docs/spec.md: one tensor passed as several inputs).
+PASSED_AS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "distinct": (("query",), ("key",), ("value",)),
+    "shared_kv": (("query",), ("key", "value")),
+    "self": (("query", "key", "value"),),
 }
 
-_INPUT_GRADIENT_NAMES = frozenset(n for kinds in INPUT_GRADIENTS.values() for n in kinds)
+#: For each kind of case inputs: the input gradients it has — one per tensor passed, named after
+#: the first input it is passed as — and the projections (q, k, v) whose gradients each one sums
+#: (one tensor passed twice gets the sum).
+INPUT_GRADIENTS: dict[str, dict[str, str]] = {
+    kind: {gradient_of(names[0]): "".join(n[0] for n in names) for names in tensors}
+    for kind, tensors in PASSED_AS.items()
+}
+
+#: Input gradients that self-attention folds into the query's gradient.
+FOLDED_IN_SELF_ATTENTION: tuple[str, ...] = tuple(n for n in INPUT_GRADIENT_STAGES if n not in INPUT_GRADIENTS["self"])
 
 #: ``d_output`` is ``k · 2^-D_OUTPUT_EXPONENT`` with |k| <= 64, like the inputs: exact in every dtype.
 D_OUTPUT_EXPONENT = 5
@@ -68,5 +74,5 @@ def backward_stage_shapes(
     inputs_have = INPUT_GRADIENTS[inputs]
     present = [name for name in BACKWARD_STAGES
                if (REGISTRY[name].only_with is None or config.bias)
-               and (name not in _INPUT_GRADIENT_NAMES or name in inputs_have)]
+               and (REGISTRY[name].gradient_of is None or name in inputs_have)]
     return {name: REGISTRY[name].shape(config, batch, tgt_len, src_len) for name in present}

@@ -17,8 +17,12 @@ Each is declared here, and only here, with the facts the rest of the code needs:
 * ``attends`` — whether its values depend on which keys each query row sees (False for
   the three projections, computed before attention);
 * ``only_with`` — a weight the stage exists only with (``b_q`` … : absent without bias);
-  the input gradients' presence depends on the case's kind of inputs
+* ``gradient_of`` — for an input gradient, the case input (``query``, ``key``, ``value``) it
+  is the gradient of; whether a case has it depends on its kind of inputs
   (:data:`~mhaspec.spec.backward.INPUT_GRADIENTS`).
+
+Questions about the pipeline are answered from these facts: :func:`downstream` (the stages
+computed from a stage), :func:`gradient_of` (the gradient of an input).
 
 :data:`STAGES` and :data:`BACKWARD_STAGES` (pipeline order, the order verdicts are
 reported and the first failing stage is found in) and every shape come from here.
@@ -48,6 +52,7 @@ class Stage:
     masked: Masked | None = None
     attends: bool = True
     only_with: str | None = None
+    gradient_of: str | None = None
 
     @property
     def rows(self) -> int | None:
@@ -109,9 +114,9 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in [
     Stage("d_q_proj", "backward", ("B", "T", "H·D_k")),
     Stage("d_k_proj", "backward", ("B", "S", "H_kv·D_k")),
     Stage("d_v_proj", "backward", ("B", "S", "H_kv·D_v")),
-    Stage("d_query", "backward", ("B", "T", "d_model")),
-    Stage("d_key", "backward", ("B", "S", "kdim")),
-    Stage("d_value", "backward", ("B", "S", "vdim")),
+    Stage("d_query", "backward", ("B", "T", "d_model"), gradient_of="query"),
+    Stage("d_key", "backward", ("B", "S", "kdim"), gradient_of="key"),
+    Stage("d_value", "backward", ("B", "S", "vdim"), gradient_of="value"),
     *_weight_gradients(),
 ]}
 
@@ -131,6 +136,30 @@ def stage(name: str) -> Stage:
         return REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown stage {name!r}; stages are {', '.join(ALL_STAGES)}") from None
+
+
+#: The gradients of the case inputs, in pipeline order (``gradient_of`` set).
+INPUT_GRADIENT_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.gradient_of is not None)
+
+
+def gradient_of(input_name: str) -> str:
+    """The stage that is the gradient of case input ``input_name`` (``query``, ``key`` or ``value``)."""
+    for name in INPUT_GRADIENT_STAGES:
+        if REGISTRY[name].gradient_of == input_name:
+            return name
+    known = ", ".join(str(REGISTRY[n].gradient_of) for n in INPUT_GRADIENT_STAGES)
+    raise KeyError(f"no stage is the gradient of input {input_name!r}; inputs with a gradient: {known}")
+
+
+def downstream(name: str) -> tuple[str, ...]:
+    """``name`` and every stage computed from it (through ``local_inputs``, transitively), in
+    pipeline order: ``downstream(STAGE.attn_weights)`` is the stages from the softmax on."""
+    stage(name)  # a KeyError for an unknown name
+    found = {name}
+    for other, st in REGISTRY.items():  # pipeline order: a stage's local inputs come before it
+        if found.intersection(st.local_inputs):
+            found.add(other)
+    return tuple(n for n in REGISTRY if n in found)
 
 
 def with_masked(kind: Masked) -> tuple[str, ...]:
