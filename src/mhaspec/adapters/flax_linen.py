@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, MHAConfig, masks
-from .backends.flax import BIAS_GRAD_BF16_WHERE, layer_limits, merged_heads, weights_in, weights_out
+from .backends.flax import BIAS_GRAD_BF16_WHERE, causal_band, layer_limits, merged_heads, weights_in, weights_out
 from .backends.jax import (FULLY_MASKED_BACKWARD, CompilingAdapter, array_out, compiled, computing_in, declared_at,
-                           keep_mask, tree_in, vjp_stages)
+                           declared_where, keep_mask, tree_in, vjp_stages)
 from .backends.jax import array_in as _array_in
 from .backends.jax import dtype as _dtype
 
@@ -79,26 +79,16 @@ def linen_layer(cfg: MHAConfig, dtype: str) -> nn.MultiHeadDotProductAttention:
 def causal_mask(case: Case) -> jax.Array | None:
     """(1, 1, T, S) bool, True where query i may see key j (j <= i + the case's causal offset), or None
     if not causal."""
-    return causal_matrix(case.tgt_len, case.src_len, masks.causal_offset(case.config, case.tgt_len, case.src_len))
-
-
-def causal_matrix(T: int, S: int, shift: int | None) -> jax.Array | None:
-    """(1, 1, T, S) bool by ``nn.make_attention_mask``: query i + ``shift`` >= key j; None for no shift."""
-    if shift is None:
-        return None
-    return nn.make_attention_mask(
-        query_input=jnp.arange(T)[None] + shift, key_input=jnp.arange(S)[None],
-        pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
-    )
+    return causal_band(case.tgt_len, case.src_len, masks.causal_offset(case.config, case.tgt_len, case.src_len))
 
 
 def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, value: jax.Array,
           mask: jax.Array | None, causal_shift: int | None = None) -> dict[str, jax.Array]:
     """Call the layer once; return its output and what it exposes on the way (jit-compiled,
     ``layer`` and ``causal_shift`` static).  ``mask``: the case's (True = may attend), ANDed here
-    by ``nn.combine_masks`` with the causal mask of ``causal_shift`` (:func:`causal_matrix`; the
-    case's ``mhaspec.spec.masks.causal_offset``)."""
-    mask = nn.combine_masks(mask, causal_matrix(query.shape[1], key.shape[1], causal_shift), dtype=jnp.bool_)
+    by ``nn.combine_masks`` with the causal band of ``causal_shift`` (the case's
+    ``mhaspec.spec.masks.causal_offset``; :func:`~.backends.flax.causal_band`)."""
+    mask = nn.combine_masks(mask, causal_band(query.shape[1], key.shape[1], causal_shift), dtype=jnp.bool_)
     out_inputs = []
 
     def read_out_input(next_fun, args, kwargs, context):  # the (B, T, H, D) array fed to W^O
@@ -130,8 +120,7 @@ class FlaxLinenAdapter(CompilingAdapter):
     known_deviations = [
         *declared_at("flax-linen.fully-masked", ("attn_weights", "head_outputs", "concat", "output")),
         *declared_at("flax-linen.fully-masked-backward", FULLY_MASKED_BACKWARD),
-        *(d for case, stage in (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)
-          for d in declared_at("flax.bias-grad-bfloat16", (stage,), case=case)),
+        *declared_where("flax.bias-grad-bfloat16", (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)),
     ]
 
     def supports(self, case: Case) -> bool | str:

@@ -18,7 +18,7 @@ Both read q_proj, k_proj, v_proj as the outputs of the ``query``/``key``/
 ``value`` submodules through ``nnx.capture(..., method_outputs=...)``;
 scores, head_outputs and concat are not exposed.  Top-left causal uses the
 layer's ``is_causal``; bottom-right alignment is a boolean mask from
-``nnx.make_attention_mask`` (query position + S - T >= key position) ANDed
+Flax's ``make_attention_mask`` (query position + S - T >= key position) ANDed
 with the case's mask by ``nnx.combine_masks``.  The mask is handed over in
 the layer's documented shape (B, 1, T, S): with ``is_causal=True`` and
 ``sow_weights=True`` a broadcastable (B, 1, 1, S) mask raises (flax
@@ -42,10 +42,10 @@ import numpy as np
 from flax import nnx
 
 from ..spec import Case, MHAConfig, masks
-from .backends.flax import BIAS_GRAD_BF16_WHERE, layer_limits, merged_heads, weights_in, weights_out
+from .backends.flax import BIAS_GRAD_BF16_WHERE, causal_band, layer_limits, merged_heads, weights_in, weights_out
 from .backends.jax import (FULLY_MASKED_BACKWARD, THROUGH_SOFTMAX, CompilingAdapter, array_out, compiled,
-                           computing_in, declared_at, fallback_precision, rejected_algorithm, tree_in, vjp_stages,
-                           with_fallback_precision)
+                           computing_in, declared_at, declared_where, fallback_precision, rejected_algorithm, tree_in,
+                           vjp_stages, with_fallback_precision)
 from .backends.jax import array_in as _array_in
 from .backends.jax import dtype as _dtype
 
@@ -115,11 +115,7 @@ def layer_mask(mask: jax.Array | None, B: int, T: int, S: int, offset: int | Non
     each case's shape).  Top-left causal is the layer's ``is_causal``; bottom-right is a band."""
     is_causal = offset is not None and top_left
     if offset is not None and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
-        bottom_right = nnx.make_attention_mask(
-            query_input=jnp.arange(T)[None] + offset, key_input=jnp.arange(S)[None],
-            pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
-        )
-        mask = nnx.combine_masks(mask, bottom_right, dtype=jnp.bool_)
+        mask = nnx.combine_masks(mask, causal_band(T, S, offset), dtype=jnp.bool_)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (B, 1, T, S))
     return mask, is_causal
@@ -161,7 +157,7 @@ class FlaxNNXAdapter(CompilingAdapter):
     known_deviations = [
         *declared_at("flax-nnx.fully-masked", ("attn_weights", "output")),
         *declared_at("flax-nnx.fully-masked-backward", FULLY_MASKED_BACKWARD),
-        *(d for case, stage in BIAS_GRAD_BF16_WHERE for d in declared_at("flax.bias-grad-bfloat16", (stage,), case=case)),
+        *declared_where("flax.bias-grad-bfloat16", BIAS_GRAD_BF16_WHERE),
     ]
 
     def supports(self, case: Case) -> bool | str:
@@ -254,5 +250,5 @@ class FlaxNNXFastAdapter(FlaxNNXAdapter):
         *declared_at("flax-nnx-fast.softmax-float32", ("output",)),
         *declared_at("flax-nnx-fast.fully-masked-backward", FULLY_MASKED_BACKWARD),
         *declared_at("flax-nnx-fast.softmax-float32-backward", THROUGH_SOFTMAX),
-        *(d for case, stage in BIAS_GRAD_BF16_WHERE for d in declared_at("flax.bias-grad-bfloat16", (stage,), case=case)),
+        *declared_where("flax.bias-grad-bfloat16", BIAS_GRAD_BF16_WHERE),
     ]

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..protocol.contract import Deviation
 from ..spec import CATALOG, Case, MHAConfig, Weights
-from .backends.tensorflow import (array_in, array_out, declared_at, distinct_inputs, dtype, keep_mask,
+from .backends.tensorflow import (array_in, array_out, declared_at, declared_where, distinct_inputs, dtype, keep_mask,
                                   matmul_deviations, probe, quiet_import, softmax_deviations, tf)
 
 keras = quiet_import("keras")
@@ -205,9 +205,7 @@ def _deviations(stages: tuple[str, ...], fully_masked: bool) -> list[Deviation]:
            *declared_at("keras.fully-masked-backward", _FULLY_MASKED_BACKWARD)] if fully_masked else []
     for case in _SCALE_INEXACT_IN_FLOAT32:
         out += declared_at("keras.scale-in-float32", (*stages, *backward), case=case)
-    for case, stage in _BIAS_ADD_GRAD_BF16_WHERE:
-        out += declared_at("keras.bias-add-grad-bfloat16", (stage,), case=case)
-    return out
+    return out + declared_where("keras.bias-add-grad-bfloat16", _BIAS_ADD_GRAD_BF16_WHERE)
 
 
 def _layer_inputs(case: Case) -> tuple[Any, dict[str, Any]]:

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..protocol.contract import Deviation
 from ..spec import Case, MHAConfig, Weights, masks
-from .backends.tensorflow import (TF_DISTRIBUTION, array_in, array_out, distinct_inputs, einsum_deviations, keep_mask, probe,
-                                  softmax_deviations, tf)
+from .backends.tensorflow import (TF_DISTRIBUTION, array_in, array_out, distinct_inputs, einsum_deviations,
+                                  keep_mask, probe, softmax_deviations, tf)
 from .backends.tensorflow import dtype as _dtype
 
 

@@ -20,6 +20,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ...spec import MHAConfig
@@ -42,6 +45,18 @@ def layer_limits(config: MHAConfig, layer: str) -> str | None:
         return (f"{layer} has no scale argument (it always divides the query by sqrt(head_dim)): "
                 f"scale={config.scale} != 1/sqrt({config.D_k})")
     return None
+
+
+def causal_band(T: int, S: int, offset: int | None) -> jax.Array | None:
+    """(1, 1, T, S) bool in jnp (inside a trace: T, S static), True where query i may see key j:
+    j <= i + ``offset`` (``mhaspec.spec.masks.causal_offset``), by Flax's ``make_attention_mask``
+    (linen's and nnx's are the same code); None for no offset (not causal)."""
+    if offset is None:
+        return None
+    return nn.make_attention_mask(
+        query_input=jnp.arange(T)[None] + offset, key_input=jnp.arange(S)[None],
+        pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
+    )
 
 
 def _as_dict(weights: Any) -> dict[str, np.ndarray]:

@@ -197,7 +197,8 @@ def rejected_algorithm(device: str, dtype: str) -> Any:
     if name is None:
         return None
     preset = getattr(jax.lax.DotAlgorithmPreset, name)
-    x = jax.ShapeDtypeStruct((1, 1), jnp.dtype(dtype), sharding=jax.sharding.SingleDeviceSharding(jax.devices(device)[0]))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices(device)[0])
+    x = jax.ShapeDtypeStruct((1, 1), jnp.dtype(dtype), sharding=sharding)
     try:
         jax.jit(lambda a, b: jax.lax.dot(a, b, precision=preset, preferred_element_type=jnp.float32)).lower(x, x)
     except ValueError:
@@ -345,3 +346,8 @@ FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_
 def declared_at(key: str, stages: tuple[str, ...], **values: Any) -> list[Deviation]:
     """The declaration ``key`` of ``deviations/jax.json``, once for each of ``stages`` (its ``{stage}``)."""
     return [d for stage in stages for d in declared("jax", key, stage=stage, **values)]
+
+
+def declared_where(key: str, where: tuple[tuple[str, str], ...]) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/jax.json`` at each (case, stage) of ``where``."""
+    return [d for case, stage in where for d in declared("jax", key, case=case, stage=stage)]

@@ -218,6 +218,11 @@ def declared_at(key: str, stages: tuple[str, ...], **values: Any) -> list[Deviat
     return [d for stage in stages for d in declared("tensorflow", key, stage=stage, **values)]
 
 
+def declared_where(key: str, where: tuple[tuple[str, str], ...]) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/tensorflow.json`` at each (case, stage) of ``where``."""
+    return [d for case, stage in where for d in declared("tensorflow", key, case=case, stage=stage)]
+
+
 def dtype(name: str) -> Any:
     """The ``tf.DType`` for a spec dtype name (its ``as_numpy_dtype`` is NumPy's, bfloat16 ml_dtypes')."""
     return tf.as_dtype(name)
