@@ -1,7 +1,8 @@
 """The JAX backend of the JAX and Flax adapters: the backend functions of
 :mod:`mhaspec.adapters.backends` (``dtype``, ``array_in``, ``array_out``, ``keep_mask``), the
 dtype and device a case runs in, compilation, the jnp projections and the backward by
-``jax.vjp`` (the Flax parameter layout: :mod:`.flax`).
+``jax.vjp`` (the Flax parameter layout: :mod:`.flax`; the texts of the deviations the adapters
+declare: ``deviations/jax.json``, read by :func:`declared_at`).
 
 float64 needs JAX's x64 mode.  :func:`computing_in` switches it on with the
 ``jax.enable_x64`` context manager, which sets a *thread-local* value of the
@@ -21,7 +22,8 @@ XLA:CPU's own (no fast-math either way), differing from the default pipeline
 by an ulp or so in ``exp``.  Pass ``fast_compile=False`` to an adapter to
 judge XLA's default pipeline.  Everything else a case needs stays out of
 XLA: inputs are cast by numpy and handed over with ``jax.device_put``
-(:func:`array_in`), masks are built inside the compiled function, reshapes of
+(:func:`array_in`), masks are built in numpy (:func:`keep_mask`) or inside the
+compiled function, reshapes of
 the results happen in numpy.  An eager ``jnp`` call on a new shape would be
 one more compilation (about 30 ms each).
 
@@ -30,7 +32,6 @@ in float16, which JAX refuses to lower for CPU; the library catches that
 and falls back to the default precision, but only outside ``jax.jit``.
 :func:`fallback_precision` applies the same fallback to a traced
 function, so it can be jit-compiled (see its doc).
-
 """
 
 from __future__ import annotations
