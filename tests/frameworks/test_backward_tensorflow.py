@@ -235,27 +235,27 @@ def test_tensorflow_float16_bias_gradient_is_a_float16_sum() -> None:
     x = rng.standard_normal((21, 12)) * 3
     half = tf.reduce_sum(tf.constant(x.astype(np.float16)), axis=0).numpy()
     assert not np.array_equal(half, x.astype(np.float16).astype(np.float32).sum(0).astype(np.float16))
-    from mhaspec.adapters import _tf_common
+    from mhaspec.adapters.backends import tensorflow as tf_backend
 
     for narrow in (0.9, 15.0):  # the float16 einsum in float32 (the Sum alone), or in float16 (one declaration)
-        measured = _tf_common.Probe(softmax_tiny=1.6e-38, einsum_error={"float16": narrow, "bfloat16": 1.0},
+        measured = tf_backend.Probe(softmax_tiny=1.6e-38, einsum_error={"float16": narrow, "bfloat16": 1.0},
                                     matmul_toward_zero=0.5)
-        declared = [d for d in _tf_common.einsum_deviations(measured) if d.matches("key_padding", "float16", "d_b_q")]
+        declared = [d for d in tf_backend.einsum_deviations(measured) if d.matches("key_padding", "float16", "d_b_q")]
         assert [d.within for d in declared] == ["worst-case"]  # a float16 sum: within the worst-case contract
 
 
 def fake_probe(softmax_tiny=1.65e-38, float16=1.0, bfloat16=1.0, toward_zero=0.5):
     """A :class:`Probe` given by hand: the declarations are a function of it (no TensorFlow op runs)."""
-    from mhaspec.adapters import _tf_common
+    from mhaspec.adapters.backends import tensorflow as tf_backend
 
-    return _tf_common.Probe(softmax_tiny=softmax_tiny, einsum_error={"float16": float16, "bfloat16": bfloat16},
+    return tf_backend.Probe(softmax_tiny=softmax_tiny, einsum_error={"float16": float16, "bfloat16": bfloat16},
                             matmul_toward_zero=toward_zero)
 
 
 def test_the_declarations_follow_the_probe(monkeypatch) -> None:
     """Each machine-dependent declaration is made exactly where the probe measures its mechanism, on the
     stages and in the dtype it reaches, bounded, with the measured figure in its reason."""
-    from mhaspec.adapters import _tf_common
+    from mhaspec.adapters.backends import tensorflow as tf_backend
 
     def declared(adapter, measured):
         monkeypatch.setattr(tf_ops, "probe", lambda: measured)
@@ -274,7 +274,7 @@ def test_the_declarations_follow_the_probe(monkeypatch) -> None:
         einsum = [d for d in tf_declared if d.dtype == dtype]
         assert len(einsum) == 1 and einsum[0].within == "worst-case" and einsum[0].case == "*", einsum
         assert f"a {dtype} tf.einsum over 512 terms has {figure}" in einsum[0].reason
-        for stage in _tf_common.EINSUM_STAGES:
+        for stage in tf_backend.EINSUM_STAGES:
             assert einsum[0].matches("long_sequence", dtype, stage), stage
         for stage in ("q_proj", "attn_weights", "output", "d_scores", "d_w_q", "d_query"):
             assert not einsum[0].matches("long_sequence", dtype, stage), stage
@@ -295,20 +295,20 @@ def test_the_declarations_follow_the_probe(monkeypatch) -> None:
 
 
 def test_the_probe_measures_what_it_says(monkeypatch) -> None:
-    """This process's probe (``_tf_common.probe()``, the one the adapters' workers make) against
+    """This process's probe (``backends.tensorflow.probe()``, the one the adapters' workers make) against
     direct measurements on other data and shapes: the einsum of the catalog's tile_crossing shape
     (65 queries over 129 keys, 16 values), the bfloat16 matmul bit for bit, a softmax of another tiny
     probability.  And the probe tells the accumulations apart: a float32 accumulation rounded once
     measures 1, one rounded toward zero (bfloat16 tf.linalg.matmul) about 2, both below the limit.
 
     Runs TensorFlow ops in this process: last in this file, after the adapters that are forked."""
-    from mhaspec.adapters import _tf_common
+    from mhaspec.adapters.backends import tensorflow as tf_backend
     from tensorflow.python.util import _pywrap_util_port
 
-    measured = _tf_common.probe()
+    measured = tf_backend.probe()
     rng = np.random.default_rng(7)
     for dtype in ("float16", "bfloat16"):
-        np_dtype = _tf_common.numpy_dtype(dtype)
+        np_dtype = tf_backend.dtype(dtype).as_numpy_dtype
         p = rng.random((1, 1, 65, 129)).astype(np_dtype)
         v = rng.standard_normal((1, 129, 1, 16)).astype(np_dtype)
         exact = np.einsum("BHTS,BSHE->BHTE", p.astype(np.float64), v.astype(np.float64))
@@ -329,17 +329,17 @@ def test_the_probe_measures_what_it_says(monkeypatch) -> None:
         return tf.linalg.matmul(p, tf.transpose(v, (0, 2, 1, 3)))
 
     for dtype in ("float16", "bfloat16"):
-        assert _tf_common.einsum_error(dtype, float32_einsum) < 1.5, dtype
-        assert _tf_common.einsum_error(dtype, matmul_einsum) < _tf_common.NARROW_ACCUMULATION_LIMIT, dtype
+        assert tf_backend.einsum_error(dtype, float32_einsum) < 1.5, dtype
+        assert tf_backend.einsum_error(dtype, matmul_einsum) < tf_backend.NARROW_ACCUMULATION_LIMIT, dtype
 
-    a = rng.standard_normal((32, 48)).astype(_tf_common.numpy_dtype("bfloat16"))
-    b = rng.standard_normal((48, 24)).astype(_tf_common.numpy_dtype("bfloat16"))
+    a = rng.standard_normal((32, 48)).astype(tf_backend.dtype("bfloat16").as_numpy_dtype)
+    b = rng.standard_normal((48, 24)).astype(tf_backend.dtype("bfloat16").as_numpy_dtype)
     got = tf.linalg.matmul(tf.constant(a), tf.constant(b)).numpy()
     f32 = tf.linalg.matmul(tf.constant(a.astype(np.float32)), tf.constant(b.astype(np.float32))).numpy()
     truncated = (f32.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     assert np.array_equal(got.astype(np.float32), truncated) == measured.matmul_truncates, measured
     rounded = lambda x, y: tf.cast(tf.linalg.matmul(tf.cast(x, tf.float32), tf.cast(y, tf.float32)), tf.bfloat16)
-    assert 0.3 < _tf_common.matmul_toward_zero(rounded) < _tf_common.TRUNCATION_LIMIT
+    assert 0.3 < tf_backend.matmul_toward_zero(rounded) < tf_backend.TRUNCATION_LIMIT
 
     tiny = tf.nn.softmax(tf.constant([[0.0, -86.9]], tf.float32)).numpy()[0, 1]  # 1.8e-38 < 2^-125
     assert (tiny == 0) == measured.softmax_flushes, (tiny, measured)

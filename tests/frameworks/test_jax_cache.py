@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache, switched on by the JAX/Flax adapters (``_jax_common.use_compilation_cache``):
+"""JAX's persistent compilation cache, switched on by the JAX/Flax adapters (``backends.jax.use_compilation_cache``):
 bit-identical stages with the cache off, cold and warm; entries in ``MHASPEC_CACHE_DIR/jax``; nothing written
 with ``MHASPEC_CACHE_DIR=off``; a user's own cache left alone.
 

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.tensorflow
 tf = require("tensorflow")
 keras = require("keras")
 
-from mhaspec.adapters import _tf_common, keras_mha, parse_deviations, tf_ops  # noqa: E402  (needs the frameworks)
-from mhaspec.adapters._tf_common import _native_stderr_silenced  # noqa: E402
+from mhaspec.adapters import keras_mha, parse_deviations, tf_ops  # noqa: E402  (needs the frameworks)
+from mhaspec.adapters.backends import tensorflow as tf_backend  # noqa: E402
+from mhaspec.adapters.backends.tensorflow import _native_stderr_silenced  # noqa: E402
 
 
 def dyadic(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -214,9 +215,9 @@ def test_stages_come_back_in_the_dtype(dtype, numpy_name):
 # -- declared deviations -----------------------------------------------------
 #: Probes given by hand: what a CPU where oneDNN takes both narrow dtypes measures, and what one where
 #: it takes neither measures with oneDNN on (tests/frameworks/test_backward_tensorflow.py measures this one's).
-PROBES = {"accurate": _tf_common.Probe(softmax_tiny=1.65e-38, einsum_error={"float16": 1.0, "bfloat16": 1.0},
+PROBES = {"accurate": tf_backend.Probe(softmax_tiny=1.65e-38, einsum_error={"float16": 1.0, "bfloat16": 1.0},
                                        matmul_toward_zero=0.5),
-          "narrow": _tf_common.Probe(softmax_tiny=0.0, einsum_error={"float16": 14.8, "bfloat16": 13.5},
+          "narrow": tf_backend.Probe(softmax_tiny=0.0, einsum_error={"float16": 14.8, "bfloat16": 13.5},
                                      matmul_toward_zero=1.0)}
 
 

@@ -35,30 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..protocol.contract import Deviation
-from ..spec import Case, MHAConfig
-from ._jax_common import (
-    BIAS_GRAD_BF16,
-    BIAS_GRAD_BF16_WHERE,
-    FULLY_MASKED_BACKWARD,
-    canonical_to_flax,
-    compiled,
-    computing_in,
-    flax_head_gradients,
-    flax_layer_limits,
-    flax_to_canonical,
-    jax_dtype,
-    to_jax,
-    to_numpy,
-    use_compilation_cache,
-    use_fast_compile,
-    vjp_stages,
-)
-
-_FULLY_MASKED = (
-    "dot_product_attention_weights fills masked logits with finfo(dtype).min rather than -inf, so a query "
-    "row that sees no key attends uniformly to every key instead of giving zeros (spec: all-zero weights)"
-)
+from ..spec import Case, MHAConfig, masks
+from .backends.flax import BIAS_GRAD_BF16_WHERE, causal_band, layer_limits, merged_heads, weights_in, weights_out
+from .backends.jax import (FULLY_MASKED_BACKWARD, CompilingAdapter, array_out, compiled, computing_in, declared_at,
+                           declared_where, keep_mask, tree_in, vjp_stages)
+from .backends.jax import array_in as _array_in
+from .backends.jax import dtype as _dtype
 
 
 def canonical_to_linen_params(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
@@ -67,14 +49,14 @@ def canonical_to_linen_params(weights: Any, config: MHAConfig) -> dict[str, dict
     Use it as ``layer.apply({"params": canonical_to_linen_params(w, cfg)}, …)``; float64
     numpy arrays, cast them to the layer's ``param_dtype`` as needed.
     """
-    return canonical_to_flax(weights, config)
+    return weights_in(weights, config)
 
 
 def linen_params_to_canonical(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The layer's ``params`` tree (or ``{"params": tree}``) -> canonical ``w_q … b_o``."""
     if "params" in params:
         params = params["params"]
-    return flax_to_canonical(params)
+    return weights_out(params)
 
 
 def linen_layer(cfg: MHAConfig, dtype: str) -> nn.MultiHeadDotProductAttention:
@@ -89,40 +71,24 @@ def linen_layer(cfg: MHAConfig, dtype: str) -> nn.MultiHeadDotProductAttention:
     """
     return nn.MultiHeadDotProductAttention(
         num_heads=cfg.H, qkv_features=cfg.H * cfg.D_k, out_features=cfg.d_out, use_bias=cfg.bias,
-        dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), deterministic=True,
+        dtype=_dtype(dtype), param_dtype=_dtype(dtype), deterministic=True,
         kernel_init=nn.initializers.zeros, bias_init=nn.initializers.zeros,
     )
 
 
 def causal_mask(case: Case) -> jax.Array | None:
-    """(1, 1, T, S) bool, True where query i may see key j (j <= i + shift), or None if not causal."""
-    return causal_matrix(case.tgt_len, case.src_len, causal_shift(case))
-
-
-def causal_shift(case: Case) -> int | None:
-    """None when not causal; else how far the diagonal moves right: 0 (top-left) or S - T."""
-    cfg = case.config
-    if not cfg.causal:
-        return None
-    return 0 if cfg.causal_alignment == "top_left" else case.src_len - case.tgt_len
-
-
-def causal_matrix(T: int, S: int, shift: int | None) -> jax.Array | None:
-    """(1, 1, T, S) bool by ``nn.make_attention_mask``: query i + ``shift`` >= key j; None for no shift."""
-    if shift is None:
-        return None
-    return nn.make_attention_mask(
-        query_input=jnp.arange(T)[None] + shift, key_input=jnp.arange(S)[None],
-        pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
-    )
+    """(1, 1, T, S) bool, True where query i may see key j (j <= i + the case's causal offset), or None
+    if not causal."""
+    return causal_band(case.tgt_len, case.src_len, masks.causal_offset(case.config, case.tgt_len, case.src_len))
 
 
 def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, value: jax.Array,
           mask: jax.Array | None, causal_shift: int | None = None) -> dict[str, jax.Array]:
     """Call the layer once; return its output and what it exposes on the way (jit-compiled,
     ``layer`` and ``causal_shift`` static).  ``mask``: the case's (True = may attend), ANDed here
-    by ``nn.combine_masks`` with the causal mask of ``causal_shift`` (:func:`causal_matrix`)."""
-    mask = nn.combine_masks(mask, causal_matrix(query.shape[1], key.shape[1], causal_shift), dtype=jnp.bool_)
+    by ``nn.combine_masks`` with the causal band of ``causal_shift`` (the case's
+    ``mhaspec.spec.masks.causal_offset``; :func:`~.backends.flax.causal_band`)."""
+    mask = nn.combine_masks(mask, causal_band(query.shape[1], key.shape[1], causal_shift), dtype=jnp.bool_)
     out_inputs = []
 
     def read_out_input(next_fun, args, kwargs, context):  # the (B, T, H, D) array fed to W^O
@@ -146,46 +112,33 @@ def apply(layer: nn.Module, params: dict, query: jax.Array, key: jax.Array, valu
     }
 
 
-class FlaxLinenAdapter:
+class FlaxLinenAdapter(CompilingAdapter):
     """The ``flax-linen`` adapter: ``flax.linen.MultiHeadDotProductAttention``."""
 
     name = "flax-linen"
     framework = "flax"
     known_deviations = [
-        Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked")
-        for stage in ("attn_weights", "head_outputs", "concat", "output")
-    ] + [
-        Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
-                  stage=stage, rows="fully_masked") for stage in FULLY_MASKED_BACKWARD
-    ] + [Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage, within="worst-case")
-         for case, stage in (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)]
-
-    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
-        self.device, self.fast_compile = device, fast_compile
-        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
+        *declared_at("flax-linen.fully-masked", ("attn_weights", "head_outputs", "concat", "output")),
+        *declared_at("flax-linen.fully-masked-backward", FULLY_MASKED_BACKWARD),
+        *declared_where("flax.bias-grad-bfloat16", (("cross_attention", "d_b_v"), *BIAS_GRAD_BF16_WHERE)),
+    ]
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
         if cfg.H_kv != cfg.H:
             return (f"MultiHeadDotProductAttention has as many key/value heads as query heads "
                     f"(no num_kv_heads): H_kv={cfg.H_kv} != H={cfg.H}")
-        return flax_layer_limits(cfg, "MultiHeadDotProductAttention") or True
+        return layer_limits(cfg, "MultiHeadDotProductAttention") or True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
-            layer = linen_layer(cfg, dtype)
-            params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
-            stages = to_numpy(compiled(apply, ("layer", "causal_shift"), use_fast_compile(self.device, self.fast_compile))(
-                layer, params, to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
-                to_jax(case.inputs.value, dtype), to_jax(case.inputs.mask), causal_shift=causal_shift(case),
+            params = tree_in(canonical_to_linen_params(case.weights, cfg), dtype)
+            stages = array_out(compiled(apply, ("layer", "causal_shift"), self.fast)(
+                linen_layer(cfg, dtype), params, *case.inputs_as(lambda x: _array_in(x, dtype)), keep_mask(case),
+                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len),
             ))
-        B, T = case.batch, case.tgt_len  # the heads merged here, in numpy: reshapes cost no compilation
-        for name in ("q_proj", "k_proj", "v_proj"):
-            stages[name] = stages[name].reshape(*stages[name].shape[:2], -1)
-        heads = stages.pop("head_outputs")  # (B, T, H, D), the input of W^O
-        stages["head_outputs"], stages["concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(B, T, -1)
-        return stages
+        return merged_heads(stages, case.batch, case.tgt_len)  # in numpy: reshapes cost no compilation
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``jax.vjp`` of the layer's ``apply`` with respect to the inputs and
@@ -199,7 +152,7 @@ class FlaxLinenAdapter:
         B, T, S, H, D = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.D_k
         with computing_in(dtype, self.device):
             layer = linen_layer(cfg, dtype)
-            params = jax.tree.map(lambda w: to_jax(w, dtype), canonical_to_linen_params(case.weights, cfg))
+            params = tree_in(canonical_to_linen_params(case.weights, cfg), dtype)
             mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)
             mask = nn.combine_masks(mask, causal_mask(case), dtype=jnp.bool_)
             tapped = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
@@ -218,5 +171,5 @@ class FlaxLinenAdapter:
             shapes = {"q_proj": (B, T, H, D), "k_proj": (B, S, H, D), "v_proj": (B, S, H, D),
                       "head_outputs": (B, T, H, D)}
             grads = vjp_stages(case, output, shapes, weights=params, to_canonical=linen_params_to_canonical,
-                               fast_compile=use_fast_compile(self.device, self.fast_compile))
-        return flax_head_gradients(grads, B, T)
+                               fast_compile=self.fast)
+        return merged_heads(grads, B, T, prefix="d_")

@@ -18,7 +18,7 @@ Both read q_proj, k_proj, v_proj as the outputs of the ``query``/``key``/
 ``value`` submodules through ``nnx.capture(..., method_outputs=...)``;
 scores, head_outputs and concat are not exposed.  Top-left causal uses the
 layer's ``is_causal``; bottom-right alignment is a boolean mask from
-``nnx.make_attention_mask`` (query position + S - T >= key position) ANDed
+Flax's ``make_attention_mask`` (query position + S - T >= key position) ANDed
 with the case's mask by ``nnx.combine_masks``.  The mask is handed over in
 the layer's documented shape (B, 1, T, S): with ``is_causal=True`` and
 ``sow_weights=True`` a broadcastable (B, 1, 1, S) mask raises (flax
@@ -41,43 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..protocol.contract import Deviation
-from ..spec import Case, MHAConfig
-from ._jax_common import (
-    BIAS_GRAD_BF16,
-    BIAS_GRAD_BF16_WHERE,
-    FULLY_MASKED_BACKWARD,
-    THROUGH_SOFTMAX,
-    canonical_to_flax,
-    compiled,
-    computing_in,
-    fallback_precision,
-    flax_head_gradients,
-    flax_layer_limits,
-    flax_to_canonical,
-    jax_dtype,
-    rejected_algorithm,
-    to_jax,
-    to_numpy,
-    use_compilation_cache,
-    use_fast_compile,
-    vjp_stages,
-    with_fallback_precision,
-)
-
-_FULLY_MASKED = (
-    "masked logits are filled with finfo(dtype).min rather than -inf, so a query row that sees no key "
-    "attends uniformly to every key instead of giving zeros (spec: all-zero weights, output = b_o)"
-)
-_FAST_FULLY_MASKED = (
-    "jax.nn.dot_product_attention fills masked logits with -0.7·finfo.max rather than -inf, so a query row "
-    "that sees no key attends uniformly to every key instead of giving zeros (spec: output = b_o)"
-)
-_SOFTMAX_F32 = (
-    "the layer's fast path is jax.nn.dot_product_attention, whose softmax always runs in float32, "
-    "so float64 outputs carry float32 rounding"
-)
-_BACKWARD_FULLY_MASKED = "; backward: those rows' uniform weights pass gradient to every value"
+from ..spec import Case, MHAConfig, masks
+from .backends.flax import BIAS_GRAD_BF16_WHERE, causal_band, layer_limits, merged_heads, weights_in, weights_out
+from .backends.jax import (FULLY_MASKED_BACKWARD, THROUGH_SOFTMAX, CompilingAdapter, array_out, compiled,
+                           computing_in, declared_at, declared_where, fallback_precision, rejected_algorithm, tree_in,
+                           vjp_stages, with_fallback_precision)
+from .backends.jax import array_in as _array_in
+from .backends.jax import dtype as _dtype
 
 HAS_KV_HEADS = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
 
@@ -88,7 +58,7 @@ def canonical_to_nnx_state(weights: Any, config: MHAConfig) -> dict[str, dict[st
     Load it with ``state = nnx.state(layer, nnx.Param); nnx.replace_by_pure_dict(state, tree);
     nnx.update(layer, state)`` (float64 numpy arrays: cast them to the layer's ``param_dtype``).
     """
-    return canonical_to_flax(weights, config)
+    return weights_in(weights, config)
 
 
 def nnx_state_to_canonical(state: Any) -> dict[str, np.ndarray]:
@@ -97,7 +67,7 @@ def nnx_state_to_canonical(state: Any) -> dict[str, np.ndarray]:
         state = nnx.state(state, nnx.Param)
     if isinstance(state, nnx.State):
         state = nnx.to_pure_dict(state)
-    return flax_to_canonical(state)
+    return weights_out(state)
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,7 +82,7 @@ def _abstract_layer(H: int, d_model: int, qkv: int, d_out: int, kdim: int, bias:
     zeros = nnx.initializers.zeros_init()  # every parameter is replaced: the cheapest initializer to trace
     layer = nnx.eval_shape(lambda: nnx.MultiHeadAttention(
         num_heads=H, in_features=d_model, qkv_features=qkv, out_features=d_out, in_kv_features=kdim,
-        use_bias=bias, dtype=jax_dtype(dtype), param_dtype=jax_dtype(dtype), decode=False,
+        use_bias=bias, dtype=_dtype(dtype), param_dtype=_dtype(dtype), decode=False,
         kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0), **kv_heads,
     ))
     return nnx.split(layer)
@@ -129,22 +99,23 @@ def new_layer(cfg: MHAConfig, dtype: str) -> nnx.MultiHeadAttention:
 
 def nnx_mask(case: Case) -> tuple[jax.Array | None, bool]:
     """(boolean mask of shape (B, 1, T, S) or None, is_causal); True = may attend."""
-    cfg = case.config
     mask = None if case.inputs.mask is None else jnp.asarray(case.inputs.mask)  # (B, 1, 1|T, S)
-    return layer_mask(mask, case.batch, case.tgt_len, case.src_len, cfg.causal, cfg.causal_alignment)
+    return layer_mask(mask, case.batch, case.tgt_len, case.src_len, *causal_flags(case))
 
 
-def layer_mask(mask: jax.Array | None, B: int, T: int, S: int, causal: bool,
-               alignment: str) -> tuple[jax.Array | None, bool]:
+def causal_flags(case: Case) -> tuple[int | None, bool]:
+    """(the case's causal offset, ``mhaspec.spec.masks.causal_offset``; whether it is top-left aligned)."""
+    return masks.causal_offset(case.config, case.tgt_len, case.src_len), case.config.causal_alignment == "top_left"
+
+
+def layer_mask(mask: jax.Array | None, B: int, T: int, S: int, offset: int | None,
+               top_left: bool) -> tuple[jax.Array | None, bool]:
     """:func:`nnx_mask` from the case's mask (B, 1, 1|T, S) or None, its shape and causal flags
-    (traced inside the compiled forward, so that no eager op compiles for each case's shape)."""
-    is_causal = causal and alignment == "top_left"
-    if causal and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
-        bottom_right = nnx.make_attention_mask(
-            query_input=jnp.arange(T)[None] + (S - T), key_input=jnp.arange(S)[None],
-            pairwise_fn=jnp.greater_equal, dtype=jnp.bool_,
-        )
-        mask = nnx.combine_masks(mask, bottom_right, dtype=jnp.bool_)
+    (:func:`causal_flags`; traced inside the compiled forward, so that no eager op compiles for
+    each case's shape).  Top-left causal is the layer's ``is_causal``; bottom-right is a band."""
+    is_causal = offset is not None and top_left
+    if offset is not None and not is_causal:  # bottom-right: key j visible to query i when i + S - T >= j
+        mask = nnx.combine_masks(mask, causal_band(T, S, offset), dtype=jnp.bool_)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (B, 1, T, S))
     return mask, is_causal
@@ -166,33 +137,28 @@ def forward_split(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, v
 
 
 def forward_case(graphdef: Any, state: Any, query: jax.Array, key: jax.Array, value: jax.Array,
-                 mask: jax.Array | None, *, causal: bool, alignment: str, sow_weights: bool) -> tuple[jax.Array, dict]:
+                 mask: jax.Array | None, *, offset: int | None, top_left: bool,
+                 sow_weights: bool) -> tuple[jax.Array, dict]:
     """:func:`forward_split` with the case's mask made into the layer's (:func:`layer_mask`) inside
     the trace; what :meth:`FlaxNNXAdapter.run` compiles (everything but the arrays static).  In
-    float16 on CPU the fast path goes through :func:`~._jax_common.with_fallback_precision`:
+    float16 on CPU the fast path goes through :func:`~.backends.jax.with_fallback_precision`:
     jax.nn.dot_product_attention asks for the dot algorithm F16_F16_F32, which JAX refuses to lower
     for CPU, and its fallback to the default precision only catches that error outside jit."""
-    mask, is_causal = layer_mask(mask, query.shape[0], query.shape[1], key.shape[1], causal, alignment)
+    mask, is_causal = layer_mask(mask, query.shape[0], query.shape[1], key.shape[1], offset, top_left)
     return forward_split(graphdef, state, query, key, value, mask, is_causal, sow_weights)
 
 
-class FlaxNNXAdapter:
+class FlaxNNXAdapter(CompilingAdapter):
     """The ``flax-nnx`` adapter: ``flax.nnx.MultiHeadAttention`` with ``sow_weights=True``."""
 
     name = "flax-nnx"
     framework = "flax"
     sow_weights = True
     known_deviations = [
-        *(Deviation(_FULLY_MASKED, stage=stage, rows="fully_masked") for stage in ("attn_weights", "output")),
-        *(Deviation(_FULLY_MASKED + _BACKWARD_FULLY_MASKED, stage=stage, rows="fully_masked")
-          for stage in FULLY_MASKED_BACKWARD),
-        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage, within="worst-case")
-          for case, stage in BIAS_GRAD_BF16_WHERE),
+        *declared_at("flax-nnx.fully-masked", ("attn_weights", "output")),
+        *declared_at("flax-nnx.fully-masked-backward", FULLY_MASKED_BACKWARD),
+        *declared_where("flax.bias-grad-bfloat16", BIAS_GRAD_BF16_WHERE),
     ]
-
-    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
-        self.device, self.fast_compile = device, fast_compile
-        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
 
     def supports(self, case: Case) -> bool | str:
         cfg = case.config
@@ -201,7 +167,7 @@ class FlaxNNXAdapter:
         if cfg.kdim != cfg.vdim:
             return (f"nnx.MultiHeadAttention has one in_kv_features for key and value: "
                     f"kdim={cfg.kdim} != vdim={cfg.vdim}")
-        return flax_layer_limits(cfg, "nnx.MultiHeadAttention") or True
+        return layer_limits(cfg, "nnx.MultiHeadAttention") or True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
@@ -209,17 +175,17 @@ class FlaxNNXAdapter:
             layer = new_layer(cfg, dtype)  # abstract: no init to compute
             state = nnx.state(layer, nnx.Param)
             params = canonical_to_nnx_state(case.weights, cfg)
-            nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype), params))
+            nnx.replace_by_pure_dict(state, tree_in(params, dtype))
             nnx.update(layer, state)
 
-            inputs = (to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype), to_jax(case.inputs.value, dtype))
+            inputs = case.inputs_as(lambda x: _array_in(x, dtype))
             fun = forward_case if self.sow_weights else with_fallback_precision(
                 forward_case, rejected_algorithm(self.device, dtype))  # the fast path calls dot_product_attention
-            jitted = compiled(fun, ("graphdef", "causal", "alignment", "sow_weights"),
-                              use_fast_compile(self.device, self.fast_compile))
+            jitted = compiled(fun, ("graphdef", "offset", "top_left", "sow_weights"), self.fast)
             graphdef, params = nnx.split(layer)
-            y, inter = to_numpy(jitted(graphdef, params, *inputs, to_jax(case.inputs.mask), causal=cfg.causal,
-                                       alignment=cfg.causal_alignment, sow_weights=self.sow_weights))
+            offset, top_left = causal_flags(case)
+            y, inter = array_out(jitted(graphdef, params, *inputs, _array_in(case.inputs.mask), offset=offset,
+                                        top_left=top_left, sow_weights=self.sow_weights))
         B, T, S = case.batch, case.tgt_len, case.src_len  # the heads merged here, in numpy
         stages = {
             "q_proj": inter["query"]["__call__"][0].reshape(B, T, -1),
@@ -246,14 +212,14 @@ class FlaxNNXAdapter:
         with computing_in(dtype, self.device):
             layer = new_layer(cfg, dtype)
             state = nnx.state(layer, nnx.Param)
-            nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: to_jax(w, dtype),
-                                                          canonical_to_nnx_state(case.weights, cfg)))
+            nnx.replace_by_pure_dict(state, tree_in(canonical_to_nnx_state(case.weights, cfg), dtype))
             nnx.update(layer, state)
             graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-            case_mask = to_jax(case.inputs.mask)  # made the layer's in the trace: no eager op compiles
+            case_mask = _array_in(case.inputs.mask)  # made the layer's in the trace: no eager op compiles
+            offset, top_left = causal_flags(case)
 
             def output(query, key, value, params, taps):
-                mask, is_causal = layer_mask(case_mask, B, T, S, cfg.causal, cfg.causal_alignment)
+                mask, is_causal = layer_mask(case_mask, B, T, S, offset, top_left)
                 merged = nnx.merge(graphdef, params, rest)
                 for sub, stage in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
                     inner = getattr(merged, sub)
@@ -270,8 +236,8 @@ class FlaxNNXAdapter:
             if not self.sow_weights:  # the fast path's float16 dot_product_attention, compiled (see run)
                 output = fallback_precision(output, rejected_algorithm(self.device, dtype))
             grads = vjp_stages(case, output, shapes, weights=params, to_canonical=nnx_state_to_canonical,
-                               fast_compile=use_fast_compile(self.device, self.fast_compile))
-        return flax_head_gradients(grads, B, T)
+                               fast_compile=self.fast)
+        return merged_heads(grads, B, T, prefix="d_")
 
 
 class FlaxNNXFastAdapter(FlaxNNXAdapter):
@@ -280,12 +246,9 @@ class FlaxNNXFastAdapter(FlaxNNXAdapter):
     name = "flax-nnx-fast"
     sow_weights = False
     known_deviations = [
-        Deviation(_FAST_FULLY_MASKED, stage="output", rows="fully_masked"),
-        Deviation(_SOFTMAX_F32, dtype="float64", stage="output", within="float32"),
-        *(Deviation(_FAST_FULLY_MASKED + _BACKWARD_FULLY_MASKED, stage=stage, rows="fully_masked")
-          for stage in FULLY_MASKED_BACKWARD),
-        *(Deviation(_SOFTMAX_F32 + "; backward: its gradient too", dtype="float64", stage=stage, within="float32")
-          for stage in THROUGH_SOFTMAX),
-        *(Deviation(BIAS_GRAD_BF16, case=case, dtype="bfloat16", stage=stage, within="worst-case")
-          for case, stage in BIAS_GRAD_BF16_WHERE),
+        *declared_at("flax-nnx-fast.fully-masked", ("output",)),
+        *declared_at("flax-nnx-fast.softmax-float32", ("output",)),
+        *declared_at("flax-nnx-fast.fully-masked-backward", FULLY_MASKED_BACKWARD),
+        *declared_at("flax-nnx-fast.softmax-float32-backward", THROUGH_SOFTMAX),
+        *declared_where("flax.bias-grad-bfloat16", BIAS_GRAD_BF16_WHERE),
     ]

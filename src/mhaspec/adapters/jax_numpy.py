@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, masks
-from ._jax_common import (accumulator, compiled, computing_in, jax_dtype, linear, to_jax, to_numpy,
-                          use_compilation_cache, use_fast_compile, vjp_stages)
+from .backends.jax import (CompilingAdapter, accumulator, array_in, array_out, compiled, computing_in, keep_mask,
+                           linear, projections, tapping, tree_in, vjp_stages)
 
-#: :func:`mha`'s static arguments: it is jit-compiled by :func:`~._jax_common.compiled` (the forward)
+#: :func:`mha`'s static arguments: it is jit-compiled by :func:`~.backends.jax.compiled` (the forward)
 #: or inside ``vjp_stages`` (the backward).
 STATIC = ("heads", "kv_heads", "scale", "causal_shift", "dtype")
 
@@ -40,15 +40,8 @@ def mha(
     ``taps`` (for the backward pass): zeros added to each intermediate stage, so that
     ``jax.vjp`` with respect to them gives that stage's gradient; None in the forward.
     """
-    acc, dt = accumulator(dtype), jax_dtype(dtype)
-    w = weights
-
-    def tap(name: str, x: jax.Array) -> jax.Array:
-        return x if taps is None else x + taps[name]
-
-    q = tap("q_proj", linear(query, w["w_q"], w.get("b_q"), dtype))  # (B, T, H·D)
-    k = tap("k_proj", linear(key, w["w_k"], w.get("b_k"), dtype))  # (B, S, G·D)
-    v = tap("v_proj", linear(value, w["w_v"], w.get("b_v"), dtype))  # (B, S, G·E)
+    acc, dt, w, tap = accumulator(dtype), jnp.dtype(dtype), weights, tapping(taps)
+    q, k, v = projections(query, key, value, w, dtype, tap)  # (B, T, H·D), (B, S, G·D), (B, S, G·E)
 
     B, T, S, H, G = query.shape[0], query.shape[1], key.shape[1], heads, kv_heads
     Q = q.reshape(B, T, G, H // G, -1)  # BTGRD: head h = g·R + r reads kv head g = h // R
@@ -76,48 +69,36 @@ def mha(
     }
 
 
-def causal_shift(case: Case) -> int | None:
-    """None when not causal; else how far the diagonal moves right: 0 (top-left) or S - T."""
-    return masks.causal_offset(case.config, case.tgt_len, case.src_len)
-
-
-class JaxMHAAdapter:
+class JaxMHAAdapter(CompilingAdapter):
     """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage.
 
-    ``fast_compile=False`` compiles with XLA's default options (see ``_jax_common``).
+    ``fast_compile=False`` compiles with XLA's default options (see :mod:`.backends.jax`).
     """
 
     name = "jax"
     framework = "jax"
 
-    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
-        self.device, self.fast_compile = device, fast_compile
-        use_compilation_cache()  # compiled programs kept across runs (see _jax_common)
-
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg, dtype = case.config, case.dtype
         with computing_in(dtype, self.device):
-            weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
-            mask = to_jax(case.inputs.mask)  # True = may attend
-            jitted = compiled(mha, STATIC, use_fast_compile(self.device, self.fast_compile))
-            stages = jitted(
-                to_jax(case.inputs.query, dtype), to_jax(case.inputs.key, dtype),
-                to_jax(case.inputs.value, dtype), mask, weights,
-                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, causal_shift=causal_shift(case), dtype=dtype,
+            stages = compiled(mha, STATIC, self.fast)(
+                *case.inputs_as(lambda x: array_in(x, dtype)), keep_mask(case), tree_in(case.weights.as_dict(), dtype),
+                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
+                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len), dtype=dtype,
             )
-            return to_numpy(stages)
+            return array_out(stages)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage by ``jax.vjp`` of :func:`mha`: the intermediate stages' gradients
         through zero taps added to each stage."""
         cfg, dtype = case.config, case.dtype
+        shift = masks.causal_offset(cfg, case.tgt_len, case.src_len)
         with computing_in(dtype, self.device):
-            mask = to_jax(case.inputs.mask)  # device_put: jnp.asarray would compile a conversion per mask shape
+            mask = keep_mask(case)  # device_put: jnp.asarray would compile a conversion per mask shape
 
             def output(query, key, value, weights, taps):
                 return mha(query, key, value, mask, weights, taps, heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
-                           causal_shift=causal_shift(case), dtype=dtype)["output"]
+                           causal_shift=shift, dtype=dtype)["output"]
 
             shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
-            return vjp_stages(case, output, {s: shapes[s] for s in shapes if s != "output"},
-                              fast_compile=use_fast_compile(self.device, self.fast_compile))
+            return vjp_stages(case, output, {s: shapes[s] for s in shapes if s != "output"}, fast_compile=self.fast)

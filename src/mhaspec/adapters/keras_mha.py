@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol.contract import Deviation
 from ..spec import CATALOG, Case, MHAConfig, Weights
-from .base import Deviation
-from ._tf_common import (attend_mask, matmul_deviations, numpy_dtype, probe, quiet_import, softmax_deviations, tf,
-                         to_numpy, to_tensor)
+from .backends.tensorflow import (array_in, array_out, declared_at, declared_where, distinct_inputs, dtype, keep_mask,
+                                  matmul_deviations, probe, quiet_import, softmax_deviations, tf)
 
 keras = quiet_import("keras")
 
@@ -124,12 +124,12 @@ def set_layer_weights(layer: Any, weights: Weights | Mapping[str, np.ndarray], c
         var = variables[path]
         if tuple(var.shape) != value.shape:
             raise ValueError(f"layer {layer.name}: {path} has shape {tuple(var.shape)}, the weights give {value.shape}")
-        var.assign(value.astype(numpy_dtype(var.dtype)))
+        var.assign(value.astype(dtype(var.dtype).as_numpy_dtype))
 
 
 def get_layer_weights(layer: Any, config: MHAConfig) -> dict[str, np.ndarray]:
     """A layer's weights as canonical float64 arrays; the inverse of :func:`set_layer_weights`."""
-    params = {path: to_numpy(v.value).astype(np.float64) for path, v in _variables(layer).items()}
+    params = {path: array_out(v.value).astype(np.float64) for path, v in _variables(layer).items()}
     return keras_to_canonical(params, config)
 
 
@@ -157,14 +157,10 @@ def keras_masks(case: Case) -> tuple[Any, bool]:
     (query i sees keys j <= i), so a bottom-right causal case with T != S is
     given as the band j <= i + S - T ANDed into ``attention_mask`` instead.
     """
-    c, B, T, S = case.config, case.B, case.T, case.S
-    mask = attend_mask(case.inputs.mask, B, T, S)  # (B, 1, T, S) or None
-    mask = None if mask is None else mask[:, 0]  # (B, T, S)
-    if not c.causal or c.causal_alignment == "top_left" or T == S:
-        return (None if mask is None else tf.constant(mask)), c.causal
-    band = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)  # (T, S)
-    mask = np.broadcast_to(band, (B, T, S)) if mask is None else mask & band
-    return tf.constant(mask), False
+    c = case.config
+    if not c.causal or c.causal_alignment == "top_left" or case.T == case.S:
+        return keep_mask(case, heads=False), c.causal
+    return keep_mask(case, causal=True, heads=False), False
 
 
 def unsupported_reason(case: Case) -> str | None:
@@ -188,29 +184,8 @@ def unsupported_reason(case: Case) -> str | None:
     return None
 
 
-_FULLY_MASKED = (
-    "fused path: a query row whose mask hides every key attends uniformly to all keys "
-    "(keras.ops.dot_product_attention on TensorFlow fills masked logits with the finite "
-    "-0.7·max(dtype) and never zeroes them), so its output is W_o·mean(V)+b_o instead of b_o; "
-    "the return_attention_scores=True path (keras-scores) zeroes them"
-)
-_SCALE_IN_FLOAT32 = (
-    "float64: the scale 1/sqrt(key_dim) is a Python float that Keras's TensorFlow backend passes "
-    "to tf.cast, which makes a float32 tensor before widening it (tensorflow/tensorflow#35938, "
-    "#57779, #64548), so the scores are scaled by 1/sqrt(D_k) rounded to float32 (relative error "
-    "up to 3e-8) wherever that value is not a float32 number"
-)
-#: catalog cases whose 1/sqrt(D_k) is not a float32 number (where _SCALE_IN_FLOAT32 shows).
+#: catalog cases whose 1/sqrt(D_k) is not a float32 number (where the float64 scale, taken in float32, shows).
 _SCALE_INEXACT_IN_FLOAT32 = [s.id for s in CATALOG if float(np.float32(s.config.scale)) != s.config.scale]
-
-
-_BIAS_ADD_GRAD_BF16 = (
-    "backward, bfloat16: Keras adds a bias that squeezes to a vector with tf.nn.bias_add (b_o always; b_q, "
-    "b_k, b_v with one head), whose gradient BiasAddGrad sums in bfloat16 on the CPU (measured: a sequential "
-    "bfloat16 sum; shows on the longest sums, 65 to 129 rows) "
-    "(tensorflow/core/kernels/bias_op.cc: AccumulatorType gives only Eigen::half a float accumulator; "
-    "tensorflow/tensorflow#86378), outside the standard contract's float32 accumulation"
-)
 #: backward stages the float64 scale reaches (d_concat, d_head_outputs, d_attn_weights, d_b_o do not depend on
 #: the scores; nor does d_b_v, Σ_S of d_v_proj = Σ_T d_head_outputs as every row of P sums to 1; d_b_k is ~0);
 #: d_scores only where the layer exposes it (return_attention_scores=True).
@@ -218,31 +193,29 @@ _THROUGH_SCALE = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_q
 #: where the fused path's uniform rows reach the backward: through P to d_v_proj and what is made of it, through
 #: the forward's concat to d_w_o (its mask is applied with ``where``: no gradient reaches a masked logit).
 _FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
+#: where BiasAddGrad's bfloat16 sums exceed the standard contract in the catalog: (case, stage).
+_BIAS_ADD_GRAD_BF16_WHERE = (("tile_crossing", "d_b_v"), ("tile_crossing", "d_b_o"), ("long_sequence", "d_b_o"))
 
 
 def _deviations(stages: tuple[str, ...], fully_masked: bool) -> list[Deviation]:
     """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches
     (those of every machine; the scores path adds what this process's TensorFlow measures)."""
     backward = ("d_scores", *_THROUGH_SCALE) if "attn_weights" in stages else _THROUGH_SCALE
-    out = [Deviation(_FULLY_MASKED, stage=s, rows="fully_masked") for s in stages] if fully_masked else []
-    out += [Deviation(_FULLY_MASKED + "; backward: those rows' uniform weights pass gradient to every value",
-                      stage=s, rows="fully_masked") for s in _FULLY_MASKED_BACKWARD] if fully_masked else []
-    out += [Deviation(_SCALE_IN_FLOAT32, case=c, dtype="float64", stage=s, within="float32")
-            for c in _SCALE_INEXACT_IN_FLOAT32 for s in (*stages, *backward)]
-    out += [Deviation(_BIAS_ADD_GRAD_BF16, case=c, dtype="bfloat16", stage=s, within="worst-case")
-            for c, s in (("tile_crossing", "d_b_v"), ("tile_crossing", "d_b_o"), ("long_sequence", "d_b_o"))]
-    return out
+    out = [*declared_at("keras.fully-masked", stages),
+           *declared_at("keras.fully-masked-backward", _FULLY_MASKED_BACKWARD)] if fully_masked else []
+    for case in _SCALE_INEXACT_IN_FLOAT32:
+        out += declared_at("keras.scale-in-float32", (*stages, *backward), case=case)
+    return out + declared_where("keras.bias-add-grad-bfloat16", _BIAS_ADD_GRAD_BF16_WHERE)
 
 
-def _layer_tensors(case: Case, query: Any) -> dict[str, Any]:
-    """The layer's ``value`` (and ``key``) arguments: ``query`` itself in self-attention; one
-    memory tensor as ``value`` alone when key = value (Keras's key defaults to value)."""
-    x, dt = case.inputs, case.dtype
-    if case.self_attention:
-        return {"value": query, "key": query}
-    if case.key_is_value:
-        return {"value": to_tensor(x.value, dt)}
-    return {"value": to_tensor(x.value, dt), "key": to_tensor(x.key, dt)}
+def _layer_inputs(case: Case) -> tuple[Any, dict[str, Any]]:
+    """The layer's ``query`` and its ``value`` (and ``key``) arguments, one tensor where the case has
+    one: ``query`` itself in self-attention; one memory tensor as ``value`` alone when key = value
+    (Keras's key defaults to value)."""
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype))
+    if case.key_is_value and not case.self_attention:
+        return query, {"value": value}
+    return query, {"value": value, "key": key}
 
 
 def tapped_layer(config: MHAConfig, dtype: str) -> tuple[Any, dict[str, Any]]:
@@ -292,15 +265,14 @@ class KerasMHAAdapter:
         return unsupported_reason(case) or True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
-        cfg, dt, x = case.config, case.dtype, case.inputs
+        cfg, dt = case.config, case.dtype
         with self._lock:
             layer = self._layers.get((cfg, dt))
             if layer is None:
                 layer = self._layers[(cfg, dt)] = make_layer(cfg, dt)
             set_layer_weights(layer, case.weights, cfg)
 
-            query = to_tensor(x.query, dt)
-            tensors = _layer_tensors(case, query)
+            query, tensors = _layer_inputs(case)
             attention_mask, use_causal_mask = keras_masks(case)
             result = layer(
                 query=query, **tensors,
@@ -317,7 +289,7 @@ class KerasMHAAdapter:
                                     ("v_proj", "value_dense", tensors["value"])):
                 y = getattr(layer, "_" + sub)(inp)
                 out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
-            return {stage: to_numpy(t) for stage, t in out.items()}
+            return {stage: array_out(t) for stage, t in out.items()}
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``tf.GradientTape`` around one call of a fresh layer.
@@ -336,13 +308,8 @@ class KerasMHAAdapter:
         cfg, dt = case.config, case.dtype
         layer, taps = tapped_layer(cfg, dt)
         set_layer_weights(layer, case.weights, cfg)
-        query = to_tensor(case.inputs.query, dt)
-        tensors = _layer_tensors(case, query)
-        inputs = {"d_query": query}
-        if not case.self_attention:
-            inputs["d_key"] = tensors.get("key", tensors["value"])
-            if not case.key_is_value:
-                inputs["d_value"] = tensors["value"]
+        query, tensors = _layer_inputs(case)
+        inputs = distinct_inputs(case, query, tensors.get("key", tensors["value"]), tensors["value"])
         attention_mask, use_causal_mask = keras_masks(case)
         with tf.GradientTape() as tape:
             tape.watch(list(inputs.values()))
@@ -351,8 +318,8 @@ class KerasMHAAdapter:
             output = result[0] if self.return_attention_scores else result
         variables = _variables(layer)
         sources = {**inputs, **{f"d_{name}": t for name, t in taps.items()}, **variables}
-        grads = tape.gradient(output, sources, output_gradients=to_tensor(case.d_output, dt))
-        out = {name: to_numpy(grads[name]) for name in (*inputs, *(f"d_{n}" for n in taps))}
+        grads = tape.gradient(output, sources, output_gradients=array_in(case.d_output, dt))
+        out = {name: array_out(grads[name]) for name in (*inputs, *(f"d_{n}" for n in taps))}
         for name in ("d_q_proj", "d_k_proj", "d_v_proj"):  # (B, L, heads, D) -> (B, L, heads·D)
             g = out[name]
             out[name] = g.reshape(*g.shape[:2], -1)
@@ -360,7 +327,7 @@ class KerasMHAAdapter:
             g = out["d_head_outputs"]
             out["d_concat"] = g.reshape(*g.shape[:2], -1)
             out["d_head_outputs"] = g.transpose(0, 2, 1, 3)
-        weights = keras_to_canonical({path: to_numpy(grads[path]) for path in variables}, cfg)
+        weights = keras_to_canonical({path: array_out(grads[path]) for path in variables}, cfg)
         out.update({f"d_{name}": g for name, g in weights.items()})
         return out
 
@@ -374,7 +341,7 @@ class KerasMHAScoresAdapter(KerasMHAAdapter):
 
     @property
     def known_deviations(self) -> list[Deviation]:  # type: ignore[override]
-        """Those of every machine, and what this process's TensorFlow measures (``_tf_common.probe()``,
+        """Those of every machine, and what this process's TensorFlow measures (``backends.tensorflow.probe()``,
         run once, here: the worker reads this after loading the adapter): oneDNN's softmax flush
         (``large_logits``) and the bfloat16 matmul's truncation (``d_attn_weights``), where they occur."""
         measured = probe()

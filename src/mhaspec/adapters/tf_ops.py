@@ -28,10 +28,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..spec import Case, MHAConfig, Weights
-from ._tf_common import (TF_DISTRIBUTION, attend_mask, einsum_deviations, numpy_dtype, probe, softmax_deviations, tf,
-                         to_numpy, to_tensor)
-from .base import Deviation
+from ..protocol.contract import Deviation
+from ..spec import Case, MHAConfig, Weights, masks
+from .backends.tensorflow import (TF_DISTRIBUTION, array_in, array_out, distinct_inputs, einsum_deviations,
+                                  keep_mask, probe, softmax_deviations, tf)
+from .backends.tensorflow import dtype as _dtype
 
 
 class TFMultiHeadAttention(tf.Module):
@@ -45,7 +46,7 @@ class TFMultiHeadAttention(tf.Module):
     def __init__(self, config: MHAConfig, dtype: str = "float32", name: str | None = None) -> None:
         super().__init__(name=name)
         self.config = config
-        self.dtype = tf.as_dtype(dtype)
+        self.dtype = _dtype(dtype)
         self.params = {
             n: tf.Variable(tf.zeros(shape, dtype=self.dtype), name=n, trainable=True)
             for n, shape in config.weight_shapes().items()
@@ -73,9 +74,9 @@ class TFMultiHeadAttention(tf.Module):
         scores = tf.einsum("BTHD,BSHD->BHTS", Q, K) * tf.constant(cfg.scale, dtype=self.dtype)
 
         allowed = tf.ones((1, 1, T, S), dtype=tf.bool)
-        if cfg.causal:
-            shift = 0 if cfg.causal_alignment == "top_left" else S - T
-            allowed = tf.range(S)[None, :] <= tf.range(T)[:, None] + shift  # (T, S)
+        shift = masks.causal_offset(cfg, T, S)
+        if shift is not None:
+            allowed = tf.range(S)[None, :] <= tf.range(T)[:, None] + shift  # (T, S): the causal band
         if mask is not None:
             allowed = tf.logical_and(allowed, mask)
         logits = tf.where(allowed, scores, self.dtype.min)
@@ -100,12 +101,12 @@ def load_canonical(module: TFMultiHeadAttention, weights: Weights | Mapping[str,
         value = np.asarray(weights[name])
         if value.shape != tuple(var.shape):
             raise ValueError(f"weights.{name}: expected shape {tuple(var.shape)}, got {value.shape}")
-        var.assign(value.astype(numpy_dtype(module.dtype.name)))
+        var.assign(value.astype(module.dtype.as_numpy_dtype))
 
 
 def canonical_weights(module: TFMultiHeadAttention) -> dict[str, np.ndarray]:
     """The module's weights as canonical float64 arrays (the inverse of :func:`load_canonical`)."""
-    return {name: to_numpy(var).astype(np.float64) for name, var in module.params.items()}
+    return {name: array_out(var).astype(np.float64) for name, var in module.params.items()}
 
 
 class TensorFlowMHAAdapter:
@@ -116,7 +117,7 @@ class TensorFlowMHAAdapter:
 
     @property
     def known_deviations(self) -> list[Deviation]:
-        """What this process's TensorFlow measures (``_tf_common.probe()``, run once, here: the worker
+        """What this process's TensorFlow measures (``backends.tensorflow.probe()``, run once, here: the worker
         reads this after loading the adapter): oneDNN's softmax flush where the softmax flushes, the
         einsum stages in each narrow dtype whose einsum sums in the dtype, and float16's Sum."""
         measured = probe()
@@ -125,15 +126,9 @@ class TensorFlowMHAAdapter:
     def run(self, case: Case) -> dict[str, np.ndarray]:
         module = TFMultiHeadAttention(case.config, case.dtype)
         load_canonical(module, case.weights)
-        x = case.inputs
-        mask = attend_mask(x.mask, case.B, case.T, case.S)  # same polarity: True = attend
-        stages = module(
-            query=to_tensor(x.query, case.dtype),
-            key=to_tensor(x.key, case.dtype),
-            value=to_tensor(x.value, case.dtype),
-            mask=None if mask is None else tf.constant(mask),
-        )
-        return {name: to_numpy(t) for name, t in stages.items()}
+        query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype))
+        stages = module(query=query, key=key, value=value, mask=keep_mask(case))
+        return {name: array_out(t) for name, t in stages.items()}
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage by ``tf.GradientTape``: the gradients of Σ d_output ⊙ output with
@@ -145,21 +140,13 @@ class TensorFlowMHAAdapter:
         (``d_key``, the sum of two), as docs/backward.md says."""
         module = TFMultiHeadAttention(case.config, case.dtype)
         load_canonical(module, case.weights)
-        x = case.inputs
-        mask = attend_mask(x.mask, case.B, case.T, case.S)
-        query = to_tensor(x.query, case.dtype)
-        key = query if case.self_attention else to_tensor(x.key, case.dtype)
-        value = key if case.key_is_value else to_tensor(x.value, case.dtype)
-        inputs = {"d_query": query}
-        if not case.self_attention:
-            inputs["d_key"] = key
-            if not case.key_is_value:
-                inputs["d_value"] = value
+        query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype))
+        inputs = distinct_inputs(case, query, key, value)
         with tf.GradientTape() as tape:
             tape.watch(list(inputs.values()))
-            stages = module(query=query, key=key, value=value, mask=None if mask is None else tf.constant(mask))
+            stages = module(query=query, key=key, value=value, mask=keep_mask(case))
         sources = {f"d_{name}": t for name, t in stages.items() if name != "output"}
         sources.update(inputs)
         sources.update({f"d_{name}": var for name, var in module.params.items()})
-        grads = tape.gradient(stages["output"], sources, output_gradients=to_tensor(case.d_output, case.dtype))
-        return {name: to_numpy(g) for name, g in grads.items()}
+        grads = tape.gradient(stages["output"], sources, output_gradients=array_in(case.d_output, case.dtype))
+        return {name: array_out(g) for name, g in grads.items()}

@@ -1,5 +1,8 @@
-"""What the JAX and Flax adapters share: the dtype and device a case runs in,
-the jnp projection, and the Flax parameter layout.
+"""The JAX backend of the JAX and Flax adapters: the backend functions of
+:mod:`mhaspec.adapters.backends` (``dtype``, ``array_in``, ``array_out``, ``keep_mask``), the
+dtype and device a case runs in, compilation, the jnp projections and the backward by
+``jax.vjp`` (the Flax parameter layout: :mod:`.flax`; the texts of the deviations the adapters
+declare: ``deviations/jax.json``, read by :func:`declared_at`).
 
 float64 needs JAX's x64 mode.  :func:`computing_in` switches it on with the
 ``jax.enable_x64`` context manager, which sets a *thread-local* value of the
@@ -19,7 +22,8 @@ XLA:CPU's own (no fast-math either way), differing from the default pipeline
 by an ulp or so in ``exp``.  Pass ``fast_compile=False`` to an adapter to
 judge XLA's default pipeline.  Everything else a case needs stays out of
 XLA: inputs are cast by numpy and handed over with ``jax.device_put``
-(:func:`to_jax`), masks are built inside the compiled function, reshapes of
+(:func:`array_in`), masks are built in numpy (:func:`keep_mask`) or inside the
+compiled function, reshapes of
 the results happen in numpy.  An eager ``jnp`` call on a new shape would be
 one more compilation (about 30 ms each).
 
@@ -28,24 +32,12 @@ in float16, which JAX refuses to lower for CPU; the library catches that
 and falls back to the default precision, but only outside ``jax.jit``.
 :func:`fallback_precision` applies the same fallback to a traced
 function, so it can be jit-compiled (see its doc).
-
-Flax layout (``flax.linen.MultiHeadDotProductAttention`` params and
-``flax.nnx.MultiHeadAttention`` state share it)::
-
-    query.kernel (d_model, H, D)     query.bias (H, D)       <- w_q (d_model, H·D), b_q (H·D,)
-    key.kernel   (kdim, H_kv, D)     key.bias   (H_kv, D)    <- w_k (kdim, H_kv·D), b_k
-    value.kernel (vdim, H_kv, E)     value.bias (H_kv, E)    <- w_v (vdim, H_kv·E), b_v
-    out.kernel   (H, E, d_out)       out.bias   (d_out,)     <- w_o (H·E, d_out), b_o
-
-The canonical head h owns columns [h·D, (h+1)·D), so every conversion is a
-row-major reshape: no transpose, no copy of values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -54,13 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..protocol import contract as cache
-from ..spec import MHAConfig
+from ...protocol import contract as cache
+from ...protocol.contract import Deviation
+from ...spec import Case, masks
+from . import declared
 
 # -- dtype, x64 and device -------------------------------------------------
 
 
-def jax_dtype(name: str) -> Any:
+def dtype(name: str) -> Any:
     """The jnp dtype for a spec dtype name (bfloat16 is ``jnp.bfloat16``)."""
     return jnp.dtype(name)
 
@@ -132,16 +126,33 @@ def use_compilation_cache() -> str | None:
     return str(folder)
 
 
-def to_jax(x: np.ndarray | None, dtype: str | None = None) -> jax.Array | None:
-    """A case array in ``dtype`` (exact: case inputs are representable in every dtype), or as it
-    is (a boolean mask) when ``dtype`` is None.  Cast by numpy, moved by ``jax.device_put`` to the
+def array_in(x: np.ndarray | None, name: str | None = None) -> jax.Array | None:
+    """A case array in the spec dtype ``name`` (exact: case inputs are representable in every dtype), or
+    as it is (a boolean mask) when ``name`` is None.  Cast by numpy, moved by ``jax.device_put`` to the
     default device: no XLA compilation (an eager ``jnp.asarray(x, dtype)`` compiles a convert)."""
     if x is None:
         return None
-    return jax.device_put(np.asarray(x) if dtype is None else np.asarray(x, dtype=jax_dtype(dtype)))
+    return jax.device_put(np.asarray(x) if name is None else np.asarray(x, dtype=dtype(name)))
 
 
-def to_numpy(stages: Any) -> Any:
+def tree_in(tree: Any, name: str) -> Any:
+    """:func:`array_in` of every array of a pytree (canonical weights, a Flax parameter tree)."""
+    return jax.tree.map(lambda x: array_in(x, name), tree)
+
+
+def keep_mask(case: Case, *, causal: bool = False) -> jax.Array | None:
+    """The case's mask (True = may attend: JAX's and Flax's polarity, the spec's), in its own shape
+    (B, 1|H, 1|T, S), on the default device; ANDed with the case's causal band (1, 1, T, S) when
+    ``causal``.  Built in numpy: an eager jnp op on each case's new shape would cost one compilation."""
+    mask = case.inputs.mask
+    if causal:
+        band = masks.causal_visible(case.config, case.tgt_len, case.src_len)
+        if band is not None:
+            mask = band[None, None] if mask is None else mask & band[None, None]
+    return array_in(mask)
+
+
+def array_out(stages: Any) -> Any:
     """Stages (any pytree of arrays) back as numpy arrays in their own dtype (bfloat16 as ml_dtypes.bfloat16)."""
     return jax.tree.map(np.asarray, jax.device_get(stages))
 
@@ -187,7 +198,8 @@ def rejected_algorithm(device: str, dtype: str) -> Any:
     if name is None:
         return None
     preset = getattr(jax.lax.DotAlgorithmPreset, name)
-    x = jax.ShapeDtypeStruct((1, 1), jax_dtype(dtype), sharding=jax.sharding.SingleDeviceSharding(jax.devices(device)[0]))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices(device)[0])
+    x = jax.ShapeDtypeStruct((1, 1), jnp.dtype(dtype), sharding=sharding)
     try:
         jax.jit(lambda a, b: jax.lax.dot(a, b, precision=preset, preferred_element_type=jnp.float32)).lower(x, x)
     except ValueError:
@@ -232,7 +244,40 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
     y = jnp.matmul(x, w, preferred_element_type=acc)
     if b is not None:
         y = y + b.astype(acc)
-    return y.astype(jax_dtype(dtype))
+    return y.astype(jnp.dtype(dtype))
+
+
+def tapping(taps: Mapping[str, jax.Array] | None) -> Callable[[str, jax.Array], jax.Array]:
+    """``tap(name, x)``: ``x`` plus the zero tap ``taps[name]`` (whose cotangent under ``jax.vjp`` is
+    that stage's gradient), or ``x`` itself when ``taps`` is None (the forward)."""
+    return lambda name, x: x if taps is None else x + taps[name]
+
+
+def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Mapping[str, jax.Array], dtype: str,
+                tap: Callable[[str, jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q_proj (B, T, H·D), k_proj (B, S, G·D), v_proj (B, S, G·E): the canonical projections by
+    :func:`linear`, each through ``tap`` (:func:`tapping`)."""
+    w = weights
+    q = tap("q_proj", linear(query, w["w_q"], w.get("b_q"), dtype))
+    k = tap("k_proj", linear(key, w["w_k"], w.get("b_k"), dtype))
+    v = tap("v_proj", linear(value, w["w_v"], w.get("b_v"), dtype))
+    return q, k, v
+
+
+class CompilingAdapter:
+    """What every JAX and Flax adapter is made with: the JAX ``device`` it runs on (``"cpu"``,
+    ``"gpu"`` …) and whether it compiles with :data:`FAST_COMPILE` (``fast_compile=False``: XLA's
+    default pipeline); making one switches on the persistent compilation cache
+    (:func:`use_compilation_cache`)."""
+
+    def __init__(self, *, device: str = "cpu", fast_compile: bool = True) -> None:
+        self.device, self.fast_compile = device, fast_compile
+        use_compilation_cache()
+
+    @property
+    def fast(self) -> bool:
+        """Whether this adapter's programs compile with :data:`FAST_COMPILE` (:func:`use_fast_compile`)."""
+        return use_fast_compile(self.device, self.fast_compile)
 
 
 def vjp_stages(
@@ -256,9 +301,12 @@ def vjp_stages(
     """
     dtype = case.dtype
     if weights is None:
-        weights = {k: to_jax(v, dtype) for k, v in case.weights.as_dict().items()}
-    taps = {name: jax.device_put(np.zeros(shape, dtype=jax_dtype(dtype))) for name, shape in tap_shapes.items()}
-    query, key, value = (to_jax(x, dtype) for x in (case.inputs.query, case.inputs.key, case.inputs.value))
+        weights = tree_in(case.weights.as_dict(), dtype)
+    taps = {name: jax.device_put(np.zeros(shape, dtype=jnp.dtype(dtype))) for name, shape in tap_shapes.items()}
+    # one array where the case has one; the three arguments of the compiled function stay three (the same
+    # array passed again is one more argument, not a different program), and ``gradients`` differentiates
+    # with respect to the distinct ones
+    query, key, value = case.inputs_as(lambda x: array_in(x, dtype))
 
     def gradients(query, key, value, weights, taps, d_output):
         if case.self_attention:
@@ -278,15 +326,15 @@ def vjp_stages(
         return grads, d_weights
 
     run = jax.jit(gradients, compiler_options=FAST_COMPILE if fast_compile else None) if jit else gradients
-    grads, d_weights = run(query, key, value, weights, taps, to_jax(case.d_output, dtype))
-    out = to_numpy(grads)
+    grads, d_weights = run(query, key, value, weights, taps, array_in(case.d_output, dtype))
+    out = array_out(grads)
     d_weights = jax.tree.map(lambda g: np.asarray(jax.device_get(g)), d_weights)
     out.update({f"d_{name}": g for name, g in (to_canonical(d_weights) if to_canonical else d_weights).items()})
     return out
 
 
-#: Backward stages downstream of the softmax that the Flax adapters expose (d_concat, d_head_outputs and
-#: d_b_o are not downstream; d_scores, d_attn_weights are not exposed).
+#: Backward stages downstream of the softmax that the Flax adapters and ``jax-dpa`` expose (d_concat,
+#: d_head_outputs and d_b_o are not downstream; d_scores, d_attn_weights are not exposed).
 THROUGH_SOFTMAX = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_[qkv]")
 
 #: Where the uniform weights of a row that sees no key (masked logits filled with a finite value, then
@@ -295,84 +343,12 @@ THROUGH_SOFTMAX = ("d_[qkv]_proj", "d_query", "d_key", "d_value", "d_w_?", "d_b_
 #: (d_query: self-attention, where it sums d_v_proj's share.)
 FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d_b_v")
 
-#: A layer that adds its biases in bfloat16 gets their gradients from a bfloat16 reduction.
-#: Where it shows in the catalog (bfloat16): (case, stage) patterns.
-BIAS_GRAD_BF16_WHERE = (("long_sequence", "d_b_o"), ("tile_crossing", "d_b_o"))
-BIAS_GRAD_BF16 = (
-    "backward, bfloat16: the layer adds each bias in bfloat16, so its gradient is the transpose of that "
-    "broadcast, lax.reduce_sum of the bfloat16 cotangent over batch and length (jax/_src/lax/lax.py "
-    "_broadcast_in_dim_transpose_rule), which XLA:CPU accumulates in bfloat16 (measured: never the float32 "
-    "sum rounded once; over 27 rows equal to a sequential bfloat16 sum), outside the standard contract's "
-    "float32 accumulation; shows on the longest sums (d_b_o over 65 and 128 rows); cf. jax-ml/jax#27496"
-)
+
+def declared_at(key: str, stages: tuple[str, ...], **values: Any) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/jax.json``, once for each of ``stages`` (its ``{stage}``)."""
+    return [d for stage in stages for d in declared("jax", key, stage=stage, **values)]
 
 
-# -- the Flax parameter layout --------------------------------------------
-
-
-def flax_layer_limits(config: MHAConfig, layer: str) -> str | None:
-    """Why Flax's attention ``layer`` cannot express ``config``, or None.
-
-    Both Flax layers use one head size (qkv_features // num_heads) for query,
-    key and value, and always scale by 1/sqrt(head_dim).
-    """
-    if config.D_v != config.D_k:
-        return (f"{layer} uses one head size (qkv_features // num_heads) for query, key and value: "
-                f"D_v={config.D_v} != D_k={config.D_k}")
-    if not math.isclose(config.scale, 1 / math.sqrt(config.D_k), rel_tol=1e-12):
-        return (f"{layer} has no scale argument (it always divides the query by sqrt(head_dim)): "
-                f"scale={config.scale} != 1/sqrt({config.D_k})")
-    return None
-
-
-
-def _as_dict(weights: Any) -> dict[str, np.ndarray]:
-    if hasattr(weights, "as_dict"):
-        weights = weights.as_dict()
-    return {k: np.asarray(v) for k, v in dict(weights).items() if v is not None}
-
-
-def canonical_to_flax(weights: Any, config: MHAConfig) -> dict[str, dict[str, np.ndarray]]:
-    """Canonical weights -> ``{"query"|"key"|"value"|"out": {"kernel", "bias"}}`` (see module doc).
-
-    ``weights`` is a :class:`~mhaspec.spec.Weights` or a mapping ``w_q … b_o``;
-    biases are left out when absent (``use_bias=False``).
-    """
-    w = _as_dict(weights)
-    H, G, D, E = config.H, config.H_kv, config.D_k, config.D_v
-    heads = {"query": ("q", H, D), "key": ("k", G, D), "value": ("v", G, E)}
-    tree: dict[str, dict[str, np.ndarray]] = {}
-    for name, (x, n, size) in heads.items():
-        tree[name] = {"kernel": w[f"w_{x}"].reshape(-1, n, size)}  # (in, heads, size)
-        if f"b_{x}" in w:
-            tree[name]["bias"] = w[f"b_{x}"].reshape(n, size)  # (heads, size)
-    tree["out"] = {"kernel": w["w_o"].reshape(H, E, -1)}  # (H, E, d_out)
-    if "b_o" in w:
-        tree["out"]["bias"] = w["b_o"]  # (d_out,)
-    return tree
-
-
-def flax_to_canonical(tree: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
-    """The inverse of :func:`canonical_to_flax`: canonical ``w_q … b_o`` (biases only if present)."""
-    out: dict[str, np.ndarray] = {}
-    for name, x in (("query", "q"), ("key", "k"), ("value", "v")):
-        kernel = np.asarray(tree[name]["kernel"])  # (in, heads, size)
-        out[f"w_{x}"] = kernel.reshape(kernel.shape[0], -1)
-        if "bias" in tree[name]:
-            out[f"b_{x}"] = np.asarray(tree[name]["bias"]).reshape(-1)
-    kernel = np.asarray(tree["out"]["kernel"])  # (H, E, d_out)
-    out["w_o"] = kernel.reshape(-1, kernel.shape[-1])
-    if "bias" in tree["out"]:
-        out["b_o"] = np.asarray(tree["out"]["bias"])
-    return out
-
-
-def flax_head_gradients(grads: dict[str, Any], batch: int, tgt_len: int) -> dict[str, Any]:
-    """A Flax layer's tapped gradients in the canonical layout: the projections' (B, L, heads, D)
-    flattened to (B, L, heads·D); W^O's input gradient (B, T, H, D) as ``d_head_outputs``
-    (B, H, T, D) and ``d_concat`` (B, T, H·D)."""
-    for name in ("d_q_proj", "d_k_proj", "d_v_proj"):
-        grads[name] = grads[name].reshape(*grads[name].shape[:2], -1)
-    heads = grads.pop("d_head_outputs")  # (B, T, H, D)
-    grads["d_head_outputs"], grads["d_concat"] = heads.transpose(0, 2, 1, 3), heads.reshape(batch, tgt_len, -1)
-    return grads
+def declared_where(key: str, where: tuple[tuple[str, str], ...]) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/jax.json`` at each (case, stage) of ``where``."""
+    return [d for case, stage in where for d in declared("jax", key, case=case, stage=stage)]

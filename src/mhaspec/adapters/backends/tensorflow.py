@@ -1,7 +1,8 @@
-"""What the TensorFlow and Keras adapters share: a quiet import, dtypes,
-numpy <-> tensor conversion, and the run-time probe (:func:`probe`) from which
-they declare the deviations that depend on the machine and on
-``TF_ENABLE_ONEDNN_OPTS`` (docs/tensorflow.md, "Which deviations apply here").
+"""The TensorFlow backend of the TensorFlow and Keras adapters: a quiet import, the backend
+functions of :mod:`mhaspec.adapters.backends` (``dtype``, ``array_in``, ``array_out``,
+``keep_mask``), and the run-time probe (:func:`probe`) from which they declare the deviations
+that depend on the machine and on ``TF_ENABLE_ONEDNN_OPTS`` (docs/tensorflow.md, "Which
+deviations apply here"); the texts of those deviations are data, in ``deviations/tensorflow.json``.
 
 TensorFlow 2.21 logs through absl before ``absl::InitializeLog()`` runs, so
 ``TF_CPP_MIN_LOG_LEVEL`` does not silence its import-time lines (oneDNN,
@@ -23,6 +24,10 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from ...protocol.contract import Deviation
+from ...spec import Case, masks
+from . import declared
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -69,57 +74,8 @@ def _distribution(module: str) -> str:
 TF_DISTRIBUTION = _distribution("tensorflow")
 
 
-#: A deviation of TensorFlow's CPU softmax, declared by every adapter that exposes attn_weights, where the
-#: probe measures it (:attr:`Probe.softmax_flushes`).
-ONEDNN_SOFTMAX = (
-    "TensorFlow's oneDNN CPU softmax (TF_ENABLE_ONEDNN_OPTS=1) returns 0 for probabilities below 2^-125 (here "
-    "2.15e-38 expected); Eigen's softmax (TF_ENABLE_ONEDNN_OPTS=0) returns them"
-)
-
-#: The same, carried into the backward: d_scores = P ⊙ (dP − δ) is 0 where P was flushed to 0.
-BACKWARD_ONEDNN_SOFTMAX = "; backward: d_scores = P ⊙ (d_attn_weights − δ) is 0 wherever P was flushed to 0"
-
-#: TensorFlow's CPU reductions of float16 accumulate in float16 (bfloat16 gets a float32 accumulator).
-_SUM_FLOAT16 = (
-    "TensorFlow's CPU Sum of float16 accumulates in float16 (reduction_ops.h gives only bfloat16 a float "
-    "accumulator: tensorflow/tensorflow#123299, fix proposed in #124049), outside the standard contract's "
-    "float32 accumulation; within --precision worst-case"
-)
-#: The Sum in key_padding's d_b_q, where it exceeds the standard contract in the catalog.
-REDUCE_SUM_FLOAT16 = (
-    "backward: a bias gradient is tf.reduce_sum of the upstream gradient over batch and length (here 21 rows), and "
-    + _SUM_FLOAT16
-)
-
-
 #: The stages the ``tensorflow`` adapter computes by ``tf.einsum`` (forward) or its gradient (an einsum too).
 EINSUM_STAGES = ("scores", "head_outputs", "d_attn_weights", "d_q_proj", "d_k_proj", "d_v_proj")
-
-#: TensorFlow's CPU Einsum of float16 or bfloat16 where the probe measures a sum in the dtype itself.
-EINSUM_NARROW = (
-    "TensorFlow's CPU Einsum of {dtype} accumulates in {dtype} in this process (the scores, the head outputs and "
-    "their gradients; {probe}): where oneDNN does not take {dtype} (it is off, or the CPU lacks {needs}: "
-    "IsDataTypeSupportedByOneDNNOnThisCPU, tensorflow/core/util/util.cc), Einsum hands the product to Eigen's "
-    "{dtype} contraction (LaunchBatchMatMul<CPUDevice, {dtype}>), which sums in {dtype}, in blocks whose sizes "
-    "depend on the shapes and the CPU's caches, so which catalog stages exceed the standard contract depends on "
-    "the machine (tf.linalg.matmul computes in float32: BaseBatchMatMulOp), outside the standard contract's "
-    "float32 accumulation; within --precision worst-case"
-)
-#: What oneDNN needs to take each narrow dtype (util.cc).
-_ONEDNN_NEEDS = {"float16": "AVX512BW with AVX512-FP16 or AMX-FP16, or AVX-NE-CONVERT",
-                 "bfloat16": "AVX512F or AVX-NE-CONVERT"}
-
-#: TensorFlow's bfloat16 matmul where the probe measures a result truncated to bfloat16.
-MATMUL_TRUNCATES = (
-    "TensorFlow's CPU MatMul/BatchMatMul of bfloat16 rounds its float32 result toward zero in this process "
-    "({probe}): where oneDNN does not take bfloat16 (it is off, or the CPU lacks AVX512F and AVX-NE-CONVERT), "
-    "BaseBatchMatMulOp (tensorflow/core/kernels/matmul_op_impl.h) computes in float32 and converts back with "
-    "FloatToBFloat16, which keeps the upper 16 bits (tensorflow/core/framework/bfloat16.cc): a bias of half a "
-    "bfloat16 ulp toward zero on every product Keras computes with tf.matmul (its attention einsums, "
-    "keras/src/backend/tensorflow/numpy.py use_custom_ops), beyond the standard contract where the sums are "
-    "short (d_attn_weights, over D_v terms); within --precision worst-case"
-)
-
 
 #: Limits of :class:`Probe`: an einsum with more than this multiple of a float32 accumulation's error sums in
 #: the dtype (a float32 accumulation rounded once measures 1.0, rounded toward zero about 2, a sum in the dtype
@@ -133,19 +89,19 @@ _SOFTMAX_PROBE_LOGIT = -87.0
 PROBE_TERMS = 512
 
 
-def einsum_error(dtype: str, einsum: Any = None) -> float:
-    """How far a ``dtype`` (float16 or bfloat16) ``tf.einsum`` of the ``tensorflow`` adapter's head-outputs
-    product, over :data:`PROBE_TERMS` terms, is from the exact product, as a multiple of the error of
+def einsum_error(name: str, einsum: Any = None) -> float:
+    """How far a ``tf.einsum`` in the spec dtype ``name`` (float16 or bfloat16) of the ``tensorflow`` adapter's
+    head-outputs product, over :data:`PROBE_TERMS` terms, is from the exact product, as a multiple of the error of
     rounding that product to the dtype once (root mean square over 16 × 8 outputs; fixed data: weights in
     [0, 1), normal values): 1.0 for a float32 accumulation rounded once, 10 to 20 for a sum in the dtype.
     ``einsum`` replaces ``tf.einsum`` (tests)."""
     rng = np.random.default_rng(0)
-    np_dtype = numpy_dtype(dtype)
+    np_dtype = dtype(name).as_numpy_dtype
     p = rng.random((1, 1, 16, PROBE_TERMS)).astype(np_dtype)
     v = rng.standard_normal((1, PROBE_TERMS, 1, 8)).astype(np_dtype)
     exact = np.einsum("BHTS,BSHE->BHTE", p.astype(np.float64), v.astype(np.float64))
-    got = (einsum or tf.einsum)("BHTS,BSHE->BHTE", to_tensor(p, dtype), to_tensor(v, dtype))
-    got = to_numpy(got).astype(np.float64)
+    got = (einsum or tf.einsum)("BHTS,BSHE->BHTE", array_in(p, name), array_in(v, name))
+    got = array_out(got).astype(np.float64)
     rounding = np.sqrt(np.mean((exact.astype(np_dtype).astype(np.float64) - exact) ** 2))
     return float(np.sqrt(np.mean((got - exact) ** 2)) / rounding)
 
@@ -155,11 +111,11 @@ def matmul_toward_zero(matmul: Any = None) -> float:
     data) that lie between the exact product and zero: about 0.5 for round-to-nearest, 1.0 where the
     float32 result is truncated.  ``matmul`` replaces ``tf.linalg.matmul`` (tests)."""
     rng = np.random.default_rng(1)
-    bf16 = numpy_dtype("bfloat16")
+    bf16 = dtype("bfloat16").as_numpy_dtype
     a = rng.standard_normal((16, 64)).astype(bf16)
     b = rng.standard_normal((64, 8)).astype(bf16)
     exact = a.astype(np.float64) @ b.astype(np.float64)
-    got = to_numpy((matmul or tf.linalg.matmul)(to_tensor(a, "bfloat16"), to_tensor(b, "bfloat16")))
+    got = array_out((matmul or tf.linalg.matmul)(array_in(a, "bfloat16"), array_in(b, "bfloat16")))
     got = got.astype(np.float64)
     inexact = got != exact
     toward_zero = np.abs(got) < np.abs(exact)
@@ -170,7 +126,7 @@ def softmax_tiny() -> float:
     """``tf.nn.softmax`` of the float32 logits [0, -87] at -87: exp(-87) = 1.65e-38 (a normal float32
     number below 2^-125), or 0 where the softmax flushes such probabilities."""
     logits = tf.constant([[0.0, _SOFTMAX_PROBE_LOGIT]], dtype=tf.float32)
-    return float(to_numpy(tf.nn.softmax(logits, axis=-1))[0, 1])
+    return float(array_out(tf.nn.softmax(logits, axis=-1))[0, 1])
 
 
 @dataclass(frozen=True)
@@ -228,18 +184,12 @@ def probe() -> Probe:
                  matmul_toward_zero=matmul_toward_zero())
 
 
-def softmax_deviations(p: Probe, case: str = "large_logits") -> list[Any]:
-    """oneDNN's float32 softmax flush, where ``p`` measures it: ``case``'s attn_weights and d_scores."""
-    from .base import Deviation
-
-    if not p.softmax_flushes:
-        return []
-    reason = f"{ONEDNN_SOFTMAX} ({p.softmax_text})"
-    return [Deviation(reason, case=case, dtype="float32", stage="attn_weights"),
-            Deviation(reason + BACKWARD_ONEDNN_SOFTMAX, case=case, dtype="float32", stage="d_scores")]
+def softmax_deviations(p: Probe) -> list[Deviation]:
+    """oneDNN's float32 softmax flush, where ``p`` measures it: ``large_logits``'s attn_weights and d_scores."""
+    return declared("tensorflow", "onednn-softmax", probe=p.softmax_text) if p.softmax_flushes else []
 
 
-def einsum_deviations(p: Probe, stages: tuple[str, ...] = EINSUM_STAGES) -> list[Any]:
+def einsum_deviations(p: Probe, stages: tuple[str, ...] = EINSUM_STAGES) -> list[Deviation]:
     """The ``tensorflow`` adapter's narrow accumulations as ``p`` measures them.
 
     Each dtype whose einsum sums in the dtype gets one declaration of the einsum ``stages``; float16's
@@ -247,58 +197,70 @@ def einsum_deviations(p: Probe, stages: tuple[str, ...] = EINSUM_STAGES) -> list
     mechanisms, one declaration, as which of them exceeds the standard contract depends on the data).
     Where the float16 einsum keeps float32, only the Sum remains, declared where it exceeds the standard
     contract in the catalog (``key_padding``'s ``d_b_q``)."""
-    from .base import Deviation
-
     out = []
-    for dtype in ("float16", "bfloat16"):
-        if not p.einsum_narrow(dtype):
-            continue
-        reason = EINSUM_NARROW.format(dtype=dtype, probe=p.einsum_text(dtype), needs=_ONEDNN_NEEDS[dtype])
-        covered = stages
-        if dtype == "float16":
-            reason += ". Also backward: the bias gradients are tf.reduce_sum over batch and length, and " + _SUM_FLOAT16
-            covered = (*stages, "d_b_q", "d_b_k", "d_b_v")
-        out.append(Deviation(reason, dtype=dtype, stage="|".join(covered), within="worst-case"))
+    for name in ("float16", "bfloat16"):
+        if p.einsum_narrow(name):
+            out += declared("tensorflow", f"einsum-narrow-{name}", probe=p.einsum_text(name), stages="|".join(stages))
     if not p.einsum_narrow("float16"):
-        out.append(Deviation(REDUCE_SUM_FLOAT16, case="key_padding", dtype="float16", stage="d_b_q",
-                             within="worst-case"))
+        out += declared("tensorflow", "reduce-sum-float16")
     return out
 
 
-def matmul_deviations(p: Probe, stages: tuple[str, ...] = ("d_attn_weights",)) -> list[Any]:
+def matmul_deviations(p: Probe, stages: tuple[str, ...] = ("d_attn_weights",)) -> list[Deviation]:
     """bfloat16 matmul truncation, where ``p`` measures it, at ``stages`` (bounded by the worst-case contract)."""
-    from .base import Deviation
-
     if not p.matmul_truncates:
         return []
-    return [Deviation(MATMUL_TRUNCATES.format(probe=p.matmul_text), dtype="bfloat16", stage="|".join(stages),
-                      within="worst-case")]
+    return declared("tensorflow", "matmul-truncates", probe=p.matmul_text, stages="|".join(stages))
 
 
-def numpy_dtype(name: str) -> Any:
-    """The numpy dtype for a spec dtype name (bfloat16 through ml_dtypes, as TensorFlow uses)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+def declared_at(key: str, stages: tuple[str, ...], **values: Any) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/tensorflow.json``, once for each of ``stages`` (its ``{stage}``)."""
+    return [d for stage in stages for d in declared("tensorflow", key, stage=stage, **values)]
 
 
-def to_tensor(x: np.ndarray, dtype: str) -> Any:
-    """A float64 array as a tensor of the spec dtype ``dtype`` (exact for the catalog's data)."""
-    return tf.constant(np.asarray(x).astype(numpy_dtype(dtype)), dtype=tf.as_dtype(dtype))
+def declared_where(key: str, where: tuple[tuple[str, str], ...]) -> list[Deviation]:
+    """The declaration ``key`` of ``deviations/tensorflow.json`` at each (case, stage) of ``where``."""
+    return [d for case, stage in where for d in declared("tensorflow", key, case=case, stage=stage)]
 
 
-def to_numpy(t: Any) -> np.ndarray:
+def dtype(name: str) -> Any:
+    """The ``tf.DType`` for a spec dtype name (its ``as_numpy_dtype`` is NumPy's, bfloat16 ml_dtypes')."""
+    return tf.as_dtype(name)
+
+
+def array_in(x: np.ndarray, name: str) -> Any:
+    """A float64 array as a tensor of the spec dtype ``name`` (exact for the catalog's data)."""
+    return tf.constant(np.asarray(x).astype(dtype(name).as_numpy_dtype), dtype=dtype(name))
+
+
+def array_out(t: Any) -> np.ndarray:
     """A tensor as a numpy array of its own dtype (bfloat16 stays ml_dtypes.bfloat16)."""
     return np.asarray(t.numpy() if hasattr(t, "numpy") else t)
 
 
-def attend_mask(mask: np.ndarray | None, B: int, T: int, S: int) -> np.ndarray | None:
-    """The spec's mask (True = may attend, broadcastable to (B, H, T, S)) broadcast to
-    (B, H_mask, T, S), H_mask in {1, H}.  TensorFlow and Keras use the same polarity
-    (1/True = attend), so no inversion is needed."""
-    if mask is None:
+def distinct_inputs(case: Case, query: Any, key: Any, value: Any) -> dict[str, Any]:
+    """The distinct input tensors of ``case.inputs_as(...)`` by the name of their gradient: ``d_query``;
+    ``d_key`` unless self-attention; ``d_value`` unless key and value are one tensor.  A tensor given
+    as several inputs has one gradient, the sum of its shares (docs/backward.md)."""
+    inputs = {"d_query": query}
+    if not case.self_attention:
+        inputs["d_key"] = key
+        if not case.key_is_value:
+            inputs["d_value"] = value
+    return inputs
+
+
+def keep_mask(case: Case, *, causal: bool = False, heads: bool = True) -> Any:
+    """The case's mask as a bool tensor (True = may attend: TensorFlow's and Keras's polarity, the
+    spec's), broadcast to (B, H_mask, T, S), H_mask in {1, H}, or (B, T, S) without ``heads`` (one
+    mask for every head); ANDed with the case's causal band when ``causal``.  None where nothing
+    is hidden."""
+    mask = case.inputs.mask
+    band = masks.causal_visible(case.config, case.T, case.S) if causal else None
+    if mask is None and band is None:
         return None
-    heads = mask.shape[-3] if mask.ndim >= 3 else 1
-    return np.broadcast_to(mask, (B, heads, T, S))
+    shown = mask.shape[-3] if mask is not None and mask.ndim >= 3 else 1
+    keep = np.broadcast_to(True if mask is None else mask, (case.B, shown, case.T, case.S))
+    if band is not None:
+        keep = keep & band
+    return tf.constant(keep if heads else keep[:, 0])
