@@ -56,7 +56,7 @@ def test_spec_imports_only_numpy_pydantic_and_the_standard_library():
 
 
 def test_adapters_never_import_reference_or_conformance():
-    for path in _modules("adapters"):
+    for path in _modules("adapters") + _modules("adapters/backends"):
         for name in _imports(path):
             assert not name.startswith(("mhaspec.reference", "mhaspec.conformance")), f"{path.name} imports {name}"
 
@@ -67,10 +67,6 @@ def test_reference_imports_no_conformance_or_adapters():
             assert not name.startswith(("mhaspec.conformance", "mhaspec.adapters")), f"{path.name} imports {name}"
 
 
-#: Still on the old path (``from .base import Deviation``, the re-export of mhaspec.protocol.contract):
-#: the TensorFlow/Keras adapters were being edited elsewhere when the contract moved; move them next.
-OLD_CONTRACT_PATH = {"_tf_common.py", "tf_ops.py", "keras_mha.py"}
-
 #: Besides the spec and the contract, what an adapter may import of mhaspec: its own package's helpers
 #: the package's own helpers (backends).
 ADAPTER_MAY_IMPORT = ("mhaspec.spec", "mhaspec.protocol.contract", "mhaspec.adapters.")
@@ -78,15 +74,14 @@ ADAPTER_MAY_IMPORT = ("mhaspec.spec", "mhaspec.protocol.contract", "mhaspec.adap
 
 def test_adapters_import_only_the_spec_and_the_protocols_contract():
     checked = 0
-    for path in _modules("adapters"):
-        if path.name in ("__init__.py", "base.py"):  # the package's re-exports of mhaspec.protocol
-            continue
-        allowed = ADAPTER_MAY_IMPORT + (("mhaspec.adapters.base",) if path.name in OLD_CONTRACT_PATH else ())
+    for path in _modules("adapters") + _modules("adapters/backends"):
+        if path.parent.name == "adapters" and path.name in ("__init__.py", "base.py"):
+            continue  # the package's re-exports of mhaspec.protocol (kept for users' code)
         for name in _imports(path):
             if name.split(".")[0] != "mhaspec":
                 continue
-            assert name.startswith(allowed), f"{path.name} imports {name}"
-            assert name != "mhaspec.adapters.base" or path.name in OLD_CONTRACT_PATH, f"{path.name} imports {name}"
+            assert name.startswith(ADAPTER_MAY_IMPORT), f"{path.relative_to(PACKAGE)} imports {name}"
+            assert name != "mhaspec.adapters.base", f"{path.relative_to(PACKAGE)} imports the re-export, not the contract"
             checked += 1
     assert checked
 
