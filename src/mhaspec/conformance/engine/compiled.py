@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...fixtures import GoldenCase
+from .. import judging
 from ..compare import Scratch
 from ..model.forward import AttentionConstants
 from ..model.vocabulary import U32, U64, Pair, gamma, stored, swap
@@ -48,7 +49,7 @@ def kernels_for(golden: GoldenCase) -> Any:
     """:func:`kernels_for_shape` for ``golden``, sized by the whole case where it is one block of query
     rows (:mod:`mhaspec.conformance.blocks`): what pays back the compilation is the whole case's work,
     and a large case is judged in blocks smaller than :data:`COMPILED_MIN_ELEMENTS`."""
-    B, H, T, S = golden.whole_shape or golden.visible.shape
+    B, H, T, S = judging.whole_shape(golden)
     return kernels_for_shape(B * H, T, S)
 
 
