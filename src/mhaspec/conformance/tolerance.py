@@ -136,22 +136,23 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     def chunk(n: slice, rows: slice, buf: Scratch) -> None:
         args = (cst, Q[n, rows], tQ2[n, rows], keys.KK[n], keys.aK[n], keys.V[n], keys.V2[n], keys.aV[n],
                 keys.tV2[n], sN[n, rows], pN[n, rows], oN[n, rows], visN[n, rows])
+        e_o = Error(o2[n, rows], wo[n, rows])
         if kernels is not None and compiled.attention_chunk(
                 kernels, *args,
-                bounds=None if sig_s is None else tuple(a[n, rows] for a in (sig_s, wor_s, sig_p, wor_p)),
+                bounds=None if sig_s is None else (Bound(sig_s[n, rows], wor_s[n, rows]),
+                                                   Bound(sig_p[n, rows], wor_p[n, rows])),
                 tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
                 extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
-                out=(o2[n, rows], wo[n, rows]), buf=buf):
+                out=e_o, buf=buf):
             return
         shape = sN[n, rows].shape
-        out = tuple(buf(f"g_out{i}", shape) if a is None else a[n, rows]
-                    for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))) + (o2[n, rows], wo[n, rows])
+        b = [buf(f"g_out{i}", shape) if a is None else a[n, rows] for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))]
+        out = forward_rules.ChunkOut(Bound(b[0], b[1]), Bound(b[2], b[3]), e_o)
         if not inplace.attention_chunk(*args, out=out, buf=buf):
             forward_rules.attention_chunk(*args, out=out)
         if tol_s is not None and tol_p is not None:
-            for sig, wor, e, dst in ((out[0], out[1], extra_s, tol_s[n, rows]),
-                                     (out[2], out[3], extra_p, tol_p[n, rows])):
-                inplace.tolerance_into(sig, wor, e if isinstance(e, float) else e[n, rows], dst, buf)
+            for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
+                inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
 
     # the general path's arithmetic on an adapter's own NaN and inf (a deviation bound, a local
     # check) is deliberate: no RuntimeWarning, as in local_references (the chunks' threads inherit it)

@@ -30,7 +30,7 @@ from ...spec import STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .softmax import (score_moves, second_order, softmax_rounding, softmax_worst, visible_row_max,
                       weights_sigma)
-from .vocabulary import (EXACT, LINEAR, U64, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, product,
+from .vocabulary import (EXACT, LINEAR, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, product,
                          stored, swap, upper32)
 
 
@@ -146,16 +146,25 @@ def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndar
     return Error(o2, wo)
 
 
+class ChunkOut(NamedTuple):
+    """Where steps 2–4 of one chunk of query rows go (arrays of the chunk's shape, filled in place)."""
+
+    scores: Bound
+    attn_weights: Bound
+    head_outputs: Error  # var and acc; its Bound is formed with concat and output (step 5)
+
+
 def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, V: np.ndarray,
                     V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray, o: np.ndarray,
-                    vis: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
-    """Steps 2–4 for one chunk of query rows (every special value handled): (sigma, worst) of the
-    scores and of the attention weights, and (var, acc) of the head outputs, into ``out``."""
+                    vis: np.ndarray, out: ChunkOut) -> None:
+    """Steps 2–4 for one chunk of query rows (every special value handled): the bounds of the scores
+    and of the attention weights, and the error of the head outputs, into ``out``."""
     e_s = scores(c, Q, tQ2, KK, aK, s)
     w = weights(c, s, p, vis, e_s)
     e_o = head_outputs(c, p, o, V, V2, aV, tV2, w)
     b_s = e_s.bound(c.floor)
-    for dst, src in zip(out, (b_s.sigma, b_s.worst, w.sigma, w.worst, e_o.var, e_o.acc)):
+    for dst, src in zip((*out.scores, *out.attn_weights, out.head_outputs.var, out.head_outputs.acc),
+                        (b_s.sigma, b_s.worst, w.sigma, w.worst, e_o.var, e_o.acc)):
         dst[...] = src
 
 
