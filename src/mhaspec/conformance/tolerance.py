@@ -26,8 +26,9 @@ from typing import Any, Literal
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import STAGES
+from ..spec import STAGE, STAGES
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from . import judging
 from .compare import Scratch
 from .engine import chunks, compiled, inplace
 from .engine.compiled import NUMBA_ENV
@@ -35,8 +36,8 @@ from .model import backward as backward_rules, forward as forward_rules, local a
 from .model.backward_local import local_checks
 from .model.forward import worst_case_tolerances
 from .model.local import LOCAL_INPUTS
-from .model.vocabulary import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, Pair, gamma, heads, merge,
-                               nonnegative_product, rounding, swap)
+from .model.vocabulary import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, Error, Pair, gamma, heads,
+                               merge, nonnegative_product, rounding, swap)
 
 __all__ = [
     "KAPPA", "KAPPA_MIN_ELEMENTS", "LAMBDA", "LOCAL_INPUTS", "NUMBA_ENV", "PRECISIONS", "Bound", "backward_bounds",
@@ -57,12 +58,12 @@ def judging_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
                    table: ToleranceTable = DEFAULT_TOLERANCES) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
     """(:func:`golden_bounds`, the tolerance of every stage of the golden with its own error).
 
-    The tolerances are those of ``golden.with_reference_error(bounds)`` (``LAMBDA·sigma +
+    The tolerances are those of ``judging.with_reference_error(golden, bounds)`` (``LAMBDA·sigma +
     (worst + reference error)``, the same numbers); those of the (B, H, T, S) stages are
     formed chunk by chunk with their bounds, while they are in the processor's cache."""
     if _worst_case(precision):
         bounds = _worst_case_bounds(golden, dtype, table)
-        return bounds, _tolerances(golden.with_reference_error(bounds))
+        return bounds, _tolerances(judging.with_reference_error(golden, bounds))
     return _standard(golden, dtype, table, keep_bounds=True, tolerances="with reference error")
 
 
@@ -71,10 +72,10 @@ def stage_tolerances(golden: GoldenCase, dtype: str, table: ToleranceTable = DEF
     """The element-wise tolerance of every golden stage (``LAMBDA·sigma + worst``); those of the
     (B, H, T, S) stages are formed chunk by chunk, and their bounds are not kept.  With
     ``reference_error``, the golden's own error is in them: the numbers of
-    ``golden.with_reference_error(stage_tolerances(golden, dtype))``, formed in the chunks."""
+    ``judging.with_reference_error(golden, stage_tolerances(golden, dtype))``, formed in the chunks."""
     if _worst_case(precision):
         bounds = _worst_case_bounds(golden, dtype, table)
-        return _tolerances(golden.with_reference_error(bounds) if reference_error else bounds)
+        return _tolerances(judging.with_reference_error(golden, bounds) if reference_error else bounds)
     return _standard(golden, dtype, table, keep_bounds=False,
                      tolerances="with reference error" if reference_error else "plain")[1]
 
@@ -87,7 +88,7 @@ def _worst_case(precision: str) -> bool:
 
 def _worst_case_bounds(golden: GoldenCase, dtype: str, table: ToleranceTable) -> dict[str, Bound]:
     """:func:`~.model.forward.worst_case_tolerances` as bounds: all worst-case, no noise part."""
-    return {k: Bound(np.zeros_like(v), v) for k, v in worst_case_tolerances(golden, dtype, table).items()}
+    return {k: Bound.worst_case(v) for k, v in worst_case_tolerances(golden, dtype, table).items()}
 
 
 def _tolerances(bounds: Mapping[str, Bound]) -> dict[str, np.ndarray]:
@@ -101,24 +102,25 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     :mod:`.model.forward`, steps 1–5).  ``keep_bounds``: the bounds of every stage (else {}: those
     of the (B, H, T, S) stages go to work arrays only); ``tolerances``: None (not formed, {}),
     ``"plain"`` (``LAMBDA·sigma + worst``) or ``"with reference error"`` (the golden's own error
-    in ``worst``, :meth:`GoldenCase.with_reference_error`)."""
+    in ``worst``, :func:`.judging.with_reference_error`)."""
     r = rounding(dtype, "standard", table)
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H = cfg.H
     # 1. projections (k_proj, v_proj with the operands of steps 2–4 made of them, shared by the
-    #    blocks of query rows of one batch entry: GoldenCase.memoised)
-    q2, wq = forward_rules.projection(golden.inputs["query"], w["w_q"], w.get("b_q"), g["q_proj"], r)
-    keys = golden.memoised(("golden key side", dtype, r.u, r.acc, r.k), lambda: forward_rules.key_side(golden, r))
+    #    blocks of query rows of one batch entry: judging.memoised)
+    e_q = forward_rules.projection(golden, "q", r)
+    keys = judging.memoised(golden, ("golden key side", dtype, r.u, r.acc, r.k),
+                            lambda: forward_rules.key_side(golden, r))
 
     # 2.–4. the (B, H, T, S) stages, one chunk of heads × query rows at a time; every formula is
     #    element-wise or per row, so chunking changes nothing but the order of float64 roundings
     #    in the bounds themselves.
-    s, p, o = g["scores"], g["attn_weights"], g["head_outputs"]
+    s, p, o = g[STAGE.scores], g[STAGE.attn_weights], g[STAGE.head_outputs]
     B, _, T, S = s.shape
     E = o.shape[-1]
     N = B * H
-    Q = heads(g["q_proj"], H).reshape(N, T, -1)
-    tQ2 = heads(q2 + wq**2, H).reshape(N, T, -1)
+    Q = heads(g[STAGE.q_proj], H).reshape(N, T, -1)
+    tQ2 = heads(e_q.total_var, H).reshape(N, T, -1)
     sN, pN, oN, visN = (x.reshape(N, T, -1) for x in (s, p, o, golden.visible))
     # None: the chunks' bounds go to work arrays only
     sig_s, wor_s, sig_p, wor_p = [np.empty((N, T, S)) if keep_bounds else None for _ in range(4)]
@@ -127,53 +129,54 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     error = golden.reference_error if tolerances == "with reference error" else None
     extra_s, extra_p = ((0.0, 0.0) if error is None else
                         (np.broadcast_to(e, (B, H, T, S)).reshape(N, T, S) if isinstance(e, np.ndarray) else e
-                         for e in (error["scores"], error["attn_weights"])))
+                         for e in (error[STAGE.scores], error[STAGE.attn_weights])))
     cst = forward_rules.AttentionConstants.of(golden, r)
     kernels = compiled.kernels_for(golden)
 
     def chunk(n: slice, rows: slice, buf: Scratch) -> None:
         args = (cst, Q[n, rows], tQ2[n, rows], keys.KK[n], keys.aK[n], keys.V[n], keys.V2[n], keys.aV[n],
                 keys.tV2[n], sN[n, rows], pN[n, rows], oN[n, rows], visN[n, rows])
+        e_o = Error(o2[n, rows], wo[n, rows])
         if kernels is not None and compiled.attention_chunk(
                 kernels, *args,
-                bounds=None if sig_s is None else tuple(a[n, rows] for a in (sig_s, wor_s, sig_p, wor_p)),
+                bounds=None if sig_s is None else (Bound(sig_s[n, rows], wor_s[n, rows]),
+                                                   Bound(sig_p[n, rows], wor_p[n, rows])),
                 tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
                 extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
-                out=(o2[n, rows], wo[n, rows]), buf=buf):
+                out=e_o, buf=buf):
             return
         shape = sN[n, rows].shape
-        out = tuple(buf(f"g_out{i}", shape) if a is None else a[n, rows]
-                    for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))) + (o2[n, rows], wo[n, rows])
+        b = [buf(f"g_out{i}", shape) if a is None else a[n, rows] for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))]
+        out = forward_rules.ChunkOut(Bound(b[0], b[1]), Bound(b[2], b[3]), e_o)
         if not inplace.attention_chunk(*args, out=out, buf=buf):
             forward_rules.attention_chunk(*args, out=out)
         if tol_s is not None and tol_p is not None:
-            for sig, wor, e, dst in ((out[0], out[1], extra_s, tol_s[n, rows]),
-                                     (out[2], out[3], extra_p, tol_p[n, rows])):
-                inplace.tolerance_into(sig, wor, e if isinstance(e, float) else e[n, rows], dst, buf)
+            for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
+                inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
 
     # the general path's arithmetic on an adapter's own NaN and inf (a deviation bound, a local
     # check) is deliberate: no RuntimeWarning, as in local_references (the chunks' threads inherit it)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         elements = chunks.CHUNK_ELEMENTS if kernels is None else compiled.COMPILED_CHUNK_ELEMENTS
         chunks.each_chunk(N, T, S, chunk, elements)
-    o2, wo = o2.reshape(B, H, T, E), wo.reshape(B, H, T, E)
 
     # 5. concat and output
-    raw = {"q_proj": (q2, wq), "k_proj": (keys.k2, keys.wk), "v_proj": (keys.v2, keys.wv), "head_outputs": (o2, wo),
-           **forward_rules.output(golden, o2, wo, r)}
-    out = {name: forward_rules.bound(var, worst, r.floor) for name, (var, worst) in raw.items()}
+    e_o = Error(o2.reshape(B, H, T, E), wo.reshape(B, H, T, E))
+    errors = {STAGE.q_proj: e_q, STAGE.k_proj: keys.k, STAGE.v_proj: keys.v, STAGE.head_outputs: e_o,
+              **forward_rules.output(golden, e_o, r)}
+    out = {name: e.bound(r.floor) for name, e in errors.items()}
     tols: dict[str, np.ndarray] = {}
     if tolerances:
-        tols = _tolerances(golden.with_reference_error(out) if error is not None else out)
+        tols = _tolerances(judging.with_reference_error(golden, out) if error is not None else out)
         assert tol_s is not None and tol_p is not None
-        tols["scores"], tols["attn_weights"] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
+        tols[STAGE.scores], tols[STAGE.attn_weights] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
         tols = {name: tols[name] for name in STAGES}
     if not keep_bounds:
         return {}, tols
     # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
     assert sig_s is not None and wor_s is not None and sig_p is not None and wor_p is not None
-    out["scores"] = Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S))
-    out["attn_weights"] = Bound(sig_p.reshape(B, H, T, S), wor_p.reshape(B, H, T, S))
+    out[STAGE.scores] = Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S))
+    out[STAGE.attn_weights] = Bound(sig_p.reshape(B, H, T, S), wor_p.reshape(B, H, T, S))
     return {name: out[name] for name in STAGES}, tols
 
 
@@ -214,13 +217,13 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         return ref.reshape(shape), Bound(sig.reshape(shape), wor.reshape(shape))
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if has("q_proj", "k_proj"):
+        if has(*LOCAL_INPUTS[STAGE.scores]):
             def key_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
-                K = heads(own["k_proj"], G, group).reshape(N, S, -1)
+                K = heads(own[STAGE.k_proj], G, group).reshape(N, S, -1)
                 return K, Pair.of(swap(K * K)), Pair.of(swap(np.abs(K)))
 
-            Q = heads(own["q_proj"], H).reshape(N, T, -1)
-            K, K2, aK = golden.memoised(("local keys",), key_operands)
+            Q = heads(own[STAGE.q_proj], H).reshape(N, T, -1)
+            K, K2, aK = judging.memoised(golden, ("local keys",), key_operands)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
             g_d = r.gamma(cfg.D_k)
 
@@ -235,7 +238,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
 
             each(scores)
-            out["scores"] = finish(ref, sig, wor, (B, H, T, S))
+            out[STAGE.scores] = finish(ref, sig, wor, (B, H, T, S))
         g_s = r.gamma(S)
 
         def softmax_pass(scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -255,16 +258,16 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             return ref, sig, wor
 
         weights_local = None
-        if has("scores"):
-            weights_local = softmax_pass(own["scores"])
-            out["attn_weights"] = finish(*weights_local, (B, H, T, S))
-        if has("attn_weights", "v_proj"):
+        if has(*LOCAL_INPUTS[STAGE.attn_weights]):
+            weights_local = softmax_pass(own[STAGE.scores])
+            out[STAGE.attn_weights] = finish(*weights_local, (B, H, T, S))
+        if has(*LOCAL_INPUTS[STAGE.head_outputs]):
             def value_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
-                V = heads(own["v_proj"], G, group).reshape(N, S, -1)
+                V = heads(own[STAGE.v_proj], G, group).reshape(N, S, -1)
                 return V, Pair.of(V * V), Pair.of(np.abs(V))
 
-            P = own["attn_weights"].reshape(N, T, S)
-            V, V2, aV = golden.memoised(("local values",), value_operands)
+            P = own[STAGE.attn_weights].reshape(N, T, S)
+            V, V2, aV = judging.memoised(golden, ("local values",), value_operands)
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
 
@@ -279,13 +282,13 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
 
             each(outputs)
-            route = local_rules.weights_route(P, weights_local, lambda: softmax_pass(golden.stages["scores"]))
+            route = local_rules.weights_route(P, weights_local, lambda: softmax_pass(golden.stages[STAGE.scores]))
             wor += nonnegative_product(route, aV.f64)
-            out["head_outputs"] = finish(ref, sig, wor, (B, H, T, E))
-        if has("head_outputs"):
-            out["concat"] = local_rules.concat(own["head_outputs"], r, worst_case)
-        if has("concat"):
-            out["output"] = local_rules.output(own["concat"], w["w_o"], w.get("b_o"), r, worst_case)
+            out[STAGE.head_outputs] = finish(ref, sig, wor, (B, H, T, E))
+        if has(*LOCAL_INPUTS[STAGE.concat]):
+            out[STAGE.concat] = local_rules.concat(own[STAGE.head_outputs], r, worst_case)
+        if has(*LOCAL_INPUTS[STAGE.output]):
+            out[STAGE.output] = local_rules.output(own[STAGE.concat], w["w_o"], w.get("b_o"), r, worst_case)
     return out
 
 

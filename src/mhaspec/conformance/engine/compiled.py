@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from ...fixtures import GoldenCase
+from .. import judging
 from ..compare import Scratch
 from ..model.forward import AttentionConstants
-from ..model.vocabulary import U32, U64, Pair, gamma, stored, swap
+from ..model.vocabulary import U32, U64, Bound, Error, Pair, gamma, stored, swap
 from . import inplace
 
 
@@ -48,7 +49,7 @@ def kernels_for(golden: GoldenCase) -> Any:
     """:func:`kernels_for_shape` for ``golden``, sized by the whole case where it is one block of query
     rows (:mod:`mhaspec.conformance.blocks`): what pays back the compilation is the whole case's work,
     and a large case is judged in blocks smaller than :data:`COMPILED_MIN_ELEMENTS`."""
-    B, H, T, S = golden.whole_shape or golden.visible.shape
+    B, H, T, S = judging.whole_shape(golden)
     return kernels_for_shape(B * H, T, S)
 
 
@@ -89,12 +90,12 @@ def run(kernels: Any, name: str, *args: Any) -> bool:
 def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair,
                     aK: Pair, V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray,
                     p: np.ndarray, o: np.ndarray, vis: np.ndarray, *,
-                    bounds: tuple[np.ndarray, ...] | None, tolerances: tuple[np.ndarray, ...] | None,
-                    extras: tuple[Any, Any], out: tuple[np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                    bounds: tuple[Bound, Bound] | None, tolerances: tuple[np.ndarray, ...] | None,
+                    extras: tuple[Any, Any], out: Error, buf: Scratch) -> bool:
     """:func:`.inplace.attention_chunk` by the compiled loop (:func:`.kernels.attention_chunk`): the bounds
     of the scores and the attention weights into ``bounds`` (sigma and worst of each) and/or their
     tolerances with the reference error ``extras`` into ``tolerances`` (as :func:`.inplace.tolerance_into`),
-    (variance, worst) of the head outputs into ``out``; False (nothing to trust) where a value is not finite."""
+    the error (var, acc) of the head outputs into ``out``; False (nothing to trust) where a value is not finite."""
     u2 = c.u**2
     shape = s.shape
     S = shape[-1]
@@ -115,7 +116,7 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
     with np.errstate(over="ignore", invalid="ignore"):
         ok = run(
             kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
-            bounds is not None, *(bounds or (_DUMMY,) * 4), tolerances is not None,
+            bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
             lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
         if not ok:
@@ -127,8 +128,8 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
         wo = lhs32 @ aV.f32
         if not inplace.finite(o2, wo):
             return False
-    out[0][...] = o2
-    np.multiply(wo, f32, out=out[1], dtype=np.float64)
+    out.var[...] = o2
+    np.multiply(wo, f32, out=out.acc, dtype=np.float64)
     return True
 
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..compare import Scratch
-from ..model.forward import AttentionConstants
+from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
 from ..model.vocabulary import LAMBDA, U32, U64, Pair, gamma, stored, swap, upper32
 
@@ -187,12 +187,13 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
 
 def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
                           V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray,
-                          o: np.ndarray, vis: np.ndarray, out: tuple[np.ndarray, ...], buf: Scratch) -> bool:
+                          o: np.ndarray, vis: np.ndarray, out: ChunkOut, buf: Scratch) -> bool:
     """:func:`mhaspec.conformance.model.forward.attention_chunk`, in place (see above); False (nothing
     to trust in ``out``) where a value is not finite."""
     u, u2 = c.u, c.u**2
     shape = s.shape
-    sig_s, wor_s, sig_p, wor_p, o2_out, wo_out = out
+    (sig_s, wor_s), (sig_p, wor_p) = out.scores, out.attn_weights
+    o2_out, wo_out = out.head_outputs.var, out.head_outputs.acc
     visf = None if vis.all() else vis.astype(np.float64)
     # 2. scores
     s2, ws = buf("a_s2", shape), buf("a_ws", shape)

@@ -20,8 +20,10 @@ accumulating in the dtype: :func:`.forward.worst_case_tolerances`).
 
 Modules, each readable as the math, one rule per stage:
 
-* :mod:`.vocabulary` — ``Bound``, ``Rounding`` (u, u_acc, γ, the floor), the storage rounding,
-  the float32 upper-bound products, the head relabellings;
+* :mod:`.vocabulary` — ``Bound``; ``Error``, an error as it propagates (noise, accumulation, what
+  is carried worst-case), forward and backward, and ``Error.bound``, the one conversion to a
+  ``Bound``; ``product``, the error of a matrix product; ``Rounding`` (u, u_acc, γ, the floor),
+  the storage rounding, the float32 upper-bound products, the head relabellings, ``LINEAR``;
 * :mod:`.softmax` — how errors move through the softmax (linearised, exact, second order);
 * :mod:`.forward` — the golden bounds of the forward stages;
 * :mod:`.local` — the forward stages' local checks (from the adapter's own previous stages);

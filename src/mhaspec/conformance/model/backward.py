@@ -30,16 +30,17 @@ Shapes as in :mod:`mhaspec.spec.backward`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ...fixtures import GoldenCase
-from ...spec import INPUT_GRADIENTS
+from ...spec import INPUT_GRADIENTS, STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .softmax import rest_of_row, softmax_sigma2
-from .forward import worst_case_tolerances
-from .vocabulary import Bound, Rounding, grouped, grouped_t, heads, merge, rounding, stored, swap
+from .forward import worst_case_allowed, worst_case_tolerances
+from .vocabulary import (EXACT, LINEAR, Bound, Error, Rounding, grouped, grouped_t, heads, merge, product, rounding,
+                         stored, swap)
 
 
 def _product_bound(a: np.ndarray, e_a: np.ndarray, b: np.ndarray, e_b: np.ndarray,
@@ -77,32 +78,32 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
     # 1. d_concat = d_output @ w_oᵀ: exact operands, only local rounding; d_head_outputs is a relabelling.
     e_dc = r.rel(cfg.d_out) * (dY @ A(w["w_o"]).T)
     e_dO = heads(e_dc, H)
-    dO = A(g["d_head_outputs"])
+    dO = A(g[STAGE.d_head_outputs])
 
     # 2. d_attn_weights = dO Vᵀ (V off by the forward's E_v).
-    V, e_V = A(heads(g["v_proj"], G, group)), heads(fw["v_proj"], G, group)
+    V, e_V = A(heads(g[STAGE.v_proj], G, group)), heads(fw[STAGE.v_proj], G, group)
     e_dP = _product_bound(dO, e_dO, swap(V), swap(e_V), E, r)
 
     # 3. d_scores = P ⊙ (dP − δ).  δ either as Σ_S P·dP or as Σ_E dO·O: the larger bound.
-    P, e_P = g["attn_weights"], np.where(visible, fw["attn_weights"], 0.0)
-    dP = A(g["d_attn_weights"])
-    O, e_O = A(g["head_outputs"]), fw["head_outputs"]
+    P, e_P = g[STAGE.attn_weights], np.where(visible, fw[STAGE.attn_weights], 0.0)
+    dP = A(g[STAGE.d_attn_weights])
+    O, e_O = A(g[STAGE.head_outputs]), fw[STAGE.head_outputs]
     e_delta_p = (e_P * dP + (P + e_P) * e_dP).sum(-1, keepdims=True) \
         + r.rel(S) * ((P + e_P) * (dP + e_dP)).sum(-1, keepdims=True)
     e_delta_o = (e_dO * O + (dO + e_dO) * e_O).sum(-1, keepdims=True) \
         + r.rel(E) * ((dO + e_dO) * (O + e_O)).sum(-1, keepdims=True)
     e_delta = np.maximum(e_delta_p, e_delta_o)  # (B, H, T, 1)
-    delta = A((P * g["d_attn_weights"]).sum(-1, keepdims=True))
-    diff = A(g["d_attn_weights"] - (P * g["d_attn_weights"]).sum(-1, keepdims=True))
+    delta = A((P * g[STAGE.d_attn_weights]).sum(-1, keepdims=True))
+    diff = A(g[STAGE.d_attn_weights] - (P * g[STAGE.d_attn_weights]).sum(-1, keepdims=True))
     e_diff = e_dP + e_delta
     # product P·(dP − δ), or P·dP − P·δ expanded: local rounding on the larger magnitudes
     e_dS = e_P * (diff + e_diff) + P * e_diff + r.rel(0) * (P + e_P) * (dP + e_dP + delta + e_delta)
     e_dS = np.where(visible, e_dS, 0.0)
 
     # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
-    dS = A(g["d_scores"])
-    K, e_K = A(heads(g["k_proj"], G, group)), heads(fw["k_proj"], G, group)
-    Q, e_Q = A(heads(g["q_proj"], H)), heads(fw["q_proj"], H)
+    dS = A(g[STAGE.d_scores])
+    K, e_K = A(heads(g[STAGE.k_proj], G, group)), heads(fw[STAGE.k_proj], G, group)
+    Q, e_Q = A(heads(g[STAGE.q_proj], H)), heads(fw[STAGE.q_proj], H)
     n_group = group * golden.spec.tgt_len
     e_dq = merge(scale * _product_bound(dS, e_dS, K, e_K, S, r))
     e_dk = merge(scale * _product_bound(grouped_t(dS, G), grouped_t(e_dS, G), grouped(Q, G), grouped(e_Q, G),
@@ -110,18 +111,18 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
     e_dv = merge(_product_bound(grouped_t(P, G), grouped_t(e_P, G), grouped(dO, G), grouped(e_dO, G),
                                  n_group, r))
     bounds = {
-        "d_concat": e_dc, "d_head_outputs": e_dO, "d_attn_weights": e_dP, "d_scores": e_dS,
-        "d_q_proj": e_dq, "d_k_proj": e_dk, "d_v_proj": e_dv,
+        STAGE.d_concat: e_dc, STAGE.d_head_outputs: e_dO, STAGE.d_attn_weights: e_dP, STAGE.d_scores: e_dS,
+        STAGE.d_q_proj: e_dq, STAGE.d_k_proj: e_dk, STAGE.d_v_proj: e_dv,
     }
 
     # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
-    d_y = {"q": A(g["d_q_proj"]), "k": A(g["d_k_proj"]), "v": A(g["d_v_proj"]), "o": dY}
+    d_y = {"q": A(g[STAGE.d_q_proj]), "k": A(g[STAGE.d_k_proj]), "v": A(g[STAGE.d_v_proj]), "o": dY}
     e_y = {"q": e_dq, "k": e_dk, "v": e_dv, "o": np.zeros_like(dY)}
 
     def input_bound(names: str) -> np.ndarray:
-        n = sum(w[f"w_{x}"].shape[1] for x in names)
-        prop = sum(e_y[x] @ A(w[f"w_{x}"]).T for x in names)
-        hi = sum((d_y[x] + e_y[x]) @ A(w[f"w_{x}"]).T for x in names)
+        n = sum(w[LINEAR[x].weight].shape[1] for x in names)
+        prop = sum(e_y[x] @ A(w[LINEAR[x].weight]).T for x in names)
+        hi = sum((d_y[x] + e_y[x]) @ A(w[LINEAR[x].weight]).T for x in names)
         return prop + r.rel(n) * hi
 
     for name, sums in INPUT_GRADIENTS[golden.spec.inputs].items():
@@ -129,27 +130,25 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
 
     # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, is off by the forward's E_c),
     #    bias gradients Σ d_y.
-    x = {"q": A(golden.inputs["query"]), "k": A(golden.inputs["key"]), "v": A(golden.inputs["value"]),
-         "o": A(g["concat"])}
-    e_x = {"q": 0.0, "k": 0.0, "v": 0.0, "o": fw["concat"]}
-    for n in "qkvo":
-        rows = x[n].shape[0] * x[n].shape[1]
-        ex = np.broadcast_to(e_x[n], x[n].shape).reshape(rows, -1)
-        xf = x[n].reshape(rows, -1)
+    e_x = {"q": 0.0, "k": 0.0, "v": 0.0, "o": fw[STAGE.concat]}
+    for n, m in LINEAR.items():
+        x = A(m.input_of(golden))
+        rows = x.shape[0] * x.shape[1]
+        ex = np.broadcast_to(e_x[n], x.shape).reshape(rows, -1)
+        xf = x.reshape(rows, -1)
         dyf, eyf = d_y[n].reshape(rows, -1), e_y[n].reshape(rows, -1)
-        bounds[f"d_w_{n}"] = _product_bound(xf.T, ex.T, dyf, eyf, rows, r)
+        bounds[m.d_weight] = _product_bound(xf.T, ex.T, dyf, eyf, rows, r)
         if cfg.bias:
-            bounds[f"d_b_{n}"] = _sum_bound(d_y[n], e_y[n], r)
+            bounds[m.d_bias] = _sum_bound(d_y[n], e_y[n], r)
 
-    floor = r.floor
-    out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in bounds.items() if name in g}
-    out["d_scores"] = np.where(visible, out["d_scores"], 0.0)  # masked: exactly 0
+    out = worst_case_allowed({name: b for name, b in bounds.items() if name in g}, r.floor)
+    out[STAGE.d_scores] = np.where(visible, out[STAGE.d_scores], 0.0)  # masked: exactly 0
     return out
 
 
 # -- the standard contract's bounds: the forward's model, carried through the backward pass ---------
 #
-# Each stage's error is (var, lin, acc), its tolerance ``LAMBDA·sqrt(var) + lin + acc + floor``:
+# Each stage's error is an Error (var, acc, lin), its tolerance ``LAMBDA·sqrt(var) + lin + acc + floor``:
 #   var — rounding noise (storage roundings of every earlier result, propagated linearised,
 #         independent terms adding in quadrature, as in the forward model);
 #   acc — the stage's own float32 (or wider) accumulation, worst-case; a later stage takes it
@@ -158,45 +157,12 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
 #         the accumulation of P·V (the forward's ``worst`` of attn_weights, head_outputs, concat).
 
 
-class _Err(NamedTuple):
-    var: np.ndarray | float
-    lin: np.ndarray | float
-    acc: np.ndarray | float
-
-    @property
-    def total_var(self) -> np.ndarray | float:
-        """The variance a later stage sees: the noise and this stage's accumulation."""
-        return self.var + np.square(self.acc)
-
-    def map(self, fn: Any) -> "_Err":
-        """``fn`` (a relabelling: heads, merge, group, transpose, reshape) on every array part."""
-        return _Err(*(fn(v) if np.ndim(v) else v for v in self))
-
-
-def _product(a: np.ndarray, ea: _Err, b: np.ndarray, eb: _Err, c: np.ndarray | None, u: float,
-             g: float) -> _Err:
-    """Error of a @ b when a and b carry ``ea``, ``eb``; ``g`` = γ_acc(n + k) of its length-n sums;
-    ``c``: the result as stored in the dtype (None: not stored here, the caller stores it)."""
-    A = np.abs
-    var: Any = 0.0 if c is None else stored(u, c)
-    lin: np.ndarray | float = 0.0
-    if np.any(np.asarray(ea.total_var)):
-        var = var + np.broadcast_to(ea.total_var, a.shape) @ (b * b)
-    if np.any(np.asarray(eb.total_var)):
-        var = var + (a * a) @ np.broadcast_to(eb.total_var, b.shape)
-    if np.any(np.asarray(ea.lin)):
-        lin = lin + np.broadcast_to(ea.lin, a.shape) @ A(b)
-    if np.any(np.asarray(eb.lin)):
-        lin = lin + A(a) @ np.broadcast_to(eb.lin, b.shape)
-    return _Err(var, lin, g * (A(a) @ A(b)))
-
-
-def _forward_err(bound: Bound, carried: bool) -> _Err:
+def _forward_err(bound: Bound, carried: bool) -> Error:
     """A forward stage's error as a backward input: its noise, and its worst-case part either as
     accumulation (→ variance later, the projections) or carried worst-case (softmax and after)."""
     if carried:
-        return _Err(bound.sigma**2, bound.worst, 0.0)
-    return _Err(bound.sigma**2, 0.0, bound.worst)
+        return Error(bound.sigma**2, lin=bound.worst)
+    return Error(bound.sigma**2, bound.worst)
 
 
 def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound] | None,
@@ -212,8 +178,8 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
     r = rounding(dtype, precision, table)
     if precision == "worst-case":
         fw = worst_case_tolerances(golden, dtype, table)
-        return {k: Bound(np.zeros_like(v), v) for k, v in backward_tolerances(golden, dtype, fw, table=table,
-                                                                              precision=precision).items()}
+        return {k: Bound.worst_case(v) for k, v in backward_tolerances(golden, dtype, fw, table=table,
+                                                                       precision=precision).items()}
     assert forward is not None, "the standard contract's backward bounds start from the forward's"
     fb = forward
     u, gam = r.u, r.gamma
@@ -226,28 +192,27 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
     A = np.abs
     assert golden.d_output is not None
     dY = golden.d_output  # exact in every dtype
-    exact = _Err(0.0, 0.0, 0.0)
-    err: dict[str, _Err] = {}
+    err: dict[str, Error] = {}
 
     with np.errstate(over="ignore", invalid="ignore"):
         # 1. d_concat = d_output @ w_oᵀ (exact operands); d_head_outputs relabels it.
-        err["d_concat"] = _product(dY, exact, w["w_o"].T, exact, g["d_concat"], u, gam(cfg.d_out))
-        e = err["d_concat"]
-        err["d_head_outputs"] = e.map(lambda x: heads(x, H))
-        dO, e_dO = g["d_head_outputs"], err["d_head_outputs"]
+        err[STAGE.d_concat] = product(dY, EXACT, w["w_o"].T, EXACT, gam(cfg.d_out), u, (g[STAGE.d_concat],))
+        e = err[STAGE.d_concat]
+        err[STAGE.d_head_outputs] = e.map(lambda x: heads(x, H))
+        dO, e_dO = g[STAGE.d_head_outputs], err[STAGE.d_head_outputs]
 
         # 2. d_attn_weights = dO Vᵀ (V off by the forward's bound).
-        V = heads(g["v_proj"], G, group)
-        e_Vt = _forward_err(fb["v_proj"], carried=False).map(lambda x: swap(heads(x, G, group)))
-        dP = g["d_attn_weights"]
-        err["d_attn_weights"] = _product(dO, e_dO, swap(V), e_Vt, dP, u, gam(E))
-        e_dP = err["d_attn_weights"]
+        V = heads(g[STAGE.v_proj], G, group)
+        e_Vt = _forward_err(fb[STAGE.v_proj], carried=False).map(lambda x: swap(heads(x, G, group)))
+        dP = g[STAGE.d_attn_weights]
+        err[STAGE.d_attn_weights] = product(dO, e_dO, swap(V), e_Vt, gam(E), u, (dP,))
+        e_dP = err[STAGE.d_attn_weights]
 
         # 3. d_scores = P ⊙ (dP − δ), linearised with the exact coefficients: ∂dS_j/∂P_k =
         #    δ_jk (dP_j − δ) − P_j dP_k, ∂dS_j/∂dP_k = P_j (δ_jk − P_k).  δ either as Σ_S P·dP or
         #    FlashAttention's Σ_E dO·O: the larger of the two routes' bounds.
-        P = np.where(vis, g["attn_weights"], 0.0)
-        e_P = _forward_err(fb["attn_weights"], carried=True)
+        P = np.where(vis, g[STAGE.attn_weights], 0.0)
+        e_P = _forward_err(fb[STAGE.attn_weights], carried=True)
         vP, lP = np.where(vis, e_P.var, 0.0), np.where(vis, e_P.lin, 0.0)
         vdP = np.where(vis, e_dP.total_var, 0.0)
         ldP = np.where(vis, e_dP.lin, 0.0) if np.ndim(e_dP.lin) else 0.0 * P
@@ -262,32 +227,29 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
                  + P * ((1 - P) * ldP + np.sum(P * ldP, -1, keepdims=True)))
         acc_p = P * gam(S) * np.sum(A(P * dPv), -1, keepdims=True)
         # route O: δ = Σ_E dO O (O = head_outputs, off by the forward's bound)
-        O = g["head_outputs"]
-        e_O = _forward_err(fb["head_outputs"], carried=True)
+        O = g[STAGE.head_outputs]
+        e_O = _forward_err(fb[STAGE.head_outputs], carried=True)
         var_d = np.sum(O**2 * e_dO.total_var + dO**2 * e_O.var, -1, keepdims=True)
         lin_d = np.sum(A(dO) * e_O.lin, -1, keepdims=True)
         var_o = diff**2 * vP + P**2 * vdP + P**2 * var_d
         lin_o = A(diff) * lP + P * ldP + P * lin_d
         acc_o = P * gam(E) * np.sum(A(dO * O), -1, keepdims=True)
-        dS = g["d_scores"]
+        dS = g[STAGE.d_scores]
         # the difference and the product (or P·dP − P·δ expanded) are each stored once more
         var_s = np.maximum(var_p, var_o) + u**2 * P**2 * (diff**2 + dPv**2 + delta**2) + stored(u, dS)
-        err["d_scores"] = _Err(np.where(vis, var_s, 0.0), np.where(vis, np.maximum(lin_p, lin_o), 0.0),
-                               np.where(vis, np.maximum(acc_p, acc_o), 0.0))
-        e_dS = err["d_scores"]
+        err[STAGE.d_scores] = Error(np.where(vis, var_s, 0.0), np.where(vis, np.maximum(acc_p, acc_o), 0.0),
+                                    np.where(vis, np.maximum(lin_p, lin_o), 0.0))
+        e_dS = err[STAGE.d_scores]
 
         # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
-        K = heads(g["k_proj"], G, group)
-        e_K = _forward_err(fb["k_proj"], carried=False).map(lambda x: heads(x, G, group))
-        Q = heads(g["q_proj"], H)
-        e_Q = _forward_err(fb["q_proj"], carried=False).map(lambda x: heads(x, H))
+        K = heads(g[STAGE.k_proj], G, group)
+        e_K = _forward_err(fb[STAGE.k_proj], carried=False).map(lambda x: heads(x, G, group))
+        Q = heads(g[STAGE.q_proj], H)
+        e_Q = _forward_err(fb[STAGE.q_proj], carried=False).map(lambda x: heads(x, H))
 
-        def scaled(x: _Err, f: float) -> _Err:
-            return _Err(x.var * f * f, x.lin * f, x.acc * f)
-
-        def merged_stored(x: _Err, y: np.ndarray) -> _Err:  # merged to the canonical shape, stored in the dtype
+        def merged_stored(x: Error, y: np.ndarray) -> Error:  # merged to the canonical shape, stored in the dtype
             x = x.map(merge)
-            return _Err(x.var + stored(u, y), x.lin, x.acc)
+            return Error(x.var + stored(u, y), x.acc, x.lin)
 
         def stacked_t(x: np.ndarray) -> np.ndarray:
             return grouped_t(x, G)
@@ -296,58 +258,51 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
             return grouped(x, G)
 
         n_group = group * T
-        e = _product(dS, e_dS, K, e_K, None, u, gam(S))
-        err["d_q_proj"] = merged_stored(scaled(e, scale), g["d_q_proj"])
-        e = _product(stacked_t(dS), e_dS.map(stacked_t), stacked(Q), e_Q.map(stacked), None, u, gam(n_group))
-        err["d_k_proj"] = merged_stored(scaled(e, scale), g["d_k_proj"])
-        e_Pg = _Err(stacked_t(vP), stacked_t(lP), 0.0)
-        e = _product(stacked_t(P), e_Pg, stacked(dO), e_dO.map(stacked), None, u, gam(n_group))
-        err["d_v_proj"] = merged_stored(e, g["d_v_proj"])
+        e = product(dS, e_dS, K, e_K, gam(S), u)
+        err[STAGE.d_q_proj] = merged_stored(e.scaled(scale), g[STAGE.d_q_proj])
+        e = product(stacked_t(dS), e_dS.map(stacked_t), stacked(Q), e_Q.map(stacked), gam(n_group), u)
+        err[STAGE.d_k_proj] = merged_stored(e.scaled(scale), g[STAGE.d_k_proj])
+        e_Pg = Error(stacked_t(vP), lin=stacked_t(lP))
+        e = product(stacked_t(P), e_Pg, stacked(dO), e_dO.map(stacked), gam(n_group), u)
+        err[STAGE.d_v_proj] = merged_stored(e, g[STAGE.d_v_proj])
 
         # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
-        d_y = {x: g[f"d_{x}_proj"] for x in "qkv"}
+        d_y = {x: g[m.d_y] for x, m in LINEAR.items() if m.d_y is not None}
         for name, sums in INPUT_GRADIENTS[golden.spec.inputs].items():
             if name not in g:
                 continue
-            n = sum(w[f"w_{x}"].shape[1] for x in sums)
+            n = sum(w[LINEAR[x].weight].shape[1] for x in sums)
             var: Any = stored(u, g[name])
             lin: Any = 0.0
             mag: Any = 0.0
             for x in sums:
-                wt = w[f"w_{x}"].T
-                ex = err[f"d_{x}_proj"]
+                wt = w[LINEAR[x].weight].T
+                ex = err[LINEAR[x].d_y]  # type: ignore[index]
                 var = var + ex.total_var @ (wt * wt)
                 if np.ndim(ex.lin):
                     lin = lin + ex.lin @ A(wt)
                 mag = mag + A(d_y[x]) @ A(wt)
-            err[name] = _Err(var, lin, gam(n) * mag)
+            err[name] = Error(var, gam(n) * mag, lin)
 
         # 6. weight gradients xᵀ d_y over B·L rows (concat, the input of W^O, carries the forward's
         #    bound), bias gradients Σ d_y.
-        xs = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"], "o": g["concat"]}
         ys = {**d_y, "o": dY}
-        e_ys = {x: err[f"d_{x}_proj"] for x in "qkv"} | {"o": exact}
-        e_c = _forward_err(fb["concat"], carried=True)
-        for n in "qkvo":
-            rows = xs[n].shape[0] * xs[n].shape[1]
-            xf, yf = xs[n].reshape(rows, -1), ys[n].reshape(rows, -1)
-            ex = exact if n != "o" else e_c.map(lambda v: v.reshape(rows, -1).T)
+        e_ys = {x: err[m.d_y] for x, m in LINEAR.items() if m.d_y is not None} | {"o": EXACT}
+        e_c = _forward_err(fb[STAGE.concat], carried=True)
+        for n, m in LINEAR.items():
+            xs = m.input_of(golden)
+            rows = xs.shape[0] * xs.shape[1]
+            xf, yf = xs.reshape(rows, -1), ys[n].reshape(rows, -1)
+            ex = EXACT if n != "o" else e_c.map(lambda v: v.reshape(rows, -1).T)
             ey = e_ys[n]
             eyf = ey.map(lambda v: v.reshape(rows, -1))
-            err[f"d_w_{n}"] = _product(xf.T, ex, yf, eyf, g[f"d_w_{n}"], u, gam(rows))
-            if cfg.bias and f"d_b_{n}" in g:
+            err[m.d_weight] = product(xf.T, ex, yf, eyf, gam(rows), u, (g[m.d_weight],))
+            if cfg.bias and m.d_bias in g:
                 tv = np.reshape(np.broadcast_to(ey.total_var, ys[n].shape), (rows, -1)).sum(0)
                 ln = np.reshape(np.broadcast_to(ey.lin, ys[n].shape), (rows, -1)).sum(0)
-                err[f"d_b_{n}"] = _Err(tv + stored(u, g[f"d_b_{n}"]), ln, gam(rows) * A(yf).sum(0))
+                err[m.d_bias] = Error(tv + stored(u, g[m.d_bias]), gam(rows) * A(yf).sum(0), ln)
 
-    floor = r.floor
-    out = {}
-    for name, e in err.items():
-        if name not in g:
-            continue
-        shape = g[name].shape
-        sigma = np.sqrt(np.maximum(np.broadcast_to(e.var, shape), 0.0))
-        worst = np.broadcast_to(e.lin + e.acc, shape) + floor
-        out[name] = Bound(np.nan_to_num(sigma, nan=np.inf), np.nan_to_num(worst, nan=np.inf))
-    out["d_scores"] = Bound(np.where(vis, out["d_scores"].sigma, 0.0), np.where(vis, out["d_scores"].worst, 0.0))
+    out = {name: e.bound(r.floor, g[name].shape) for name, e in err.items() if name in g}
+    b = out[STAGE.d_scores]
+    out[STAGE.d_scores] = Bound(np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0))
     return out

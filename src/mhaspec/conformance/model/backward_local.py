@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...fixtures import GoldenCase
-from ...spec import INPUT_GRADIENTS
+from ...spec import INPUT_GRADIENTS, STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .softmax import softmax_rounding, visible_row_max
-from .vocabulary import Rounding, grouped, grouped_t, heads, merge, rounding, swap
+from .vocabulary import LINEAR, Rounding, grouped, grouped_t, heads, merge, rounding, swap
 
 
 def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: Rounding) -> np.ndarray:
@@ -43,7 +43,7 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
     floor = r.floor
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
-    scale = float(cfg.scale)  # type: ignore[arg-type]
+    scale = float(cfg.scale)
     S, E, T = golden.spec.src_len, cfg.D_v, golden.spec.tgt_len
     visible = golden.visible
     A = np.abs
@@ -54,20 +54,21 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
         return all(n in own for n in names)
 
     out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
-    if has("d_concat"):
-        x = heads(own["d_concat"], H)
-        out["d_head_outputs"] = (x, r.rel(0) * A(x) + floor, ("d_concat",))
-    if has("d_head_outputs", "v_proj"):
-        dO, V = own["d_head_outputs"], heads(own["v_proj"], G, group)
+    if has(STAGE.d_concat):
+        x = heads(own[STAGE.d_concat], H)
+        out[STAGE.d_head_outputs] = (x, r.rel(0) * A(x) + floor, (STAGE.d_concat,))
+    if has(STAGE.d_head_outputs, STAGE.v_proj):
+        dO, V = own[STAGE.d_head_outputs], heads(own[STAGE.v_proj], G, group)
         Vt = swap(V)
-        out["d_attn_weights"] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor, ("d_head_outputs", "v_proj"))
-    s_abs = A(own["scores"]) if "scores" in own else A(g["scores"])  # magnitudes only
-    if has("attn_weights", "d_attn_weights"):
-        P, dP = np.where(visible, own["attn_weights"], 0.0), np.where(visible, own["d_attn_weights"], 0.0)
+        out[STAGE.d_attn_weights] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor,
+                                     (STAGE.d_head_outputs, STAGE.v_proj))
+    s_abs = A(own[STAGE.scores]) if STAGE.scores in own else A(g[STAGE.scores])  # magnitudes only
+    if has(STAGE.attn_weights, STAGE.d_attn_weights):
+        P, dP = np.where(visible, own[STAGE.attn_weights], 0.0), np.where(visible, own[STAGE.d_attn_weights], 0.0)
         e_P = _softmax_recompute(A(P), s_abs, visible, r)
-        dO = A(own["d_head_outputs"]) if "d_head_outputs" in own else A(g["d_head_outputs"])
-        V = A(heads(own["v_proj"] if "v_proj" in own else g["v_proj"], G, group))
-        O = A(own["head_outputs"]) if "head_outputs" in own else A(P) @ V
+        dO = A(own[STAGE.d_head_outputs]) if STAGE.d_head_outputs in own else A(g[STAGE.d_head_outputs])
+        V = A(heads(own[STAGE.v_proj] if STAGE.v_proj in own else g[STAGE.v_proj], G, group))
+        O = A(own[STAGE.head_outputs]) if STAGE.head_outputs in own else A(P) @ V
         delta = (P * dP).sum(-1, keepdims=True)
         e_route_p = (e_P * A(dP)).sum(-1, keepdims=True) + r.rel(S) * ((A(P) + e_P) * A(dP)).sum(-1, keepdims=True)
         e_route_o = (dO * (r.rel(S) * ((A(P) + e_P) @ V))).sum(-1, keepdims=True) \
@@ -77,31 +78,31 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
         dS = P * (dP - delta)
         tol = e_P * (A(dP - delta) + e_delta) + A(P) * e_delta \
             + r.rel(0) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
-        out["d_scores"] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
-                           ("attn_weights", "d_attn_weights"))
-    if has("d_scores", "k_proj"):
-        dS, K = own["d_scores"], heads(own["k_proj"], G, group)
-        out["d_q_proj"] = (merge(scale * (dS @ K)), merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
-                           ("d_scores", "k_proj"))
+        out[STAGE.d_scores] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
+                               (STAGE.attn_weights, STAGE.d_attn_weights))
+    if has(STAGE.d_scores, STAGE.k_proj):
+        dS, K = own[STAGE.d_scores], heads(own[STAGE.k_proj], G, group)
+        out[STAGE.d_q_proj] = (merge(scale * (dS @ K)), merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
+                               (STAGE.d_scores, STAGE.k_proj))
     n_group = group * T
-    if has("d_scores", "q_proj"):
-        dSg, Qg = grouped_t(own["d_scores"], G), grouped(heads(own["q_proj"], H), G)
-        out["d_k_proj"] = (merge(scale * (dSg @ Qg)), merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor,
-                           ("d_scores", "q_proj"))
-    if has("attn_weights", "d_head_outputs"):
-        P = np.where(visible, own["attn_weights"], 0.0)
+    if has(STAGE.d_scores, STAGE.q_proj):
+        dSg, Qg = grouped_t(own[STAGE.d_scores], G), grouped(heads(own[STAGE.q_proj], H), G)
+        out[STAGE.d_k_proj] = (merge(scale * (dSg @ Qg)),
+                               merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor, (STAGE.d_scores, STAGE.q_proj))
+    if has(STAGE.attn_weights, STAGE.d_head_outputs):
+        P = np.where(visible, own[STAGE.attn_weights], 0.0)
         e_P = _softmax_recompute(A(P), s_abs, visible, r)
-        Pg, ePg, dOg = grouped_t(P, G), grouped_t(e_P, G), grouped(own["d_head_outputs"], G)
+        Pg, ePg, dOg = grouped_t(P, G), grouped_t(e_P, G), grouped(own[STAGE.d_head_outputs], G)
         tol = ePg @ A(dOg) + r.rel(n_group) * ((A(Pg) + ePg) @ A(dOg))
-        out["d_v_proj"] = (merge(Pg @ dOg), merge(tol) + floor, ("attn_weights", "d_head_outputs"))
+        out[STAGE.d_v_proj] = (merge(Pg @ dOg), merge(tol) + floor, (STAGE.attn_weights, STAGE.d_head_outputs))
 
     def input_check(names: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
-        srcs = tuple(f"d_{x}_proj" for x in names)
+        srcs = tuple(LINEAR[x].d_y for x in names)
         if not has(*srcs):
             return None
-        n = sum(w[f"w_{x}"].shape[1] for x in names)
-        val = sum(own[f"d_{x}_proj"] @ w[f"w_{x}"].T for x in names)
-        mag = sum(A(own[f"d_{x}_proj"]) @ A(w[f"w_{x}"]).T for x in names)
+        n = sum(w[LINEAR[x].weight].shape[1] for x in names)
+        val = sum(own[LINEAR[x].d_y] @ w[LINEAR[x].weight].T for x in names)
+        mag = sum(A(own[LINEAR[x].d_y]) @ A(w[LINEAR[x].weight]).T for x in names)
         return val, r.rel(n) * mag + floor, srcs
 
     targets = INPUT_GRADIENTS[golden.spec.inputs]
@@ -109,20 +110,14 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
         check = input_check(names)
         if check is not None:
             out[stage] = check
-    x = {"q": golden.inputs["query"], "k": golden.inputs["key"], "v": golden.inputs["value"]}
-    for n in "qkvo":
-        src = "concat" if n == "o" else f"d_{n}_proj"
-        if n == "o":
-            if not has("concat"):
-                continue
-            xs, dy = own["concat"], dY
-        else:
-            if not has(src):
-                continue
-            xs, dy = x[n], own[src]
+    for n, m in LINEAR.items():  # weight gradients from the map's input and the adapter's gradient of its output
+        src = m.x if m.d_y is None else m.d_y
+        if not has(src):
+            continue
+        xs, dy = (own[src], dY) if m.d_y is None else (m.input_of(golden), own[src])
         rows = xs.shape[0] * xs.shape[1]
         xf, df = xs.reshape(rows, -1), dy.reshape(rows, -1)
-        out[f"d_w_{n}"] = (xf.T @ df, r.rel(rows) * (A(xf).T @ A(df)) + floor, (src,))
-        if cfg.bias and n != "o":
-            out[f"d_b_{n}"] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
+        out[m.d_weight] = (xf.T @ df, r.rel(rows) * (A(xf).T @ A(df)) + floor, (src,))
+        if cfg.bias and m.d_y is not None:
+            out[m.d_bias] = (df.sum(0), r.rel(rows) * A(df).sum(0) + floor, (src,))
     return {s: v for s, v in out.items() if s in g}

@@ -1,10 +1,10 @@
 """The forward stages' golden bounds, one rule per stage (docs/tolerances.md "The bound").
 
-Each rule returns, per element, ``var`` — the variance bound of everything that reached the
-stage from earlier stages (their storage roundings and their accumulation errors, propagated
-linearised) plus its own storage roundings — and ``worst`` — its own accumulation error,
-worst-case, which is not averaged within the element but enters later stages as one more
-independent term, ``T² = var + worst²``:
+Each rule returns, per element, an :class:`~.vocabulary.Error`: ``var`` — the variance bound of
+everything that reached the stage from earlier stages (their storage roundings and their
+accumulation errors, propagated linearised) plus its own storage roundings — and ``acc`` — its
+own accumulation error, worst-case, which is not averaged within the element but enters later
+stages as one more independent term, ``T² = var + acc²`` (``Error.total_var``):
 
 1. :func:`projection`   y = x W + b                        (q_proj, k_proj, v_proj)
 2. :func:`scores`       s = scale · Q Kᵀ                   (per chunk of query rows)
@@ -20,27 +20,30 @@ same formulas; :mod:`mhaspec.conformance.tolerance` chooses, per chunk.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
 from ...fixtures import GoldenCase
+from ...spec import STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .softmax import (score_moves, second_order, softmax_rounding, softmax_worst, visible_row_max,
                       weights_sigma)
-from .vocabulary import (LAMBDA, U64, Bound, Pair, Rounding, gamma, heads, inf_for_nan, merge, stored, swap,
-                         upper32)
+from .vocabulary import (EXACT, LINEAR, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, product,
+                         stored, swap, upper32)
 
 
-def projection(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray,
-               r: Rounding) -> tuple[np.ndarray, np.ndarray]:
-    """1. y = x @ W + b: inputs and weights are exact; the product and the bias add may each be
-    rounded to the dtype; the sum is accumulated in the accumulator.
+def projection(golden: GoldenCase, letter: str, r: Rounding) -> Error:
+    """1. y = x @ W + b (``letter``: q, k, v, :data:`~.vocabulary.LINEAR`): inputs and weights are
+    exact; the product and the bias add may each be rounded to the dtype; the sum is accumulated in
+    the accumulator (:func:`~.vocabulary.product`):
 
-    var = u²·(|xW|² + |y|²) + U64²·y², worst = γ_acc(d_in + k)·(|x|@|W| + |b|)."""
+    var = u²·(|xW|² + |y|²) + U64²·y², acc = γ_acc(d_in + k)·(|x|@|W| + |b|)."""
+    lin, w = LINEAR[letter], golden.weights
+    x, wm, b, y = lin.input_of(golden), w[lin.weight], w.get(lin.bias), golden.stages[lin.y]
     xw = y if b is None else y - b
-    mag = np.abs(x) @ np.abs(w) + (0.0 if b is None else np.abs(b))
-    return stored(r.u, xw, y), r.gamma(w.shape[0]) * mag
+    return product(x, EXACT, wm, EXACT, r.gamma(wm.shape[0]), r.u, stored_as=(xw, y), bias=b)
 
 
 class AttentionConstants(NamedTuple):
@@ -64,10 +67,8 @@ class KeySide(NamedTuple):
     ``KK`` = [K², T_K²/u²]ᵀ and ``aK`` = |K|ᵀ; ``V2`` = V², ``aV`` = |V|, ``tV2`` = T_V²/u² (the
     variances scaled by 1/u² so that the float32 products of :func:`upper32` cannot underflow)."""
 
-    k2: np.ndarray
-    wk: np.ndarray
-    v2: np.ndarray
-    wv: np.ndarray
+    k: Error  # of k_proj
+    v: Error  # of v_proj
     KK: Pair
     aK: Pair
     V: np.ndarray
@@ -78,41 +79,38 @@ class KeySide(NamedTuple):
 
 def key_side(golden: GoldenCase, r: Rounding) -> KeySide:
     """:class:`KeySide` of ``golden`` (the same in every block of query rows of a batch entry)."""
-    cfg, g, w, inp = golden.spec.config, golden.stages, golden.weights, golden.inputs
+    cfg, g = golden.spec.config, golden.stages
     G, group, N = cfg.H_kv, cfg.group_size, golden.visible.shape[0] * cfg.H
-    S, E, u2 = golden.visible.shape[-1], g["head_outputs"].shape[-1], r.u**2
-    k2, wk = projection(inp["key"], w["w_k"], w.get("b_k"), g["k_proj"], r)
-    v2, wv = projection(inp["value"], w["w_v"], w.get("b_v"), g["v_proj"], r)
-    K = heads(g["k_proj"], G, group).reshape(N, S, -1)
-    tK2 = heads(k2 + wk**2, G, group).reshape(N, S, -1)
-    V = heads(g["v_proj"], G, group).reshape(N, S, E)
-    tV2 = heads(v2 + wv**2, G, group).reshape(N, S, E)
+    S, E, u2 = golden.visible.shape[-1], g[STAGE.head_outputs].shape[-1], r.u**2
+    k, v = projection(golden, "k", r), projection(golden, "v", r)
+    K = heads(g[STAGE.k_proj], G, group).reshape(N, S, -1)
+    tK2 = heads(k.total_var, G, group).reshape(N, S, -1)
+    V = heads(g[STAGE.v_proj], G, group).reshape(N, S, E)
+    tV2 = heads(v.total_var, G, group).reshape(N, S, E)
     KK = Pair.of(swap(np.concatenate([K * K, tK2 / u2], axis=-1)))
-    return KeySide(k2, wk, v2, wv, KK, Pair.of(swap(np.abs(K))), V, V * V, Pair.of(np.abs(V)), Pair.of(tV2 / u2))
+    return KeySide(k, v, KK, Pair.of(swap(np.abs(K))), V, V * V, Pair.of(np.abs(V)), Pair.of(tV2 / u2))
 
 
-def scores(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
-           s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def scores(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, s: np.ndarray) -> Error:
     """2. scores = scale · Q Kᵀ: δs = scale Σ_d (δQ_d K_d + Q_d δK_d), so
 
-    var = scale²·(T_Q² @ K²ᵀ + Q² @ T_K²ᵀ) + 2u²·s² + U64²·s², worst = γ_acc(D_k + k)·scale·|Q|@|K|ᵀ
+    var = scale²·(T_Q² @ K²ᵀ + Q² @ T_K²ᵀ) + 2u²·s² + U64²·s², acc = γ_acc(D_k + k)·scale·|Q|@|K|ᵀ
     (``tQ2`` = T_Q²; ``KK``, ``aK``: :class:`KeySide`)."""
     u2 = c.u**2
     s2 = (c.scale**2 * u2) * upper32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK) + stored(c.u, s, s)
     ws = (c.g_d * c.scale) * upper32(np.abs(Q), aK)
-    return s2, ws
+    return Error(s2, ws)
 
 
 class Weights(NamedTuple):
-    ts2: np.ndarray  # T_s² = var + worst² of the scores, 0 where masked
+    ts2: np.ndarray  # T_s² = var + acc² of the scores, 0 where masked
     sigma: np.ndarray
     worst: np.ndarray
     p_round: np.ndarray  # the softmax's own rounding, worst-case
     second: np.ndarray  # the second-order term
 
 
-def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray, s2: np.ndarray,
-            ws: np.ndarray) -> Weights:
+def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray, e_s: Error) -> Weights:
     """3. attention weights: the score errors through the softmax, linearised, and the storage
     rounding of P (sigma); the float32 softmax's own rounding and the second-order term of exp
     (worst), 0 where masked:
@@ -120,7 +118,7 @@ def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray
     sigma² = p_j²·((1 − p_j)²·T²_sj + Σ_{k≠j} p_k²·T²_sk) + (u² + U64²)·p_j² (:func:`~.softmax.weights_sigma`),
     worst = min(p_j·(γ_acc(S + k) + u_acc·(|s_j| + max|s|)) + second order, 1) + floor
     (:func:`~.softmax.softmax_rounding`, :func:`~.softmax.second_order` with τ = LAMBDA·T_s)."""
-    ts2 = np.where(vis, s2 + ws * ws, 0.0)
+    ts2 = np.where(vis, e_s.total_var, 0.0)
     sigma = np.where(vis, weights_sigma(p, ts2, c.u), 0.0)
     abs_s = np.abs(s)
     p_round = p * softmax_rounding(abs_s, visible_row_max(abs_s, vis), c.g_s, c.ua)
@@ -130,14 +128,14 @@ def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray
 
 
 def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndarray, V2: np.ndarray,
-                 aV: Pair, tV2: Pair, w: Weights) -> tuple[np.ndarray, np.ndarray]:
+                 aV: Pair, tV2: Pair, w: Weights) -> Error:
     """4. head outputs o = P V.  Score errors move o by Σ_j p_j δs_j (v_j − o) (the weights sum to 1),
     whose variance Σ_j q_j (v_j − o)², q = p² T_s², is expanded into products (in float64: it
     cancels); P's own storage rounding and softmax rounding add Σ_j c_j v_j², with
     c = (u² + U64²) p² + p_round², folded into the same product; V's add Σ_j p_j² T²_{V,j}:
 
     var = Σ_j q_j v_j² − 2o Σ_j q_j v_j + o² Σ_j q_j + Σ_j c_j v_j² + Σ_j p_j² T²_Vj + 2u²·o² + U64²·o²,
-    worst = (second order + γ_acc(S + k)·P) @ |V| (the second-order part of P carried worst-case)."""
+    acc = (second order + γ_acc(S + k)·P) @ |V| (the second-order part of P taken worst-case)."""
     u2 = c.u**2
     pp = p * p
     q_ = pp * w.ts2
@@ -145,38 +143,41 @@ def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndar
     o2 = (np.maximum(var_v2 - 2 * o * (q_ @ V) + o * o * np.sum(q_, axis=-1, keepdims=True), 0.0)
           + u2 * upper32(pp, tV2) + stored(c.u, o, o))
     wo = upper32(w.second + c.g_s * p, aV)
-    return o2, wo
+    return Error(o2, wo)
+
+
+class ChunkOut(NamedTuple):
+    """Where steps 2–4 of one chunk of query rows go (arrays of the chunk's shape, filled in place)."""
+
+    scores: Bound
+    attn_weights: Bound
+    head_outputs: Error  # var and acc; its Bound is formed with concat and output (step 5)
 
 
 def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, V: np.ndarray,
                     V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray, o: np.ndarray,
-                    vis: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
-    """Steps 2–4 for one chunk of query rows (every special value handled): (sigma, worst) of the
-    scores and of the attention weights, and (variance, worst) of the head outputs, into ``out``."""
-    s2, ws = scores(c, Q, tQ2, KK, aK, s)
-    w = weights(c, s, p, vis, s2, ws)
-    o2, wo = head_outputs(c, p, o, V, V2, aV, tV2, w)
-    sig_s = inf_for_nan(np.sqrt(np.maximum(s2, 0.0)))
-    for dst, src in zip(out, (sig_s, inf_for_nan(ws + c.floor), w.sigma, w.worst, o2, wo)):
+                    vis: np.ndarray, out: ChunkOut) -> None:
+    """Steps 2–4 for one chunk of query rows (every special value handled): the bounds of the scores
+    and of the attention weights, and the error of the head outputs, into ``out``."""
+    e_s = scores(c, Q, tQ2, KK, aK, s)
+    w = weights(c, s, p, vis, e_s)
+    e_o = head_outputs(c, p, o, V, V2, aV, tV2, w)
+    b_s = e_s.bound(c.floor)
+    for dst, src in zip((*out.scores, *out.attn_weights, out.head_outputs.var, out.head_outputs.acc),
+                        (b_s.sigma, b_s.worst, w.sigma, w.worst, e_o.var, e_o.acc)):
         dst[...] = src
 
 
-def output(golden: GoldenCase, o2: np.ndarray, wo: np.ndarray, r: Rounding) -> dict[str, tuple[np.ndarray, Any]]:
-    """5. concat relabels the heads' (variance, worst); output = concat @ W_o + b_o:
+def output(golden: GoldenCase, e_o: Error, r: Rounding) -> dict[str, Error]:
+    """5. concat relabels the heads' errors; output = concat @ W_o + b_o (:func:`~.vocabulary.product`):
 
-    var = T_c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y², worst = γ_acc(H·D_v + k)·(|c|@|W_o| + |b_o|)."""
-    sc2, wc = merge(o2), merge(wo)
-    g, w = golden.stages, golden.weights
-    c, y, wo_mat, bo = g["concat"], g["output"], w["w_o"], w.get("b_o")
+    var = T_c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y², acc = γ_acc(H·D_v + k)·(|c|@|W_o| + |b_o|)."""
+    e_c = e_o.map(merge)
+    o, w = LINEAR["o"], golden.weights
+    c, y, wo, bo = o.input_of(golden), golden.stages[o.y], w[o.weight], w.get(o.bias)
     cw = y if bo is None else y - bo
-    y2 = (sc2 + wc**2) @ wo_mat**2 + stored(r.u, cw, y)
-    wy = r.gamma(wo_mat.shape[0]) * (np.abs(c) @ np.abs(wo_mat) + (0.0 if bo is None else np.abs(bo)))
-    return {"concat": (sc2, wc), "output": (y2, wy)}
-
-
-def bound(var: np.ndarray, worst: np.ndarray, floor: float) -> Bound:
-    """A stage's :class:`Bound` from its (variance, worst): sigma = sqrt(var), worst + floor, NaN -> inf."""
-    return Bound(inf_for_nan(np.sqrt(np.maximum(var, 0.0))), inf_for_nan(worst + floor))
+    return {STAGE.concat: e_c, STAGE.output: product(c, e_c, wo, EXACT, r.gamma(wo.shape[0]), r.u, stored_as=(cw, y),
+                                                     bias=bo)}
 
 
 def worst_case_tolerances(golden: GoldenCase, dtype: str,
@@ -198,31 +199,37 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
         local = gamma(wm.shape[0] + k, u) * mag
         return local if e_x is None else e_x @ np.abs(wm) + local
 
+    def projected(letter: str, e_x: np.ndarray | None = None) -> np.ndarray:
+        m = LINEAR[letter]
+        return linear(np.abs(m.input_of(golden)), e_x, w[m.weight], w.get(m.bias))
+
     with np.errstate(invalid="ignore", over="ignore"):
-        e_q = linear(np.abs(golden.inputs["query"]), None, w["w_q"], w.get("b_q"))
-        e_k = linear(np.abs(golden.inputs["key"]), None, w["w_k"], w.get("b_k"))
-        e_v = linear(np.abs(golden.inputs["value"]), None, w["w_v"], w.get("b_v"))
-        q_abs, k_abs = np.abs(heads(g["q_proj"], H)), np.abs(heads(g["k_proj"], G, group))
+        e_q, e_k, e_v = projected("q"), projected("k"), projected("v")
+        q_abs, k_abs = np.abs(heads(g[STAGE.q_proj], H)), np.abs(heads(g[STAGE.k_proj], G, group))
         scale = float(cfg.scale)  # type: ignore[arg-type]
         hi = scale * ((q_abs + heads(e_q, H)) @ swap(k_abs + heads(e_k, G, group)))
         e_s = (hi - scale * (q_abs @ swap(k_abs))) + gamma(cfg.D_k + k, u) * hi
-        p, s = g["attn_weights"], g["scores"]
+        p, s = g[STAGE.attn_weights], g[STAGE.scores]
         S = s.shape[-1]
         abs_s = np.abs(s)
         e_p = softmax_worst(p, np.where(vis, e_s, 0.0)) + p * softmax_rounding(
             abs_s, visible_row_max(abs_s, vis), gamma(S + k, u), u)
         e_p = np.where(vis, np.minimum(np.nan_to_num(e_p, nan=np.inf), 1.0), 0.0)
-        v_abs = np.abs(heads(g["v_proj"], G, group))
+        v_abs = np.abs(heads(g[STAGE.v_proj], G, group))
         v_hi = v_abs + heads(e_v, G, group)
         hi_o = (p + e_p) @ v_hi
         e_o = (hi_o - p @ v_abs) + gamma(S + k, u) * hi_o
         e_c = merge(e_o)
-        e_y = linear(np.abs(g["concat"]), e_c, w["w_o"], w.get("b_o"))
+        e_y = projected("o", e_c)
     floor = table.dtypes[dtype].floor
-    out = {
-        "q_proj": e_q, "k_proj": e_k, "v_proj": e_v, "scores": e_s, "attn_weights": e_p,
-        "head_outputs": e_o, "concat": e_c, "output": e_y,
-    }
-    out = {name: np.nan_to_num(b, nan=np.inf) + floor for name, b in out.items()}
-    out["attn_weights"] = np.where(vis, out["attn_weights"], 0.0)
+    out = worst_case_allowed({STAGE.q_proj: e_q, STAGE.k_proj: e_k, STAGE.v_proj: e_v, STAGE.scores: e_s,
+                              STAGE.attn_weights: e_p, STAGE.head_outputs: e_o, STAGE.concat: e_c,
+                              STAGE.output: e_y}, floor)
+    out[STAGE.attn_weights] = np.where(vis, out[STAGE.attn_weights], 0.0)
     return out
+
+
+def worst_case_allowed(errors: Mapping[str, np.ndarray], floor: float) -> dict[str, np.ndarray]:
+    """The worst-case contract's tolerances from its propagated errors (forward and backward): each
+    error + the floor, NaN made +inf — and +inf made the largest float (``np.nan_to_num``)."""
+    return {name: np.nan_to_num(e, nan=np.inf) + floor for name, e in errors.items()}

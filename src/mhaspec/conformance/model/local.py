@@ -25,18 +25,23 @@ import numpy as np
 from ...spec import REGISTRY, STAGES
 from .softmax import (score_moves, second_order, softmax_rounding, softmax_visible, softmax_worst,
                       visible_row_max, weights_sigma)
-from .vocabulary import LAMBDA, Bound, Pair, Rounding, inf_for_nan, merge, stored, swap, upper32
+from .vocabulary import (EXACT, LAMBDA, Bound, Error, Pair, Rounding, inf_for_nan, merge, product, stored, swap,
+                         upper32)
 
 #: stage -> the stages it is recomputed from in a local check (spec/stages.py)
 LOCAL_INPUTS: dict[str, tuple[str, ...]] = {n: REGISTRY[n].local_inputs for n in STAGES if REGISTRY[n].local_inputs}
 
 
-def local_bound(var: np.ndarray, worst: np.ndarray, r: Rounding, worst_case: bool) -> Bound:
-    """A local check's :class:`Bound` from its (variance, worst); worst-case: every rounding at its
-    full size, no averaging (sigma 0, worst = LAMBDA·sqrt(var) + worst + floor)."""
+def local_bound(e: Error, r: Rounding, worst_case: bool) -> Bound:
+    """A local check's :class:`Bound` from its own :class:`~.vocabulary.Error` (``var``, ``acc``).
+
+    Standard: sigma = sqrt(var), worst = acc + floor, NaN made +inf in ``worst`` only: where the
+    adapter's own values make ``var`` NaN, sigma stays NaN and the element takes no part in the
+    mean-square test.  Worst-case: every rounding at its full size, no averaging (sigma 0,
+    worst = LAMBDA·sqrt(var) + acc + floor)."""
     if worst_case:
-        return Bound(np.zeros_like(worst), inf_for_nan(np.sqrt(var) * LAMBDA + worst) + r.floor)
-    return Bound(np.sqrt(np.maximum(var, 0.0)), inf_for_nan(worst + r.floor))
+        return Bound(np.zeros_like(e.acc), inf_for_nan(np.sqrt(e.var) * LAMBDA + e.acc) + r.floor)
+    return Bound(np.sqrt(np.maximum(e.var, 0.0)), inf_for_nan(e.acc + r.floor))
 
 
 def scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, g_d: float, r: Rounding,
@@ -47,7 +52,7 @@ def scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, g_d: 
     u2 = r.u**2
     x = scale * (q @ swap(K))
     var = (2 * scale**2 * u2) * upper32(q * q, K2) + stored(r.u, x, x)
-    return x, local_bound(var, (g_d * scale) * upper32(np.abs(q), aK), r, worst_case)
+    return x, local_bound(Error(var, (g_d * scale) * upper32(np.abs(q), aK)), r, worst_case)
 
 
 def weights(s: np.ndarray, vis: np.ndarray, g_s: float, r: Rounding,
@@ -64,7 +69,7 @@ def weights(s: np.ndarray, vis: np.ndarray, g_s: float, r: Rounding,
     worst = x * softmax_rounding(abs_s, visible_row_max(abs_s, vis), g_s, r.acc)
     tau = score_moves(s2, vis)
     if worst_case:
-        b = local_bound(stored(r.u, x), worst + softmax_worst(x, tau), r, worst_case)
+        b = local_bound(Error(stored(r.u, x), worst + softmax_worst(x, tau)), r, worst_case)
     else:  # relative form: p² underflows for tiny weights
         b = Bound(weights_sigma(x, s2, r.u), inf_for_nan(worst + second_order(x, tau)) + r.floor)
     return x, np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0)
@@ -78,7 +83,7 @@ def head_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, g_s: float, 
     (the weights' route allowance is added afterwards: :func:`weights_route`)."""
     x = pc @ V
     var = (2 * r.u**2) * upper32(pc * pc, V2) + stored(r.u, x, x)
-    return x, local_bound(var, g_s * upper32(np.abs(pc), aV), r, worst_case)
+    return x, local_bound(Error(var, g_s * upper32(np.abs(pc), aV)), r, worst_case)
 
 
 def weights_route(P: np.ndarray, own_softmax: tuple[np.ndarray, ...] | None, golden_softmax: Any) -> np.ndarray:
@@ -102,7 +107,7 @@ def weights_route(P: np.ndarray, own_softmax: tuple[np.ndarray, ...] | None, gol
 def concat(head_outputs: np.ndarray, r: Rounding, worst_case: bool) -> tuple[np.ndarray, Bound]:
     """concat = the adapter's head outputs merged: only their storage, var = u²·c² + U64²·c²."""
     ref = merge(head_outputs)
-    return ref, local_bound(stored(r.u, ref), np.zeros_like(ref), r, worst_case)
+    return ref, local_bound(Error(stored(r.u, ref), np.zeros_like(ref)), r, worst_case)
 
 
 def output(c: np.ndarray, w_o: np.ndarray, b_o: np.ndarray | None, r: Rounding,
@@ -112,6 +117,5 @@ def output(c: np.ndarray, w_o: np.ndarray, b_o: np.ndarray | None, r: Rounding,
     var = u²·c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y², worst = γ_acc(H·D_v + k)·(|c|@|W_o| + |b_o|)."""
     cw = c @ w_o
     ref = cw if b_o is None else cw + b_o
-    var = (r.u**2 * c**2) @ w_o ** 2 + stored(r.u, cw, ref)
-    mag = np.abs(c) @ np.abs(w_o) + (0.0 if b_o is None else np.abs(b_o))
-    return ref, local_bound(var, r.gamma(w_o.shape[0]) * mag, r, worst_case)
+    e = product(c, Error(r.u**2 * c**2), w_o, EXACT, r.gamma(w_o.shape[0]), r.u, stored_as=(cw, ref), bias=b_o)
+    return ref, local_bound(e, r, worst_case)

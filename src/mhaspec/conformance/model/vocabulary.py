@@ -1,6 +1,10 @@
 """The words every rule of the tolerance model is written in, forward and backward.
 
 * :class:`Bound` — an allowed error ``LAMBDA·sigma + worst`` (docs/tolerances.md "The bound");
+* :class:`Error` — an error as it propagates from stage to stage (noise, accumulation, what is
+  carried worst-case), and its :class:`Bound` (:meth:`Error.bound`, the one conversion);
+* :func:`product` — the error of a matrix product of operands that carry errors;
+* :data:`LINEAR` — the layer's four linear maps by letter, with their stages;
 * :class:`Rounding` — the rounding facts of one dtype under one precision contract: u, u_acc,
   γ_acc(n + k) (:func:`gamma`), the floor;
 * :func:`stored` — the variance of storing an intermediate result in the dtype;
@@ -19,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...spec import REGISTRY, STAGE
 from ...spec.tolerance import ToleranceTable
 
 PRECISIONS = ("standard", "worst-case")
@@ -55,6 +60,102 @@ class Bound(NamedTuple):
             out += self.worst  # one new array, not two (``lam * sigma + worst``): the same numbers
             return out
         return out + self.worst
+
+    @classmethod
+    def worst_case(cls, tolerance: np.ndarray) -> "Bound":
+        """A tolerance taken whole as the worst-case part, no noise part (the worst-case contract)."""
+        return cls(np.zeros_like(tolerance), tolerance)
+
+
+class Error(NamedTuple):
+    """An element's error as it propagates from stage to stage, forward and backward (docs/tolerances.md
+    "The bound", docs/backward.md).  Each part is an array or a scalar (0.0: none):
+
+    * ``var`` — rounding noise: the variance bound of the storage roundings that reached the element,
+      propagated linearised (independent terms add);
+    * ``acc`` — the stage's own accumulation error, worst-case; a later stage takes it as one more
+      independent term of its variance (:attr:`total_var`);
+    * ``lin`` — what is carried worst-case all the way: in the backward, the forward softmax's second
+      order and P·V accumulation (0 in the forward rules).
+
+    Its allowed error is :meth:`bound`: ``LAMBDA·sqrt(var) + lin + acc + floor``."""
+
+    var: Any
+    acc: Any = 0.0
+    lin: Any = 0.0
+
+    @property
+    def total_var(self) -> Any:
+        """The variance a later stage sees: the noise and this stage's accumulation."""
+        return self.var + np.square(self.acc)
+
+    def map(self, fn: Any) -> "Error":
+        """``fn`` (a relabelling: heads, merge, group, transpose, reshape) on every array part."""
+        return Error(*(fn(v) if np.ndim(v) else v for v in self))
+
+    def scaled(self, f: float) -> "Error":
+        """The error of ``f·x`` (an exact scaling)."""
+        return Error(self.var * f * f, self.acc * f, self.lin * f)
+
+    def bound(self, floor: float, shape: tuple[int, ...] | None = None) -> Bound:
+        """The :class:`Bound` of this error (broadcast to ``shape``, if given): sigma = sqrt(var),
+        worst = lin + acc + floor, each NaN made +inf (a bound that cannot be formed allows anything)."""
+        var, worst = self.var, self.acc if not np.ndim(self.lin) and self.lin == 0 else self.lin + self.acc
+        if shape is not None:
+            var, worst = np.broadcast_to(var, shape), np.broadcast_to(worst, shape)
+        return Bound(inf_for_nan(np.sqrt(np.maximum(var, 0.0))), inf_for_nan(worst + floor))
+
+
+#: No error: an exact operand (the inputs, the weights, the given output gradient).
+EXACT = Error(0.0)
+
+
+def product(a: np.ndarray, ea: Error, b: np.ndarray, eb: Error, g: float, u: float,
+            stored_as: tuple[np.ndarray, ...] | None = None, bias: np.ndarray | None = None) -> Error:
+    """The error of ``a @ b (+ bias)`` when ``a`` and ``b`` carry ``ea`` and ``eb`` (the bias is exact):
+
+    var = T²_a @ b² + a² @ T²_b (+ the storage roundings of ``stored_as``, :func:`stored`),
+    lin = lin_a @ |b| + |a| @ lin_b, acc = g·(|a|@|b| + |bias|) (``g`` = γ_acc(n + k) of its length-n
+    sums).  ``stored_as``: the values stored in the dtype (None: the caller stores the result)."""
+    A = np.abs
+    var: Any = 0.0 if stored_as is None else stored(u, *stored_as)
+    lin: Any = 0.0
+    if np.any(np.asarray(ea.total_var)):
+        var = var + np.broadcast_to(ea.total_var, a.shape) @ (b * b)
+    if np.any(np.asarray(eb.total_var)):
+        var = var + (a * a) @ np.broadcast_to(eb.total_var, b.shape)
+    if np.any(np.asarray(ea.lin)):
+        lin = lin + np.broadcast_to(ea.lin, a.shape) @ A(b)
+    if np.any(np.asarray(eb.lin)):
+        lin = lin + A(a) @ np.broadcast_to(eb.lin, b.shape)
+    mag = A(a) @ A(b)
+    return Error(var, g * (mag if bias is None else mag + A(bias)), lin)
+
+
+class Linear(NamedTuple):
+    """One of the layer's four linear maps ``y = x W + b``, named by its letter (``q``, ``k``, ``v``, ``o``:
+    the letters of :data:`~mhaspec.spec.backward.INPUT_GRADIENTS`), with the stages it makes."""
+
+    x: str  # its input: an input tensor (query, key, value) or, for ``o``, the concat stage
+    weight: str
+    bias: str
+    y: str  # the stage it computes
+    d_y: str | None  # that stage's gradient (None for ``o``: d_output is given)
+    d_weight: str
+    d_bias: str
+
+    def input_of(self, golden: Any) -> np.ndarray:
+        """The input ``x`` of this map in ``golden`` (an input tensor, or the concat stage)."""
+        return golden.stages[self.x] if self.x in REGISTRY else golden.inputs[self.x]
+
+
+#: The layer's linear maps by letter (q, k, v: the projections; o: the output projection).
+LINEAR: dict[str, Linear] = {
+    "q": Linear("query", "w_q", "b_q", STAGE.q_proj, STAGE.d_q_proj, STAGE.d_w_q, STAGE.d_b_q),
+    "k": Linear("key", "w_k", "b_k", STAGE.k_proj, STAGE.d_k_proj, STAGE.d_w_k, STAGE.d_b_k),
+    "v": Linear("value", "w_v", "b_v", STAGE.v_proj, STAGE.d_v_proj, STAGE.d_w_v, STAGE.d_b_v),
+    "o": Linear(STAGE.concat, "w_o", "b_o", STAGE.output, None, STAGE.d_w_o, STAGE.d_b_o),
+}
 
 
 def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
