@@ -16,6 +16,7 @@ import pytest
 
 import mhaspec
 from mhaspec.conformance import ERROR, FAIL, PASS, Session
+from mhaspec.conformance import judging
 from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.conformance.tolerance import KAPPA
 from mhaspec.fixtures import GoldenCase
@@ -459,7 +460,7 @@ def test_tolerances_formed_in_the_chunks_are_those_of_the_bounds_bit_for_bit(pre
     for golden in goldens:
         for dtype in DTYPES:
             bounds = tol.golden_bounds(golden, dtype, precision)
-            expected = {k: b.tolerance(tol.LAMBDA) for k, b in golden.with_reference_error(bounds).items()}
+            expected = {k: b.tolerance(tol.LAMBDA) for k, b in judging.with_reference_error(golden, bounds).items()}
             raw, fused = tol.judging_bounds(golden, dtype, precision)
             plain = tol.stage_tolerances(golden, dtype, precision=precision)
             assert list(fused) == list(expected) == list(plain) == list(raw)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import judging  # noqa: F401  (interim: the GoldenCase attributes tolerance.py and engine/ still read)
 
 _EXPORTS = {
     "FAIL": "compare", "KNOWN_DEVIATION": "compare", "NOT_EXPOSED": "compare", "PASS": "compare",

@@ -187,10 +187,3 @@ def _forget_in_forked_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_forked_child)
 
-
-# Interim, until tolerance.py and engine/compiled.py call memoised(), with_reference_error() and
-# whole_shape() above: the GoldenCase attributes they read, answered by those functions.
-GoldenCase.memoised = memoised  # type: ignore[attr-defined]
-GoldenCase.with_reference_error = with_reference_error  # type: ignore[attr-defined]
-GoldenCase.whole_shape = property(  # type: ignore[attr-defined]
-    lambda golden: whole_shape(golden) if _block(golden) is not None else None)

@@ -301,7 +301,7 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g
 
 def tolerance_into(sigma: np.ndarray, worst: np.ndarray, extra: Any, out: np.ndarray, buf: Scratch) -> None:
     """``out = LAMBDA·sigma + (worst + extra)`` (``extra``: a reference error), in place: the numbers
-    of ``Bound(sigma, worst)`` widened by :meth:`~mhaspec.fixtures.GoldenCase.with_reference_error`,
+    of ``Bound(sigma, worst)`` widened by :func:`~mhaspec.conformance.judging.with_reference_error`,
     then :meth:`~mhaspec.conformance.model.vocabulary.Bound.tolerance`."""
     if isinstance(extra, float) and extra == 0.0:
         w = worst
