@@ -1,15 +1,20 @@
 """What every framework backend of the built-in adapters offers, under the same names.
 
-One module per framework (``numpy``, ``torch``, ``tensorflow``, ``jax``, ``onnx``), each with
-the same functions for the same jobs (those a framework has):
+One module per framework (``numpy``, ``torch``, ``tensorflow``, ``jax``, ``onnx``; ``flax``
+for the Flax layout and ``torch_export`` for torch.onnx.export), each with the same function
+names for the same jobs, where the framework has the job (``tests/test_backends.py``):
 
 * ``dtype(name)`` — the framework's dtype for a spec dtype name (``"bfloat16"`` …);
-* ``array_in(x, dtype, …)`` — a canonical float64 NumPy array as a framework array in ``dtype``;
+* ``array_in(x, dtype, …)`` — a canonical float64 NumPy array as a framework array in that dtype
+  (torch also takes the device);
 * ``array_out(x)`` — a framework array (or a nest of them) back as float64 NumPy;
 * ``keep_mask(case, …)`` — the case's visibility (explicit mask and causal band, True = may
   attend) in the polarity and shape the framework takes;
-* ``weights_in(weights, config)`` / ``weights_out(params)`` — canonical weights to the
-  framework's parameters and back.
+* ``weights_in(weights, …)`` / ``weights_out(params)`` — canonical weights to the framework's
+  parameters (torch's state dict, ONNX initializers, Flax's tree) and back.
+
+The query/key/value aliasing is :meth:`mhaspec.spec.Case.inputs_as`; the causal band's offset
+is :func:`mhaspec.spec.masks.causal_offset`.
 
 The deviations the adapters declare are data, beside them: :func:`declared` reads them from
 ``adapters/deviations/<family>.json``.
