@@ -74,11 +74,10 @@ class MyAttentionFunctionMHA:
         dtype, cfg = getattr(torch, case.dtype), case.config
         layer = Layer(cfg, self.attention, dtype)
         layer.load_state_dict(canonical_to_state_dict(case.weights))  # canonical W is (in, out); Linear wants W.T
-        x = {n: torch.tensor(getattr(case.inputs, n), dtype=dtype, requires_grad=grad) for n in ("query", "key", "value")}
-        if case.self_attention:
-            x["key"] = x["value"] = x["query"]  # one tensor: its gradient is the sum of the three (d_query)
-        elif case.key_is_value:
-            x["value"] = x["key"]  # one memory tensor: its gradient is d_key
+        # one tensor where the case has one (self-attention: its gradient is the sum of the three, d_query;
+        # one memory tensor for key and value: d_key)
+        query, key, value = case.inputs_as(lambda a: torch.tensor(a, dtype=dtype, requires_grad=grad))
+        x = {"query": query, "key": key, "value": value}
         T, S = case.tgt_len, case.src_len
         visible = torch.ones(T, S, dtype=torch.bool)
         if cfg.causal:
@@ -101,8 +100,8 @@ class MyAttentionFunctionMHA:
             t.retain_grad()
         stages["output"].backward(torch.tensor(case.d_output, dtype=stages["output"].dtype))
         grads = {f"d_{n}": t.grad for n, t in stages.items() if n != "output"}
-        inputs = ["query"] if case.self_attention else ["query", "key"] if case.key_is_value else ["query", "key", "value"]
-        grads.update({f"d_{n}": x[n].grad for n in inputs})
+        distinct = {id(t): n for n, t in reversed(x.items())}.values()  # each tensor once, by its first name
+        grads.update({f"d_{n}": x[n].grad for n in distinct})
         grads = {n: g.double().numpy() for n, g in grads.items()}
         weight_grads = state_dict_to_canonical({n: p.grad for n, p in layer.named_parameters()})
         return grads | {f"d_{n}": g for n, g in weight_grads.items()}
