@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .conformance import Report
+    from .spec import Case
 
 
 def check(adapter: Any, dtypes: Any = None, cases: Any = None, **options: Any) -> Report:
@@ -25,4 +26,14 @@ def check(adapter: Any, dtypes: Any = None, cases: Any = None, **options: Any) -
     return _check(adapter, dtypes=dtypes, cases=cases, **options)
 
 
-__all__ = ["__version__", "check"]
+def load_case(case_id: str, dtype: str = "float64", **where: Any) -> Case:
+    """The :class:`~mhaspec.spec.Case` an adapter's ``run(case)`` gets for ``case_id`` in ``dtype``
+    (``golden=DIR`` or ``catalog=FILE.json`` for cases other than the shipped fixtures), to call an
+    implementation on interactively.  See :func:`mhaspec.show.load_case`; ``mhaspec show CASE`` prints it.
+    """
+    from .show import load_case as _load_case
+
+    return _load_case(case_id, dtype, **where)
+
+
+__all__ = ["__version__", "check", "load_case"]

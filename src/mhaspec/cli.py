@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import MhaspecError
+from .spec.config import DTYPES
 
 DEFAULT_TIMEOUT, MAX_TIMEOUTS = 60.0, 3  # kept equal to mhaspec.conformance.runner's (tests check)
 
@@ -125,6 +126,18 @@ def _parser() -> argparse.ArgumentParser:
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
     cases = sub.add_parser("cases", help="list the catalog's cases", description="List the catalog's cases.")
     cases.add_argument("--json", action="store_true", help="print the case specs as JSON")
+    show = sub.add_parser(
+        "show", help="print one case as an adapter receives it",
+        description="Print the case an adapter's run(case) gets for CASE in --dtype: its sizes, config, every "
+        "array's shape and what its visibility leaves each query row (--values: the arrays too). In Python: "
+        "mhaspec.load_case(CASE, DTYPE) returns that Case.",
+        epilog="exit codes: 0 printed, 2 an unknown case or dtype, or a broken fixture")
+    show.add_argument("case", metavar="CASE", help="a case id (`mhaspec cases` lists them)")
+    show.add_argument("--dtype", default="float64", choices=DTYPES, help="the precision to compute in (default float64)")
+    show.add_argument("--values", action="store_true", help="print every array's values as well")
+    where = show.add_mutually_exclusive_group()
+    where.add_argument("--golden", metavar="DIR", help="a golden folder (default: the fixtures shipped with mhaspec)")
+    where.add_argument("--catalog", metavar="FILE.json", help="a catalog file, its case computed on the fly")
     matrix = sub.add_parser(
         "matrix",
         help="one conformance matrix (md, html, png) from JSON reports",
@@ -156,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fuzz": _fuzz,
             "schema": _schema,
             "cases": _cases,
+            "show": _show,
             "adapters": _adapters,
             "matrix": _matrix,
         }[args.command](args)
@@ -408,6 +422,13 @@ def _cases(args: argparse.Namespace) -> int:
         print(f"{s.id:<{width}}  {s.batch:>2} {s.tgt_len:>4} {s.src_len:>4} {c.d_model:>3} {c.H:>2} "
               f"{c.H_kv:>3} {c.D_k:>3} {c.D_v:>3}  {s.description}")
     print(f"{len(CATALOG)} cases")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .show import describe, load_case
+
+    print(describe(load_case(args.case, args.dtype, golden=args.golden, catalog=args.catalog), values=args.values))
     return 0
 
 

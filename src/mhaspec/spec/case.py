@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .backward import make_d_output
 from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
+from .masks import visibility
 
 Dtype = Literal["float64", "float32", "float16", "bfloat16"]
 
@@ -228,6 +229,14 @@ class Case(BaseModel):
     @property
     def S(self) -> int:
         return self.src_len
+
+    @property
+    def visible(self) -> np.ndarray:
+        """(B, H, T, S) bool, read-only: True where query i may attend to key j — the causal rule
+        AND the explicit mask (:func:`mhaspec.spec.masks.visibility`), the visibility the golden
+        stages were computed with. A row that is False throughout sees no key. Computed at each
+        access (keep it in a variable for repeated use)."""
+        return _readonly(visibility(self.config, self.inputs.mask, self.batch, self.tgt_len, self.src_len))
 
     def inputs_as(self, convert: Callable[[np.ndarray], _T]) -> tuple[_T, _T, _T]:
         """(query, key, value), each converted by ``convert`` once per distinct tensor.
