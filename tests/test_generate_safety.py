@@ -258,3 +258,30 @@ def test_the_early_check_waits_for_a_write_in_progress(tmp_path):
     finally:
         os.close(writer)
     assert done.wait(10)
+
+
+def test_an_installed_package_never_rewrites_its_own_fixtures(monkeypatch, capsys):
+    """Plain `mhaspec generate` in an installed (non-editable) mhaspec refuses, naming the command to
+    use instead, and writes nothing; in a source checkout it is the maintainers' regeneration."""
+    from mhaspec import fixtures
+
+    before = {p.name: p.stat().st_mtime_ns for p in fixtures.DEFAULT_GOLDEN.iterdir()}
+    monkeypatch.setattr(fixtures, "in_source_checkout", lambda: False)
+    assert main(["generate"]) == 2
+    err = capsys.readouterr().err
+    assert "installed package" in err and "mhaspec generate --out DIR" in err and "--golden DIR" in err
+    assert {p.name: p.stat().st_mtime_ns for p in fixtures.DEFAULT_GOLDEN.iterdir()} == before
+
+
+def test_a_source_checkout_is_told_from_an_installed_package(monkeypatch, tmp_path):
+    from mhaspec import fixtures
+
+    checkout = tmp_path / "repo" / "src" / "mhaspec"
+    installed = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "mhaspec"
+    for folder in (checkout, installed):
+        folder.mkdir(parents=True)
+    (tmp_path / "repo" / "pyproject.toml").write_text("[project]\nname = 'mhaspec'\n")
+    monkeypatch.setattr(fixtures, "__file__", str(checkout / "fixtures.py"))
+    assert fixtures.in_source_checkout()
+    monkeypatch.setattr(fixtures, "__file__", str(installed / "fixtures.py"))
+    assert not fixtures.in_source_checkout()

@@ -321,6 +321,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .fixtures import DEFAULT_GOLDEN, in_source_checkout
     from .reference.generate import check, generate
     from .spec import CATALOG, load_catalog_file
 
@@ -328,6 +329,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise MhaspecError(
             "generate --catalog needs --out DIR: the fixtures shipped with mhaspec come only from the built-in catalog"
         )
+    if not args.out and not args.check and not in_source_checkout():
+        raise MhaspecError(
+            f"generate: this mhaspec is an installed package ({DEFAULT_GOLDEN.parent}); rewriting its own "
+            "fixtures would change the installed package. Write them elsewhere: `mhaspec generate --out DIR`, "
+            "then `mhaspec run ADAPTER --golden DIR` (or check the shipped ones: `mhaspec generate --check`)")
     catalog = load_catalog_file(args.catalog) if args.catalog else CATALOG
     _announce_large(catalog)
     progress = _large_case_progress(catalog)

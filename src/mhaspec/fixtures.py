@@ -49,6 +49,14 @@ from .spec import (
 DEFAULT_GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
+def in_source_checkout() -> bool:
+    """Whether this mhaspec runs from a source checkout (``src/mhaspec`` beside ``pyproject.toml``:
+    an editable install or ``PYTHONPATH=src``), where the shipped fixtures are files of the
+    repository; False for an installed package, whose folder is not to be written."""
+    package = Path(__file__).resolve().parent
+    return package.parent.name == "src" and (package.parent.parent / "pyproject.toml").is_file()
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
