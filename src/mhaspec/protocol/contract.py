@@ -152,10 +152,24 @@ def adapter_name(adapter: Any) -> str:
 
 
 def adapter_framework(adapter: Any) -> tuple[str | None, str | None]:
-    """(framework distribution, its installed version) as the adapter declares it."""
+    """(framework, its version) as the adapter declares it, for the report's header and matrix.
+
+    ``framework`` names a distribution (``"torch"``); its installed version is looked up
+    (``importlib.metadata``, else the imported module's ``__version__``), unless the adapter sets
+    ``framework_version`` itself (a string: a framework that is not a distribution, a build of
+    one's own).  None where neither finds one (the report shows ``?``)."""
     framework = getattr(adapter, "framework", None)
+    declared = getattr(adapter, "framework_version", None)
+    if declared is not None and not isinstance(declared, str):
+        raise AdapterError(f"adapter {adapter_name(adapter)}: framework_version must be a string, "
+                           f"got {type(declared).__name__}")
     if not framework:
+        if declared is not None:
+            raise AdapterError(f"adapter {adapter_name(adapter)}: framework_version without framework "
+                               "(name the framework it is the version of)")
         return None, None
+    if declared is not None:
+        return str(framework), declared
     from importlib.metadata import PackageNotFoundError, version
 
     try:
