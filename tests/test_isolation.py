@@ -501,3 +501,28 @@ def test_variants_get_the_same_report_in_a_worker_and_in_this_process():
         here = mhaspec.check(adapter, timeout=None, backward=backward, isolate=False)
         assert _results(worker) == _results(here), adapter.name
         assert worker.exit_code == here.exit_code
+
+
+def test_a_forked_worker_asks_no_object_but_the_goldens_anything(tmp_path):
+    """Emptying the inherited goldens walks every object of the process: it must not touch what an
+    object computes on access (``__class__`` here, as torch's deprecated-module proxies do, which
+    printed a FutureWarning from mhaspec's own code whenever torch was imported)."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent("""
+        import warnings
+        import mhaspec
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        class Proxy:
+            @property
+            def __class__(self):
+                warnings.warn("asked for __class__", FutureWarning)
+                return Proxy
+
+        kept = [Proxy() for _ in range(3)]
+        report = mhaspec.check(NumpyMHA(), dtypes=["float64"], cases=["self_basic"])
+        print("ok" if report.ok else "not ok")
+    """))
+    done = subprocess.run([sys.executable, "-W", "default", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert "asked for __class__" not in done.stderr, done.stderr[-2000:]

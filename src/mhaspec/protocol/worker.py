@@ -192,8 +192,11 @@ def forget_golden() -> None:
         return
     import gc
 
+    golden_types = (fixtures.GoldenSet, fixtures.GoldenCase)
     for obj in gc.get_objects():
-        if isinstance(obj, (fixtures.GoldenSet, fixtures.GoldenCase)):  # subclasses too (on-the-fly goldens)
+        # type(obj), not isinstance: isinstance also asks obj.__class__, which some objects compute
+        # (torch's deprecated-module proxies warn when asked); subclasses count (on-the-fly goldens)
+        if issubclass(type(obj), golden_types):
             for name, value in list(vars(obj).items()):
                 if isinstance(value, dict):
                     value.clear()  # GoldenSet._loaded, GoldenCase.stages/inputs/weights, caches
