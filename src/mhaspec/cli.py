@@ -207,13 +207,15 @@ def _report_path(value: str) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .protocol.transports import Worker, validate_timeout
+    from .protocol.transports import for_name, is_program, validate_timeout
 
     timeout = validate_timeout(DEFAULT_TIMEOUT if args.timeout is None else args.timeout, "--timeout")
     report_path = _report_path(args.report) if args.report else None
     adapter = args.adapter
+    if args.no_isolate and is_program(args.adapter):
+        raise MhaspecError(f"--no-isolate: {args.adapter!r} is a program; it always runs in its own process")
     if not args.no_isolate:  # start the worker now: it imports the adapter's framework while we import the rest
-        adapter = Worker(args.adapter, {"device": args.device})
+        adapter = for_name(args.adapter, {"device": args.device})
         adapter.start()
 
     from .conformance import Report, Session, check, select_cases
@@ -278,7 +280,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if session is not None:
             session.close()
-        elif isinstance(adapter, Worker):
+        elif not isinstance(adapter, str):  # a transport started above
             adapter.close()
     print("\n".join(report.footer(verbose=args.verbose)))
     if report_path is not None:

@@ -58,8 +58,9 @@ KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES", "ONEDNN_M
                     "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 #: Where the facts were read: the adapter's worker process, the runner itself running the adapter
-#: (``isolate=False``), or the runner alone (no adapter ever ran, e.g. it could not be loaded).
-PROCESSES = ("worker", "in-process", "runner")
+#: (``isolate=False``), the runner alone (no adapter ever ran, e.g. it could not be loaded), or the
+#: runner for an adapter program (``exec:``; the program's own facts under ``program``).
+PROCESSES = ("worker", "in-process", "runner", "exec")
 
 _ARM_PARTS = {  # (implementer, part) of /proc/cpuinfo -> name (arm64 Linux gives no model name)
     ("0x41", "0xd0c"): "Arm Neoverse-N1", ("0x41", "0xd40"): "Arm Neoverse-V1", ("0x41", "0xd49"): "Arm Neoverse-N2",
@@ -334,6 +335,10 @@ def summary(env: Mapping[str, Any] | None, frameworks: bool = True) -> str:
     if frameworks and shown:
         parts.append(", ".join(f"{k} {v}" for k, v in shown.items()))
     parts.append(f"python {env.get('python')} · {env.get('system')} {env.get('machine')}")
+    program = env.get("program")
+    if isinstance(program, Mapping) and program:
+        facts = ", ".join(f"{k} {v}" for k, v in program.items() if k != "process" and isinstance(v, (str, int, float)))
+        parts.append(f"program: {facts or 'no facts given'}")
     if env.get("process") == "runner":
         parts.append("(the runner's process: the adapter never ran)")
     return " · ".join(parts)

@@ -14,7 +14,7 @@ from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..protocol.contract import Deviation
 from ..protocol.loading import load_adapter
-from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker,  # noqa: F401 (re-exported)
+from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import STAGE, STAGES, compared_entries
 from . import judging
@@ -81,6 +81,12 @@ class Session:
         self.adapter: Any = None
         if isinstance(adapter, Transport):  # already started (the CLI starts it before importing the rest)
             self._worker = adapter
+        elif is_program(adapter):  # exec:PROGRAM ARGS…: always its own process
+            if not self.isolate:
+                raise MhaspecError(f"adapter {adapter!r}: a program always runs in its own process; "
+                                   "isolate=False (--no-isolate) does not apply to it")
+            self._worker = for_name(adapter, options)
+            self._worker.start()
         elif self.isolate and isinstance(adapter, str) and _jsonable(options):
             self._worker: Transport = Worker(adapter, options)  # a spawned worker loads it by name
             self._worker.start()  # it imports the framework while this process reads the golden folder

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..io import safetensors
-from ..spec import BACKWARD_STAGES, STAGES, Case, MHAConfig
+from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case, MHAConfig
 from ..spec.case import Inputs, Weights
 
 #: The version of this protocol, sent in the worker's ``ready`` (and the runner's ``load``).
@@ -92,8 +92,11 @@ class Pipe:
         :class:`Closed` at the end of the pipe, :class:`Malformed` for bytes that are not a frame."""
         n_header, n_payload = FRAME.unpack(self._read(FRAME.size, deadline))
         check_lengths(n_header, n_payload)
-        header = decode_header(self._read(n_header, deadline))
-        return header, bytes(self._read(n_payload, deadline)) if n_payload else b""
+        try:
+            header = decode_header(self._read(n_header, deadline))
+            return header, bytes(self._read(n_payload, deadline)) if n_payload else b""
+        except Closed:
+            raise Closed("end of file in the middle of a message") from None
 
     def _read(self, n: int, deadline: float | None) -> bytearray:
         buf = bytearray(n)
@@ -106,10 +109,14 @@ class Pipe:
                     raise Deadline()
             chunk = os.read(self.read_fd, min(n - got, 1 << 22))
             if not chunk:
-                raise Closed("end of file")
+                raise Closed("end of file" if not got else "end of file in the middle of a message")
             view[got : got + len(chunk)] = chunk
             got += len(chunk)
         return buf
+
+    def readable(self) -> bool:
+        """Whether bytes (or the end of the stream) are waiting to be read now."""
+        return bool(self._poller.poll(0))
 
     def close(self) -> None:
         for fd in (self.read_fd, self.write_fd):
@@ -167,6 +174,52 @@ def failure(reply: str, error: str) -> dict[str, Any]:
     if reply == "ready":
         header["protocol"] = PROTOCOL
     return header
+
+
+#: What ``ready`` may leave out, and what it then means (a Python worker always sends every key).
+READY_DEFAULTS: dict[str, Any] = {"deviations": [], "framework": None, "framework_version": None,
+                                  "has_supports": False, "has_backward": False}
+
+
+def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The adapter's description in a successful ``ready`` (defaults filled in); :class:`Malformed`
+    naming the first key that is missing or of the wrong type."""
+    info = {**READY_DEFAULTS, **{k: v for k, v in header.items() if k not in ("ok", "reply", "protocol")}}
+    if not isinstance(info.get("name"), str) or not info["name"]:
+        raise Malformed("a 'ready' without a name (a non-empty string)")
+    dtypes = info.get("dtypes")
+    if not isinstance(dtypes, list) or not dtypes or not all(isinstance(d, str) for d in dtypes):
+        raise Malformed(f"a 'ready' whose dtypes is not a non-empty list of dtype names ({dtypes!r})")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise Malformed(f"a 'ready' whose dtypes {unknown} are not among {', '.join(DTYPES)}")
+    info["dtypes"] = [d for d in DTYPES if d in dtypes]
+    for key in ("has_supports", "has_backward"):
+        if not isinstance(info[key], bool):
+            raise Malformed(f"a 'ready' whose {key} is not true or false ({info[key]!r})")
+    for key in ("framework", "framework_version"):
+        if info[key] is not None and not isinstance(info[key], str):
+            raise Malformed(f"a 'ready' whose {key} is not a string or null ({info[key]!r})")
+    if not isinstance(info["deviations"], list):
+        raise Malformed(f"a 'ready' whose deviations is not a list ({type(info['deviations']).__name__})")
+    return info
+
+
+def check_unsupported(rules: Any) -> list[dict[str, str]]:
+    """A program's ``unsupported`` rules from ``ready``: ``[{"case": PATTERN, "dtype": PATTERN, "reason":
+    TEXT}]`` (patterns as in deviations, default ``*``); :class:`Malformed` naming a bad rule."""
+    if not isinstance(rules, list):
+        raise Malformed(f"a 'ready' whose unsupported is not a list ({type(rules).__name__})")
+    out = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, Mapping) or set(rule) - {"case", "dtype", "reason"}:
+            raise Malformed(f"a 'ready' whose unsupported[{i}] is not an object of case, dtype, reason ({rule!r})")
+        entry = {"case": rule.get("case", "*"), "dtype": rule.get("dtype", "*"), "reason": rule.get("reason")}
+        if not all(isinstance(v, str) and v for v in entry.values()):
+            raise Malformed(f"a 'ready' whose unsupported[{i}] needs non-empty strings case, dtype and reason "
+                            f"({rule!r})")
+        out.append(entry)
+    return out
 
 
 def check_reply(header: Mapping[str, Any], expected: str) -> None:

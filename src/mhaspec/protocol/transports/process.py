@@ -160,6 +160,10 @@ class ProcessTransport(Transport):
     def _launch(self) -> tuple[Process, wire.Pipe]:
         """Start a worker process; return it and the runner's end of its pipes (after any first request)."""
 
+    def _described(self, environment: Any) -> dict[str, Any] | None:
+        """The environment to keep from what the worker sent (mhaspec's worker: its own describe())."""
+        return environment if isinstance(environment, dict) else None
+
     # -- lifecycle --
     def start(self) -> None:
         """Start the process (its ``ready`` is read in :meth:`wait_loaded`)."""
@@ -198,8 +202,12 @@ class ProcessTransport(Transport):
         if not reply["ok"]:
             self._discard()
             raise AdapterError(reply["error"])
-        self.environment = reply.pop("environment", None) or self.environment
-        self.info = {k: v for k, v in reply.items() if k not in ("ok", "reply", "protocol")}
+        self.environment = self._described(reply.pop("environment", None)) or self.environment
+        try:
+            self.info = wire.check_ready(reply)
+        except wire.Malformed as exc:
+            self._discard()
+            raise AdapterError(f"adapter {self.label}: the worker sent {exc}") from None
         self._ready = True
         return self.info
 
@@ -278,8 +286,10 @@ class ProcessTransport(Transport):
                 f"the adapter did not return within {timeout:g} s (per-case timeout) in {op}(); "
                 "its worker process was killed"
             ) from None
-        except wire.Closed:
+        except wire.Closed as exc:
             cause = death_cause(self._process.poll(wait=2.0))
+            if "middle" in str(exc):
+                cause += ", in the middle of its reply (a partial write)"
             self._discard()
             raise AdapterCrash(f"{cause} during {op}()") from None
         except wire.Malformed as exc:
@@ -287,7 +297,7 @@ class ProcessTransport(Transport):
             raise AdapterCrash(f"the worker sent {exc} during {op}() (did the adapter write to its pipe?); "
                                "worker process killed") from None
         if isinstance(reply.get("environment"), dict):
-            self.environment = reply.pop("environment")  # the first run() of this process
+            self.environment = self._described(reply.pop("environment"))  # the first run() of this process
         if op == "supports" and not (reply["ok"] is True and reply.get("answer") is True):
             if self._expect and self._expect[0][0] == "run" and self._expect[0][1] is case:
                 self._expect.popleft()  # the worker does not run a case it does not support
