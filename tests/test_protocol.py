@@ -359,3 +359,33 @@ def test_the_old_import_paths_still_work():
     assert match_pattern is contract.match_pattern and load_adapter is loading.load_adapter
     assert BUILTINS is loading.BUILTINS and _import_target is loading._import_target
     assert Worker is transports.Worker and decode_arrays is safetensors.decode and encode_arrays is safetensors.encode
+
+
+def test_a_payload_streams_from_the_arrays_own_memory_and_arrives_in_one_buffer():
+    """No copy of a case's or a reply's payload is made to send it (the buffers are the arrays' memory),
+    and the receiver reads it straight into the one buffer the arrays then view (docs/protocol.md §8)."""
+    import os
+
+    import ml_dtypes
+
+    arrays = {"q_proj": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+              "scores": np.ones((1, 2, 3, 3), dtype=ml_dtypes.bfloat16), "mask": np.eye(3, dtype=bool)}
+    parts = safetensors.encode_parts(arrays)
+    assert bytes(parts) == safetensors.encode(arrays) and len(parts) == len(safetensors.encode(arrays))
+    for array, buffer in zip([arrays[k] for k in sorted(arrays)], parts.buffers[1:]):
+        assert np.shares_memory(np.frombuffer(buffer, np.uint8), array)
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    try:
+        sender, receiver = wire.Pipe(r2, w), wire.Pipe(r, w2)
+        sender.send({"reply": "run"}, parts)
+        header, payload = receiver.recv()
+        assert header == {"reply": "run"} and isinstance(payload, bytearray)
+        assert bytes(payload) == bytes(parts)
+        decoded = safetensors.decode(payload)
+        assert all(np.shares_memory(decoded[k], np.frombuffer(payload, np.uint8)) for k in arrays)
+        assert not any(decoded[k].flags.writeable for k in arrays)
+        np.testing.assert_array_equal(decoded["q_proj"], arrays["q_proj"])
+    finally:
+        for fd in (r, w, r2, w2):
+            os.close(fd)

@@ -56,8 +56,24 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def encode(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The safetensors bytes of ``tensors`` (any dtype of :data:`CODES`), little-endian, canonical."""
+class Parts:
+    """Safetensors bytes as the buffers that make them up, never joined: the prefix and header, then
+    each tensor's own memory (no copy where the array is already C-ordered little-endian).
+    ``len()`` is the number of bytes, ``bytes()`` joins them; a writer writes :attr:`buffers` in order."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self.buffers = buffers
+        self.nbytes = sum(b.nbytes for b in buffers)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.buffers)
+
+
+def encode_parts(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> Parts:
+    """:func:`encode` without the copy: the same bytes as :class:`Parts` (streamed by the wire protocol)."""
     header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
     chunks = []
     offset = 0
@@ -68,14 +84,19 @@ def encode(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
         order = array.dtype.byteorder
         if order == ">" or (order == "=" and sys.byteorder == "big"):
             array = array.astype(array.dtype.newbyteorder("<"))
-        data = np.ascontiguousarray(array).tobytes()
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # its bytes, not a copy
         header[name] = {"dtype": CODES[array.dtype.name], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(data)]}
+                        "data_offsets": [offset, offset + data.nbytes]}
         chunks.append(data)
-        offset += len(data)
+        offset += data.nbytes
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the format pads the header to 8-byte alignment
-    return len(text).to_bytes(PREFIX, "little") + text + b"".join(chunks)
+    return Parts([memoryview(len(text).to_bytes(PREFIX, "little") + text), *chunks])
+
+
+def encode(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes of ``tensors`` (any dtype of :data:`CODES`), little-endian, canonical."""
+    return bytes(encode_parts(tensors, metadata))
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:

@@ -78,23 +78,28 @@ class Pipe:
         self._poller = select.poll()
         self._poller.register(read_fd, select.POLLIN)
 
-    def send(self, header: Mapping[str, Any], payload: bytes = b"") -> None:
-        """Write one frame; :class:`Closed` if the other side is gone."""
-        data = memoryview(encode_frame(header, payload))
+    def send(self, header: Mapping[str, Any], payload: bytes | safetensors.Parts = b"") -> None:
+        """Write one frame; :class:`Closed` if the other side is gone.  A payload given as
+        :class:`~mhaspec.io.safetensors.Parts` is written buffer by buffer, never joined into one copy."""
+        text = json.dumps(header).encode("utf-8")
+        buffers = payload.buffers if isinstance(payload, safetensors.Parts) else [memoryview(payload)]
         try:
-            while data:
-                data = data[os.write(self.write_fd, data):]
+            for data in (memoryview(FRAME.pack(len(text), len(payload)) + text), *buffers):
+                data = data.cast("B")
+                while data:
+                    data = data[os.write(self.write_fd, data):]
         except OSError as exc:  # BrokenPipeError: the other side is gone
             raise Closed(str(exc)) from None
 
-    def recv(self, deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+    def recv(self, deadline: float | None = None) -> tuple[dict[str, Any], bytes | bytearray]:
         """Read one frame: (header, payload); :class:`Deadline` past ``deadline`` (time.monotonic()),
-        :class:`Closed` at the end of the pipe, :class:`Malformed` for bytes that are not a frame."""
+        :class:`Closed` at the end of the pipe, :class:`Malformed` for bytes that are not a frame.
+        The payload is read straight into one buffer, which it is (not copied again)."""
         n_header, n_payload = FRAME.unpack(self._read(FRAME.size, deadline))
         check_lengths(n_header, n_payload)
         try:
             header = decode_header(self._read(n_header, deadline))
-            return header, bytes(self._read(n_payload, deadline)) if n_payload else b""
+            return header, self._read(n_payload, deadline) if n_payload else b""
         except Closed:
             raise Closed("end of file in the middle of a message") from None
 
@@ -107,11 +112,10 @@ class Pipe:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._poller.poll(max(1, int(remaining * 1000) + 1)):
                     raise Deadline()
-            chunk = os.read(self.read_fd, min(n - got, 1 << 22))
-            if not chunk:
+            count = os.readv(self.read_fd, [view[got:]])  # into the buffer itself
+            if not count:
                 raise Closed("end of file" if not got else "end of file in the middle of a message")
-            view[got : got + len(chunk)] = chunk
-            got += len(chunk)
+            got += count
         return buf
 
     def readable(self) -> bool:
@@ -126,10 +130,10 @@ class Pipe:
                 pass
 
 
-def encode_frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+def encode_frame(header: Mapping[str, Any], payload: bytes | safetensors.Parts = b"") -> bytes:
     """The bytes of one message."""
     text = json.dumps(header).encode("utf-8")
-    return FRAME.pack(len(text), len(payload)) + text + payload
+    return FRAME.pack(len(text), len(payload)) + text + bytes(payload)
 
 
 def check_lengths(n_header: int, n_payload: int) -> None:
@@ -236,7 +240,7 @@ def check_reply(header: Mapping[str, Any], expected: str) -> None:
 # -- a case, runner -> worker ----------------------------------------------------------
 
 
-def case_request(op: str, case: Case) -> tuple[dict[str, Any], bytes]:
+def case_request(op: str, case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
     """A request carrying ``case``: its scalar fields, its config and which inputs are one array, and bytes.
 
     Generic over the Case's fields, so a field added to the spec travels too;
@@ -256,7 +260,7 @@ def close_request() -> dict[str, Any]:
     return {"op": "close"}
 
 
-def case_message(case: Case) -> tuple[dict[str, Any], bytes]:
+def case_message(case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
     """(the ``case`` object of a request, the payload) for ``case``."""
     scalars = {name: getattr(case, name) for name in type(case).model_fields
                if name not in ("config", "inputs", "weights", "d_output")}
@@ -276,7 +280,7 @@ def case_message(case: Case) -> tuple[dict[str, Any], bytes]:
     if case.d_output is not None:
         arrays["grad.d_output"] = case.d_output
     header = {"scalars": scalars, "config": case.config.model_dump(mode="json"), "aliases": aliases}
-    return header, safetensors.encode(arrays)
+    return header, safetensors.encode_parts(arrays)
 
 
 def case_from_message(header: Mapping[str, Any], payload: bytes) -> Case:
@@ -297,7 +301,7 @@ def supports_reply(answer: Any) -> dict[str, Any]:
     return {"reply": "supports", "ok": True, "answer": answer if isinstance(answer, (bool, str)) else False}
 
 
-def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, Any], bytes]:
+def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, Any], safetensors.Parts | bytes]:
     """What ``run()`` or ``backward()`` returned, as a header (keys, stages that cannot travel as arrays) and bytes."""
     if not isinstance(returned, Mapping):
         return {"reply": step, "ok": True, "seconds": seconds, "mapping": False, "type": type(returned).__name__}, b""
@@ -317,7 +321,7 @@ def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, 
             special[key] = {"dtype": array.dtype.str, "name": array.dtype.name, "shape": list(array.shape)}
     header = {"reply": step, "ok": True, "seconds": seconds, "mapping": True, "keys": [str(k) for k in returned],
               "special": special}
-    return header, safetensors.encode(arrays)
+    return header, safetensors.encode_parts(arrays)
 
 
 class _Unconvertible:
