@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         "adapter",
         nargs="?",
         default="numpy",
-        help="built-in name (see `mhaspec adapters`), package.module:attr, or path/to/file.py:attr (default: numpy)",
+        help="built-in name (see `mhaspec adapters`), package.module:attr, path/to/file.py:attr, or "
+             "\"exec:PROGRAM ARGS…\" for a program in any language speaking mhaspec-wire/1 (docs/protocol.md) "
+             "(default: numpy)",
     )
     run.add_argument("--dtype", action="append", metavar="DTYPE",
                      help="float64, float32, float16 or bfloat16; repeat or comma-separate (default: all four)")
@@ -111,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 nothing found, 1 a non-conformance found (printed), 2 bad usage or bad input",
     )
     fz.add_argument("adapter", nargs="?", default="numpy",
-                    help="built-in name, package.module:attr, or path/to/file.py:attr (default: numpy)")
+                    help="built-in name, package.module:attr, path/to/file.py:attr, or \"exec:PROGRAM ARGS…\" "
+                         "(default: numpy)")
     fz.add_argument("--examples", type=int, default=100, metavar="N", help="random cases to judge (default 100)")
     fz.add_argument("--seed", type=int, default=0, metavar="S", help="the same seed draws the same cases (default 0)")
     fz.add_argument("--max-size", type=int, default=24, metavar="L",
