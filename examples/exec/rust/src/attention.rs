@@ -164,6 +164,10 @@ fn convert<P: Policy>(a: &F64Array) -> Vec<P::A> {
     (0..a.len()).map(|i| P::from_f64(a.get(i))).collect()
 }
 
+/// Rows handled together in the loops below, so that each weight row, key column or
+/// value row is loaded once for ROWS rows (every element is still summed in order).
+const ROWS: usize = 8;
+
 /// rnd(x · w + b) for `rows` rows of `n_in` features (`row(r, buf)` fills row r), w (n_in, n_out).
 fn linear<P: Policy>(
     rows: usize,
@@ -174,21 +178,29 @@ fn linear<P: Policy>(
     n_out: usize,
 ) -> Vec<P::A> {
     let mut y = vec![P::A::ZERO; rows * n_out];
-    let mut x = vec![P::A::ZERO; n_in];
-    for (r, yr) in y.chunks_mut(n_out).enumerate() {
-        row(r, &mut x);
-        for (&xi, wr) in x.iter().zip(w.chunks(n_out)) {
-            for (acc, &wo) in yr.iter_mut().zip(wr) {
-                *acc += xi * wo;
+    let mut x = vec![P::A::ZERO; ROWS * n_in];
+    for (block, yb) in y.chunks_mut(ROWS * n_out).enumerate() {
+        let n = yb.len() / n_out;
+        for (r, xr) in x.chunks_mut(n_in).take(n).enumerate() {
+            row(block * ROWS + r, xr);
+        }
+        for (i, wr) in w.chunks(n_out).enumerate() {
+            for (yr, xr) in yb.chunks_mut(n_out).zip(x.chunks(n_in)) {
+                let xi = xr[i];
+                for (acc, &wo) in yr.iter_mut().zip(wr) {
+                    *acc += xi * wo;
+                }
             }
         }
-        if let Some(b) = b {
-            for (acc, &bo) in yr.iter_mut().zip(b) {
-                *acc += bo;
+        for yr in yb.chunks_mut(n_out) {
+            if let Some(b) = b {
+                for (acc, &bo) in yr.iter_mut().zip(b) {
+                    *acc += bo;
+                }
             }
-        }
-        for acc in yr.iter_mut() {
-            *acc = P::rnd(*acc);
+            for acc in yr.iter_mut() {
+                *acc = P::rnd(*acc);
+            }
         }
     }
     y
@@ -327,7 +339,7 @@ fn attend_head<P: Policy>(
     let g = h / (d.h / d.g); // the key/value head query head h reads
     let (s, t, dk, dv) = (d.s, d.t, d.dk, d.dv);
 
-    // This head's keys transposed to (D_k, S), so that a row of scores is D_k passes of
+    // This head's keys transposed to (D_k, S): a row of scores is then D_k passes of
     // contiguous multiply-adds (each score still sums over d in order).
     let mut kt = vec![zero; dk * s];
     for j in 0..s {
@@ -336,68 +348,87 @@ fn attend_head<P: Policy>(
             kt[dd * s + j] = x;
         }
     }
-    let mut acc_o = vec![zero; dv];
+    const TILE: usize = 256; // key columns per pass, so that the kt tile stays in cache
+    let mut acc_o = vec![zero; ROWS * dv];
+    let mut limits = [0usize; ROWS];
 
-    for i in 0..t {
+    for i0 in (0..t).step_by(ROWS) {
+        let rows = ROWS.min(t - i0);
+        let block = i0 * s..(i0 + rows) * s;
+
         // scores: every (i, j), visible or not.
-        let srow = &mut scores[i * s..(i + 1) * s];
-        let qrow = &q[(b * t + i) * d.h * dk + h * dk..][..dk];
-        for (&qd, ktr) in qrow.iter().zip(kt.chunks(s)) {
-            for (x, &kv) in srow.iter_mut().zip(ktr) {
-                *x += qd * kv;
+        let sblock = &mut scores[block.clone()];
+        for j0 in (0..s).step_by(TILE) {
+            let j1 = (j0 + TILE).min(s);
+            for dd in 0..dk {
+                let ktr = &kt[dd * s + j0..dd * s + j1];
+                for (r, srow) in sblock.chunks_mut(s).enumerate() {
+                    let qd = q[(b * t + i0 + r) * d.h * dk + h * dk + dd];
+                    for (x, &kv) in srow[j0..j1].iter_mut().zip(ktr) {
+                        *x += qd * kv;
+                    }
+                }
             }
         }
-        for x in srow.iter_mut() {
+        for x in sblock.iter_mut() {
             *x = P::rnd(*x * scale);
         }
 
-        // Which keys query i sees: j < limit, and the mask.
-        let limit = match causal_limit {
-            None => s,
-            Some(l) => (i as i64 + l).clamp(0, s as i64) as usize,
-        };
-        let visible = |j: usize| match mask {
-            None => true,
-            Some((m, st)) => m.get(b * st[0] + h * st[1] + i * st[2] + j * st[3]),
-        };
+        for (r, (srow, prow)) in sblock.chunks(s).zip(attn[block.clone()].chunks_mut(s)).enumerate() {
+            let i = i0 + r;
+            // Which keys query i sees: j < limit, and the mask.
+            let limit = match causal_limit {
+                None => s,
+                Some(l) => (i as i64 + l).clamp(0, s as i64) as usize,
+            };
+            limits[r] = limit;
+            let visible = |j: usize| match mask {
+                None => true,
+                Some((m, st)) => m.get(b * st[0] + h * st[1] + i * st[2] + j * st[3]),
+            };
 
-        // Softmax over the visible keys, in the accumulator; 0 elsewhere.
-        let prow = &mut attn[i * s..(i + 1) * s];
-        let mut peak = P::A::NEG_INF;
-        for (j, &x) in srow[..limit].iter().enumerate() {
-            if x > peak && visible(j) {
-                peak = x;
+            // Softmax over the visible keys, in the accumulator; 0 elsewhere.
+            let mut peak = P::A::NEG_INF;
+            for (j, &x) in srow[..limit].iter().enumerate() {
+                if x > peak && visible(j) {
+                    peak = x;
+                }
             }
-        }
-        if !peak.is_finite() {
-            peak = zero; // a row that sees no key (as numpy_mha.py)
-        }
-        let mut denom = zero;
-        for (j, (p, &x)) in prow[..limit].iter_mut().zip(srow.iter()).enumerate() {
-            if visible(j) {
-                *p = (x - peak).exp();
-                denom += *p;
+            if !peak.is_finite() {
+                peak = zero; // a row that sees no key (as numpy_mha.py)
             }
-        }
-        if denom > zero {
-            for p in prow[..limit].iter_mut() {
-                *p = P::rnd(*p / denom);
+            let mut denom = zero;
+            for (j, (p, &x)) in prow[..limit].iter_mut().zip(srow).enumerate() {
+                if visible(j) {
+                    *p = (x - peak).exp();
+                    denom += *p;
+                }
             }
-        } else {
-            prow[..limit].fill(zero);
+            if denom > zero {
+                for p in prow[..limit].iter_mut() {
+                    *p = P::rnd(*p / denom);
+                }
+            } else {
+                prow[..limit].fill(zero);
+            }
         }
 
         // head_outputs: Σ_j p · v, from p as stored.
         acc_o.fill(zero);
-        for (j, &p) in prow[..limit].iter().enumerate() {
-            if p != zero {
-                let vrow = &v[(b * s + j) * d.g * dv + g * dv..][..dv];
-                for (o, &x) in acc_o.iter_mut().zip(vrow) {
-                    *o += p * x;
+        let pblock = &attn[block];
+        let last = limits[..rows].iter().copied().max().unwrap_or(0);
+        for j in 0..last {
+            let vrow = &v[(b * s + j) * d.g * dv + g * dv..][..dv];
+            for (r, acc) in acc_o.chunks_mut(dv).take(rows).enumerate() {
+                let p = pblock[r * s + j];
+                if p != zero {
+                    for (o, &x) in acc.iter_mut().zip(vrow) {
+                        *o += p * x;
+                    }
                 }
             }
         }
-        for (dst, &x) in out[i * dv..(i + 1) * dv].iter_mut().zip(&acc_o) {
+        for (dst, &x) in out[i0 * dv..(i0 + rows) * dv].iter_mut().zip(&acc_o) {
             *dst = P::rnd(x);
         }
     }
