@@ -12,7 +12,9 @@
 //! - head_outputs = rnd(Σ_j p · v); concat = heads side by side; output = rnd(concat · W_o + b_o).
 //!
 //! This is the part to replace with a call into your own kernel: `forward` gets a checked
-//! `Case` (sizes, config, float64 arrays) and returns the eight stages.
+//! `Case` (sizes, config, float64 arrays) and returns the stages, in pipeline order.
+//! Return every stage your kernel can expose (the first failing one is where a bug is);
+//! leave out the ones it cannot (reported `not exposed`); `output` is required.
 
 use std::ops::{Add, AddAssign, Div, Mul, Sub};
 
@@ -280,7 +282,9 @@ fn forward_in<P: Policy>(case: &Case, bug: Option<Bug>) -> Vec<Stage> {
                         bh,
                         d,
                         scale,
-                        (q, k, v),
+                        q,
+                        k,
+                        v,
                         mask,
                         causal_off.map(|off| off + diagonal),
                         &mut sc[local * t * s..(local + 1) * t * s],
@@ -327,7 +331,9 @@ fn attend_head<P: Policy>(
     bh: usize,
     d: Dims,
     scale: P::A,
-    (q, k, v): (&[P::A], &[P::A], &[P::A]),
+    q: &[P::A],
+    k: &[P::A],
+    v: &[P::A],
     mask: Option<(&BoolArray, [usize; 4])>,
     causal_limit: Option<i64>,
     scores: &mut [P::A],

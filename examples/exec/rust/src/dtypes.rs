@@ -118,7 +118,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h as u32) & 0x8000) << 16;
     let e = ((h >> 10) & 0x1f) as u32;
     let m = (h & 0x3ff) as u32;
-    let v = if e == 0 {
+    if e == 0 {
         // zero or subnormal: m · 2^-24, exact in f32
         let magnitude = m as f32 * (1.0 / 16_777_216.0);
         if sign != 0 {
@@ -130,8 +130,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
         f32::from_bits(sign | 0x7f80_0000 | (m << 13))
     } else {
         f32::from_bits(sign | ((e + 127 - 15) << 23) | (m << 13))
-    };
-    v
+    }
 }
 
 /// The bfloat16 with bits `h`, as f32 (exact).

@@ -7,9 +7,9 @@
 //! `src/attention.rs` (`attention::forward`: a checked `Case` in, eight `Stage`s out) with a
 //! call into your kernel.
 //!
-//! Build (no dependencies; no crate registry needed):
+//! Build (no dependencies; no crate registry needed), from the repository root:
 //!
-//!     cargo build --release --offline
+//!     cargo build --release --offline --manifest-path examples/exec/rust/Cargo.toml
 //!
 //! Run under mhaspec (it starts the program and speaks the protocol with it):
 //!
@@ -24,6 +24,9 @@
 //! names the inherited pipes; the program sends `ready` first, then answers each request
 //! with one frame until `close` or end of file.  stdout and stderr are the user's: nothing
 //! of the protocol is ever written there.
+
+// `x % n != 0` rather than `!x.is_multiple_of(n)`: the program builds with Rust older than 1.87.
+#![allow(unknown_lints, clippy::manual_is_multiple_of)]
 
 mod attention;
 mod dtypes;

@@ -93,7 +93,7 @@ fn field<'a>(obj: &'a Json, key: &str, what: &str) -> Result<&'a Json, String> {
 
 fn size(obj: &Json, key: &str, what: &str) -> Result<usize, String> {
     match field(obj, key, what)?.as_u64() {
-        Some(v) if v >= 1 && v <= (1 << 40) => Ok(v as usize),
+        Some(v) if (1..=1 << 40).contains(&v) => Ok(v as usize),
         _ => Err(format!("{what}.{key} is not a positive integer")),
     }
 }
