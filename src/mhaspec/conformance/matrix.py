@@ -3,12 +3,14 @@
 Each report is a row (sorted by adapter, then by the row's label); case × dtype,
 grouped by case, the columns; each cell is the case verdict with its worst
 error/tolerance ratio.  No report is dropped or merged: reports of one adapter
-are several rows, each labelled by what tells it apart (:func:`row_labels`).  Three renderings
-of the same :class:`Matrix`: ``matrix.md`` (one symbol per dtype, then every
-cell that did not pass), ``matrix.html`` (one self-contained file; hover a
-cell for its first failing stage and reason) and ``matrix.png`` (matplotlib,
-the ``plot`` extra).  The HTML and the PNG add a per-stage heat map: the
-worst error/tolerance ratio of each adapter in each stage.
+are several rows, each labelled by what tells it apart (:func:`row_labels`).
+Three renderings of the same :class:`Matrix`: ``matrix.md`` (one symbol per
+dtype, then every cell that did not pass), ``matrix.html`` (one self-contained
+file; hover a cell for its first failing stage and reason; the adapter column
+and the header stay in place when scrolling) and ``matrix.png`` (matplotlib,
+the ``plot`` extra).  The HTML and the PNG add a per-stage heat map: the worst
+error/tolerance ratio of each row in each stage.  Both take their colours from
+:func:`cell_colour` and :func:`ratio_colour`.
 
 Only the keys documented in docs/report.md are read; other keys are ignored,
 so reports from newer versions (or with extra keys) still load.  Each row
@@ -630,7 +632,8 @@ def draw_png(m: Matrix, path: Path) -> None:
     top.legend(handles=[Patch(facecolor=c, edgecolor="#999", label=label) for c, label in kinds if c in used],
                loc="upper left", bbox_to_anchor=(0, -0.06), ncol=7, fontsize=7, frameon=False)
 
-    bottom.imshow([[_rgb(ratio_colour(x)) for x in row] for row in heat], aspect="auto", interpolation="nearest")
+    bottom.imshow([[_rgb(ratio_colour(x)) for x in row] for row in heat] if stages_present else [[(1.0,) * 3]] * n_rows,
+                  aspect="auto", interpolation="nearest")  # no stage passed or failed: white, no warning
     for i, row in enumerate(heat):
         for j, x in enumerate(row):
             if x is not None:
