@@ -57,7 +57,7 @@ def reports(tmp_path):
 
 def test_cells_carry_verdict_ratio_and_reason(reports):
     m = matrix.build([reports])
-    assert m.adapters == ["hand-made", "numpy"]  # sorted file names: hand.json, numpy.json
+    assert m.adapters == ["hand-made", "numpy"]  # sorted by adapter
     assert m.cases == ["self_basic", "gqa", "causal_square"]
     assert [d for c, d in m.columns if c == "gqa"] == ["float64", "float32", "float16", "bfloat16"]
     fail = m.cell("hand-made", "self_basic", "float16")
@@ -175,3 +175,149 @@ def test_tox_writes_every_report_and_draws_the_matrix_last():
         assert any(mark in re.split(r"\s+or\s+", sel) for sel in selections), (mark, selections)
     # the ONNX adapters share the torch env: their exporters need torch (one copy of it, not two)
     assert "torch or onnx" in selections and "onnx" not in envs
+
+
+# -- rows: one per report, sorted by adapter (issue 35, item 2) --------------------------------------
+
+
+def _environment(**onednn):
+    env = environment.describe(frameworks=[])
+    env["onednn"] = {**env["onednn"], **onednn}
+    return env
+
+
+def _write(path, report, **changes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**report, **changes}))
+    return path
+
+
+def test_two_reports_of_one_adapter_are_two_rows_named_by_what_differs(tmp_path, capsys):
+    """The same adapter in .tox/reports and .tox/reports-onednn: two rows, labelled by the kernel fact
+    they disagree on, each with its own cells; the CLI names them (it kept the last one, silently)."""
+    off = _write(tmp_path / "reports" / "hand.json", EVERY_VERDICT, environment=_environment(tensorflow=False))
+    on_results = [dict(r) for r in EVERY_VERDICT["results"]]
+    on_results[0] = result("self_basic", "float64", "fail", first="output", ratio=2.0,
+                           stages=[stage("output", "fail", 2.0)])
+    on = _write(tmp_path / "reports-onednn" / "hand.json", EVERY_VERDICT, results=on_results,
+                environment=_environment(tensorflow=True))
+    assert main(["matrix", str(off.parent), str(on.parent), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: 2 reports of adapter hand-made, one row each: hand-made · oneDNN off ({off}); "
+            f"hand-made · oneDNN on ({on})") in out
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    assert "| `hand-made · oneDNN off` (numpy 9.9) | ✓~✗? |" in md
+    assert "| `hand-made · oneDNN on` (numpy 9.9) | ✗~✗? |" in md  # its own cells
+    assert "Several reports of one adapter, one row each: hand-made (2)." in md
+    assert "`reports/hand.json`, `reports-onednn/hand.json`" in md  # the files, told apart
+    page = (tmp_path / "out" / "matrix.html").read_text()
+    assert 'title="hand-made · oneDNN on · self_basic / float64: fail\n' in page
+    assert ">hand-made · oneDNN off<" in page and ">hand-made · oneDNN on<" in page
+    m = matrix.build([on.parent, off.parent])
+    assert m.keys == ["hand-made · oneDNN off", "hand-made · oneDNN on"] and m.adapters == ["hand-made"]
+    assert m.cell("hand-made · oneDNN off", "self_basic", "float64").verdict == "pass"
+    assert m.cell("hand-made · oneDNN on", "self_basic", "float64").verdict == "fail"
+    assert m.environment("hand-made · oneDNN on")["onednn"]["tensorflow"] is True
+
+
+def test_row_labels_say_what_differs_else_the_file_and_never_merge(tmp_path):
+    same = _environment()
+    # the same environment: the folder that differs (the file name is shared)
+    a = _write(tmp_path / "reports" / "hand.json", EVERY_VERDICT, environment=same)
+    b = _write(tmp_path / "reports-onednn" / "hand.json", EVERY_VERDICT, environment=same)
+    assert matrix.build([b, a]).keys == ["hand-made · reports", "hand-made · reports-onednn"]
+    # another framework (a JAX and a TensorFlow adapter of one name): the framework
+    jax = _write(tmp_path / "x" / "jax.json", EVERY_VERDICT,
+                 adapter={"name": "mine", "framework": "jax", "framework_version": "0.7.1"})
+    tf = _write(tmp_path / "x" / "tf.json", EVERY_VERDICT, adapter={"name": "mine", "framework": "tensorflow"})
+    assert matrix.build([tf, jax]).keys == ["mine · jax 0.7.1", "mine · tensorflow"]
+    # nothing differs but the file name; one file named twice: two rows, numbered
+    c = _write(tmp_path / "x" / "copy.json", EVERY_VERDICT)
+    d = _write(tmp_path / "x" / "hand.json", EVERY_VERDICT)
+    assert matrix.build([d, c]).keys == ["hand-made · copy", "hand-made · hand"]
+    m = matrix.build([d, d])
+    assert m.keys == ["hand-made · hand.json #1", "hand-made · hand.json #2"] and len(m.cells) == 16
+    # a report without an environment beside one with it
+    assert matrix.build([a, d]).keys == ["hand-made · environment unknown", "hand-made · reports"]
+    assert matrix.row_labels([("a.json", "numpy", same)]) == [""]  # a single report: no label
+
+
+def test_rows_are_sorted_by_adapter_then_label(tmp_path):
+    z = _write(tmp_path / "a.json", EVERY_VERDICT, adapter={"name": "zeta"})
+    b1 = _write(tmp_path / "z" / "beta.json", EVERY_VERDICT, adapter={"name": "beta"})
+    b0 = _write(tmp_path / "y" / "beta.json", EVERY_VERDICT, adapter={"name": "beta"})
+    a = _write(tmp_path / "m.json", EVERY_VERDICT, adapter={"name": "alpha"})
+    m = matrix.build([z, b1, b0, a])
+    md = matrix.to_markdown(m)
+    assert md.index("| `alpha` |") < md.index("| `zeta` |")  # not the order of the files
+    assert m.keys == ["alpha", "beta · y", "beta · z", "zeta"]
+    assert md.index("| `alpha` |") < md.index("| `beta · y` |") < md.index("| `beta · z` |") < md.index("| `zeta` |")
+    page = matrix.to_html(m)
+    assert page.index(">alpha<") < page.index(">beta · y<") < page.index(">beta · z<") < page.index(">zeta<")
+
+
+# -- colours: one scale for the HTML and the PNG; inf and NaN are the worst (issue 35, item 2) ---------
+
+
+def _rgb(colour):
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def test_ratio_colours_green_within_the_tolerance_red_beyond_inf_and_nan_the_worst():
+    worst = matrix.ratio_colour(8.3e307)
+    assert worst == matrix.WORST == matrix.ratio_colour(float("inf")) == matrix.ratio_colour(float("nan"))
+    assert matrix.ratio_colour(100.0) == worst and matrix.ratio_colour(None) == "#ffffff"
+    for ratio in (0.0, 1e-6, 1e-3, 0.5, 0.9, 1.0):  # passing: green, never the known deviation's orange
+        r, g, b = _rgb(matrix.ratio_colour(ratio))
+        assert g > r and g > b, ratio
+        assert matrix.ratio_colour(ratio) != matrix.STYLE["known deviation"][1]
+    for ratio in (1.01, 3.0, 10.0, 50.0):  # failing: red, darker further over
+        r, g, b = _rgb(matrix.ratio_colour(ratio))
+        assert r > g and r > b, ratio
+    sums = [sum(_rgb(matrix.ratio_colour(x))) for x in (1.01, 3.0, 10.0, 50.0, 100.0)]
+    assert sums == sorted(sums, reverse=True) and sum(_rgb(worst)) == min(sums)
+    assert matrix.worse(1.0, float("nan")) != matrix.worse(1.0, float("nan"))  # NaN wins, both ways
+    assert matrix.worse(float("nan"), float("inf")) != matrix.worse(float("nan"), float("inf"))
+
+
+NONFINITE = {
+    "adapter": {"name": "nonfinite"},
+    "results": [
+        result("self_basic", "float32", "fail", first="scores", ratio="nan",
+               stages=[stage("q_proj", "pass", 0.5), stage("scores", "fail", "inf"),
+                       stage("attn_weights", "fail", "nan"), stage("output", "fail", 8.3e307)]),
+    ],
+}
+
+
+def test_inf_and_nan_cells_are_drawn_the_worst_colour_in_html_and_png(tmp_path):
+    path = _write(tmp_path / "nonfinite.json", NONFINITE)
+    m = matrix.build([path])
+    assert m.stage_worst("nonfinite") == pytest.approx({"q_proj": 0.5, "scores": float("inf"),
+                                                        "attn_weights": float("nan"), "output": 8.3e307},
+                                                       nan_ok=True)
+    assert matrix.ratio_text(m.cell("nonfinite", "self_basic", "float32").ratio) == "NaN"
+    page = matrix.to_html(m)
+    heat = page[page.index("Worst error/tolerance per stage"):]
+    for s, text in (("scores", "inf"), ("attn_weights", "NaN"), ("output", "8.3e+307")):
+        assert (f'<td style="background:{matrix.WORST};color:#ffffff" title="nonfinite · {s}: worst '
+                f'error/tolerance {text}">{text}</td>') in heat, s
+    green = matrix.ratio_colour(0.5)
+    assert f'<td style="background:{green};color:{matrix.ink(green)}" title="nonfinite · q_proj' in heat
+    assert f'style="background:{matrix.WORST};color:#ffffff">≥ 100× over, inf or NaN</span>' in heat  # the legend
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    matrix.draw_png(m, tmp_path / "m.png")
+    pixels = {tuple(round(float(c) * 255) for c in px[:3]) for row in imread(tmp_path / "m.png") for px in row}
+    assert _rgb(matrix.WORST) in pixels  # inf, NaN and 8.3e307: the worst colour, as in the HTML
+    assert _rgb(matrix.ratio_colour(0.5)) in pixels and _rgb(matrix.STYLE["fail"][1]) in pixels
+
+
+def test_the_adapter_column_and_the_header_stay_in_place_when_scrolling(reports):
+    page = matrix.to_html(matrix.build([reports / "hand.json"]))
+    css = page[page.index("<style>"):page.index("</style>")]
+    sticky = next(line for line in css.splitlines() if line.startswith("th.ad, th.corner {"))
+    assert "position: sticky; left: 0;" in sticky and "background: #fff;" in sticky
+    assert "thead { position: sticky; top: 0;" in css and "thead th { background: #fff; }" in css
+    assert '<thead><tr><th class="corner"></th>' in page and '<tr><th class="ad" title=' in page

@@ -1,12 +1,16 @@
 """One conformance matrix from any set of JSON reports (``mhaspec matrix``).
 
-Adapters are the rows; case × dtype, grouped by case, the columns; each cell
-is the case verdict with its worst error/tolerance ratio.  Three renderings
-of the same :class:`Matrix`: ``matrix.md`` (one symbol per dtype, then every
-cell that did not pass), ``matrix.html`` (one self-contained file; hover a
-cell for its first failing stage and reason) and ``matrix.png`` (matplotlib,
-the ``plot`` extra).  The HTML and the PNG add a per-stage heat map: the
-worst error/tolerance ratio of each adapter in each stage.
+Each report is a row (sorted by adapter, then by the row's label); case × dtype,
+grouped by case, the columns; each cell is the case verdict with its worst
+error/tolerance ratio.  No report is dropped or merged: reports of one adapter
+are several rows, each labelled by what tells it apart (:func:`row_labels`).
+Three renderings of the same :class:`Matrix`: ``matrix.md`` (one symbol per
+dtype, then every cell that did not pass), ``matrix.html`` (one self-contained
+file; hover a cell for its first failing stage and reason; the adapter column
+and the header stay in place when scrolling) and ``matrix.png`` (matplotlib,
+the ``plot`` extra).  The HTML and the PNG add a per-stage heat map: the worst
+error/tolerance ratio of each row in each stage.  Both take their colours from
+:func:`cell_colour` and :func:`ratio_colour`.
 
 Only the keys documented in docs/report.md are read; other keys are ignored,
 so reports from newer versions (or with extra keys) still load.  Each row
@@ -18,6 +22,7 @@ named in a warning (:meth:`Matrix.environment_warnings`).
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -40,7 +45,31 @@ STYLE = {
     "unsupported": ("–", "#e0e0e0", "unsupported"),
 }
 NOT_RUN = ("·", "#ffffff", "not run")
+OTHER = ("?", "#bdbdbd")  # a verdict this version does not know
 DTYPE_SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+#: The heat map's scale, log10(error/tolerance) -> colour, linear in between: greens up to the
+#: tolerance (1 passes), reds beyond it, the darkest red from 100x over -- and for inf and NaN.
+PASS_STOPS = ((-4.0, (0xe8, 0xf5, 0xe9)), (-2.0, (0xa5, 0xd6, 0xa7)), (0.0, (0x43, 0xa0, 0x47)))
+FAIL_STOPS = ((0.0, (0xef, 0x9a, 0x9a)), (1.0, (0xd3, 0x2f, 0x2f)), (2.0, (0x7f, 0x00, 0x00)))
+WORST = "#7f0000"  # ratio >= 100, inf, NaN
+NONE = "#ffffff"  # no ratio: the stage is not exposed, or never passed or failed
+
+
+@dataclass(frozen=True)
+class Row:
+    """One report's row: its adapter, and a label telling it apart from other reports of that
+    adapter ("" when the adapter has one report)."""
+
+    adapter: str
+    label: str
+    source: str  # the report file
+    framework: str | None = None  # "numpy 2.4.6"
+
+    @property
+    def key(self) -> str:
+        """The row's name, as every rendering shows it: ``torch-sdpa`` or ``torch-sdpa · reports-onednn``."""
+        return f"{self.adapter} · {self.label}" if self.label else self.adapter
 
 
 @dataclass
@@ -56,21 +85,44 @@ class Cell:
 
 @dataclass
 class Matrix:
-    adapters: list[str]  # rows, in the order of the reports
+    rows: list[Row]  # one per report, sorted by adapter, then label
     columns: list[tuple[str, str]]  # (case, dtype), grouped by case
-    cells: dict[tuple[str, str, str], Cell]  # (adapter, case, dtype) -> cell
-    frameworks: dict[str, str]
-    sources: dict[str, list[str]]  # adapter -> report files
+    cells: dict[tuple[str, str, str], Cell]  # (row key, case, dtype) -> cell
     environments: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # report file -> its environment
 
     @property
     def cases(self) -> list[str]:
         return list(dict.fromkeys(case for case, _ in self.columns))
 
-    def environment(self, adapter: str) -> dict[str, Any] | None:
-        """The environment of ``adapter``'s last report that records one (None: unknown)."""
-        known = [self.environments.get(s) for s in self.sources.get(adapter, []) if self.environments.get(s)]
-        return known[-1] if known else None
+    @property
+    def adapters(self) -> list[str]:
+        """The adapters, each once (a row per report: :attr:`rows`)."""
+        return list(dict.fromkeys(r.adapter for r in self.rows))
+
+    @property
+    def keys(self) -> list[str]:
+        """The rows' names (:attr:`Row.key`), in order."""
+        return [r.key for r in self.rows]
+
+    def row(self, key: str) -> Row:
+        return next(r for r in self.rows if r.key == key)
+
+    def environment(self, key: str) -> dict[str, Any] | None:
+        """The environment of row ``key``'s report (None: unknown)."""
+        return self.environments.get(self.row(key).source)
+
+    def shared_adapters(self) -> dict[str, list[Row]]:
+        """adapter -> its rows, for each adapter with more than one report."""
+        out: dict[str, list[Row]] = {}
+        for r in self.rows:
+            out.setdefault(r.adapter, []).append(r)
+        return {a: rows for a, rows in out.items() if len(rows) > 1}
+
+    def shared_notes(self) -> list[str]:
+        """One line per adapter with several reports, naming its rows and their files."""
+        return [f"{len(rows)} reports of adapter {a}, one row each: "
+                + "; ".join(f"{r.key} ({r.source})" for r in rows)
+                for a, rows in self.shared_adapters().items()]
 
     def environment_warnings(self) -> list[str]:
         """What the reports' environments disagree on (CPU, kernel flags, oneDNN, BLAS core type), one
@@ -82,23 +134,29 @@ class Matrix:
         return environment.where_lines(self._named_environments())
 
     def _named_environments(self) -> dict[str, dict[str, Any] | None]:
-        return {Path(s).name: env for s, env in self.environments.items()}
+        names = source_names(list(self.environments))
+        return {names[s]: env for s, env in self.environments.items()}
 
-    def cell(self, adapter: str, case: str, dtype: str) -> Cell | None:
-        return self.cells.get((adapter, case, dtype))
+    def cell(self, key: str, case: str, dtype: str) -> Cell | None:
+        return self.cells.get((key, case, dtype))
 
-    def stage_worst(self, adapter: str) -> dict[str, float]:
-        """The worst error/tolerance ratio of ``adapter`` in each stage over every cell, where the
+    def stage_worst(self, key: str) -> dict[str, float]:
+        """The worst error/tolerance ratio of row ``key`` in each stage over every cell, where the
         stage passed or failed (a declared known deviation is not counted: its ratio is expected)."""
         out: dict[str, float] = {}
-        for (a, _, _), cell in self.cells.items():
-            if a == adapter:
+        for (k, _, _), cell in self.cells.items():
+            if k == key:
                 for stage, ratio in cell.stage_ratios.items():
-                    out[stage] = max(out.get(stage, 0.0), ratio)
+                    out[stage] = worse(out.get(stage, 0.0), ratio)
         return out
 
 
 # -- reading ----------------------------------------------------------------
+
+
+def worse(a: float, b: float) -> float:
+    """The worse of two error/tolerance ratios: NaN is worse than any number (``max`` would drop it)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _number(value: Any) -> float | None:
@@ -163,7 +221,7 @@ def _cell(r: dict[str, Any]) -> Cell:
         ratio = _number(st.get("worst_ratio"))
         name, verdict = str(st.get("stage", "?")), st.get("verdict")
         if ratio is not None and verdict in ("pass", "fail"):  # declared deviations are shown as such
-            stage_ratios[name] = ratio if not math.isnan(ratio) else math.inf
+            stage_ratios[name] = ratio
         if verdict in ("known deviation", "uninformative") and (st.get("reason") or st.get("message")):
             reasons.append(f"{name}: {verdict}: {st.get('reason') or st.get('message')}")
     ratio = _number(r.get("worst_ratio"))
@@ -172,7 +230,7 @@ def _cell(r: dict[str, Any]) -> Cell:
                    if isinstance(st, dict) and st.get("verdict") == "fail"
                    for key in ("worst_ratio", "local_worst_ratio", "rms_ratio")]
         failing = [x for x in failing if x is not None]
-        ratio = max(failing) if failing else None
+        ratio = functools.reduce(worse, failing) if failing else None
     elif r["verdict"] not in ("pass", "known deviation"):
         ratio = None
     diagnosis = r.get("diagnosis")
@@ -187,41 +245,134 @@ def _cell(r: dict[str, Any]) -> Cell:
     )
 
 
-def build(paths: list[str | Path]) -> Matrix:
-    """The matrix of every report in ``paths`` (files, or folders of ``*.json``).
+def source_names(sources: list[str]) -> dict[str, str]:
+    """Each report file's name as the matrix names it: the file name, or as many of its folders as
+    tell it apart from another file of that name (``reports-onednn/torch-sdpa.json``)."""
+    parts = {s: Path(s).resolve().parts for s in sources}
+    out = {}
+    for s in sources:
+        n = 1
+        while n < len(parts[s]) and any(o != s and parts[o][-n:] == parts[s][-n:] for o in sources):
+            n += 1
+        out[s] = "/".join(parts[s][-n:])
+    return out
 
-    Several reports for one adapter are merged; a later file wins for a case × dtype
-    present in both.
-    """
-    adapters: list[str] = []
-    cells: dict[tuple[str, str, str], Cell] = {}
-    frameworks: dict[str, str] = {}
-    sources: dict[str, list[str]] = {}
-    environments: dict[str, dict[str, Any] | None] = {}
+
+def _fact_text(fact: str, value: str, env: dict[str, Any]) -> str:
+    """One kernel fact (:func:`environment.kernel_facts`), in a few words for a row label."""
+    if fact == "CPU kernel flags":
+        return environment.isa(env)
+    if fact == "CPU model":
+        return value if len(value) <= 24 else value[:23] + "…"
+    if fact.startswith("oneDNN"):
+        return f"{'torch ' if 'torch' in fact else ''}oneDNN {value}"
+    if fact == "torch dispatch":
+        return f"torch {value}"
+    return value  # machine, BLAS core type
+
+
+def _environment_texts(envs: list[dict[str, Any] | None]) -> list[str]:
+    """Per report: the kernel facts on which these reports disagree (a fact only some know is left
+    out for the others), "environment unknown" for a report without one."""
+    facts = [environment.kernel_facts(e) if e else None for e in envs]
+    differing = [f for f in environment.kernel_facts({}) if
+                 len({fs[f] for fs in facts if fs and fs[f] is not None}) > 1]
+    if "CPU kernel flags" in differing and "CPU model" in differing:
+        differing.remove("CPU model")  # the flags say what changes the kernels, in fewer words
+    return ["environment unknown" if fs is None or env is None else
+            ", ".join(_fact_text(f, fs[f], env) for f in differing if fs[f] is not None)
+            for fs, env in zip(facts, envs)]
+
+
+def _path_texts(sources: list[str]) -> list[str]:
+    """Per report: the part of its path that differs from the others' (``reports-onednn``, ``a``):
+    what is left of it without the folders and file name they all share (and the ``.json``)."""
+    parts = [list(Path(s).resolve().parts) for s in sources]
+    if all(p == parts[0] for p in parts):  # one file named several times
+        return [Path(s).name for s in sources]
+    if parts[0][-1:] and all(p[-1] == parts[0][-1] for p in parts):
+        parts = [p[:-1] for p in parts]  # the same file name in several folders
+    else:
+        parts = [p[:-1] + [Path(p[-1]).stem if p[-1].endswith(".json") else p[-1]] for p in parts]
+    while len(parts[0]) > 1 and all(len(p) > 1 and p[0] == parts[0][0] for p in parts):
+        parts = [p[1:] for p in parts]
+    while len(parts[0]) > 1 and all(len(p) > 1 and p[-1] == parts[0][-1] for p in parts):
+        parts = [p[:-1] for p in parts]
+    return ["/".join(p) for p in parts]
+
+
+def row_labels(reports: list[tuple[str, str | None, dict[str, Any] | None]]) -> list[str]:
+    """The labels of one adapter's rows, from its reports' (file, framework, environment): "" for
+    a single report; else what tells them apart, the first of these that differ among them, and
+    the next while two labels are still equal: the framework (``jax 0.7.1``), the kernel facts of
+    the environment (``oneDNN on``, ``avx512 vnni/bf16``, ``environment unknown``), the part of the
+    file's path that differs (``reports-onednn``; also for a row the others differ from by a fact it
+    does not know); a file named twice is numbered (``a.json #2``).
+    The same reports get the same labels, in any order."""
+    if len(reports) < 2:
+        return [""]
+    layers = [[fw or "framework unknown" for _, fw, _ in reports],
+              _environment_texts([env for _, _, env in reports]),
+              _path_texts([source for source, _, _ in reports])]
+    parts: list[list[str]] = [[] for _ in reports]
+    for layer in layers:
+        if len(set(layer)) > 1:
+            for got, text in zip(parts, layer):
+                got.append(text)
+            if len({tuple(p) for p in parts}) == len(parts):
+                break
+    paths = layers[-1]
+    labels = [" · ".join(p for p in got if p) or path for got, path in zip(parts, paths)]  # never empty
+    counts = {label: labels.count(label) for label in labels}
+    seen: dict[str, int] = {}
+    for i, (label, (source, _, _)) in enumerate(zip(list(labels), reports)):
+        if counts[label] > 1:
+            seen[label] = seen.get(label, 0) + 1
+            labels[i] = f"{label or Path(source).name} #{seen[label]}"
+    return labels
+
+
+def build(paths: list[str | Path]) -> Matrix:
+    """The matrix of every report in ``paths`` (files, or folders of ``*.json``): one row per report,
+    sorted by adapter and then by label (:func:`row_labels`); nothing is merged or dropped."""
+    loaded: list[tuple[str, str, str | None, dict[str, Any] | None, list[dict[str, Any]]]] = []
     cases: list[str] = []
     dtypes: set[str] = set()
     for path in report_files(paths):
         data = read_report(path)
-        name = data["adapter"]["name"]
-        if name not in adapters:
-            adapters.append(name)
         fw = data["adapter"].get("framework")
-        if isinstance(fw, str) and fw:
-            version = data["adapter"].get("framework_version")
-            frameworks[name] = f"{fw} {version}" if isinstance(version, str) and version else fw
-        sources.setdefault(name, []).append(str(path))
+        version = data["adapter"].get("framework_version")
+        framework = (f"{fw} {version}" if isinstance(version, str) and version else fw) if (
+            isinstance(fw, str) and fw) else None
         env = data.get("environment")
-        environments[str(path)] = env if isinstance(env, dict) and env else None
+        loaded.append((data["adapter"]["name"], str(path), framework, env if isinstance(env, dict) and env else None,
+                       data["results"]))
         for r in data["results"]:
             if r["case"] not in cases:
                 cases.append(r["case"])
             dtypes.add(r["dtype"])
-            cells[(name, r["case"], r["dtype"])] = _cell(r)
-    if not cells:
+    if not any(results for *_, results in loaded):
         raise MhaspecError(f"no results in {', '.join(map(str, paths))}: nothing to draw")
+    groups: dict[str, list[int]] = {}
+    for i, (name, *_) in enumerate(loaded):
+        groups.setdefault(name, []).append(i)
+    rows: list[tuple[Row, list[dict[str, Any]]]] = []
+    for name, members in groups.items():
+        labels = row_labels([loaded[i][1:4] for i in members])
+        rows += [(Row(name, label, loaded[i][1], loaded[i][2]), loaded[i][4]) for i, label in zip(members, labels)]
+    rows.sort(key=lambda item: (item[0].adapter, item[0].label))
+    taken: set[str] = set()
+    for i, (row, results) in enumerate(rows):  # an adapter named like another's row ("a · b"): never merged
+        if row.key in taken:
+            row = Row(row.adapter, " · ".join(x for x in (row.label, f"{Path(row.source).name} #{i + 1}") if x),
+                      row.source, row.framework)
+            rows[i] = (row, results)
+        taken.add(row.key)
+    cells = {(row.key, r["case"], r["dtype"]): _cell(r) for row, results in rows for r in results}
     order = [d for d in DTYPES if d in dtypes] + sorted(dtypes - set(DTYPES))
     columns = [(c, d) for c in cases for d in order]
-    return Matrix(adapters, columns, cells, frameworks, sources, environments)
+    environments = {source: env for _, source, _, env, _ in loaded}
+    return Matrix([row for row, _ in rows], columns, cells, environments)
 
 
 # -- rendering --------------------------------------------------------------
@@ -230,14 +381,57 @@ def build(paths: list[str | Path]) -> Matrix:
 def ratio_text(ratio: float | None) -> str:
     if ratio is None:
         return "—"
+    if math.isnan(ratio):
+        return "NaN"
     if math.isinf(ratio):
         return "inf"
     return f"{ratio:.2g}"
 
 
-def hover_text(m: Matrix, adapter: str, case: str, dtype: str) -> str:
-    cell = m.cell(adapter, case, dtype)
-    head = f"{adapter} · {case} / {dtype}"
+def _hex(rgb: tuple[float, float, float]) -> str:
+    return "#" + "".join(f"{round(x):02x}" for x in rgb)
+
+
+def ratio_colour(ratio: float | None) -> str:
+    """The heat map's colour of an error/tolerance ratio (the HTML's and the PNG's): light to dark
+    green up to 1 (within the tolerance), light to dark red beyond it, :data:`WORST` from 100 on
+    and for inf and NaN; :data:`NONE` (white) for no ratio."""
+    if ratio is None:
+        return NONE
+    if math.isnan(ratio) or ratio >= 10 ** FAIL_STOPS[-1][0]:
+        return WORST
+    x = math.log10(ratio) if ratio > 0 else -math.inf
+    stops = PASS_STOPS if ratio <= 1 else FAIL_STOPS
+    if x <= stops[0][0]:
+        return _hex(stops[0][1])
+    for (x0, c0), (x1, c1) in zip(stops, stops[1:]):
+        if x <= x1:
+            t = (x - x0) / (x1 - x0)
+            return _hex(tuple(a + (b - a) * t for a, b in zip(c0, c1)))
+    return _hex(stops[-1][1])
+
+
+def cell_colour(cell: Cell | None) -> str:
+    """The colour of a matrix cell (the HTML's and the PNG's): its verdict's (:data:`STYLE`)."""
+    if cell is None:
+        return NOT_RUN[1]
+    return STYLE[cell.verdict][1] if cell.verdict in STYLE else OTHER[1]
+
+
+def ink(colour: str) -> str:
+    """Black or white: the text colour readable on ``colour`` (``#rrggbb``)."""
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b >= 140 else "#ffffff"
+
+
+#: The heat map's legend: (label, a ratio of that colour).
+HEAT_KEYS = (("≤ 0.0001", 1e-4), ("0.01", 1e-2), ("1: at the tolerance", 1.0), ("just over", 1.0001),
+             ("10× over", 10.0), ("≥ 100× over, inf or NaN", math.inf), ("none", None))
+
+
+def hover_text(m: Matrix, key: str, case: str, dtype: str) -> str:
+    cell = m.cell(key, case, dtype)
+    head = f"{key} · {case} / {dtype}"
     if cell is None:
         return f"{head}: not run"
     lines = [f"{head}: {cell.verdict}", f"worst ratio (error/tolerance): {ratio_text(cell.ratio)}"]
@@ -250,49 +444,55 @@ def hover_text(m: Matrix, adapter: str, case: str, dtype: str) -> str:
     return "\n".join(lines)
 
 
-def _counts(m: Matrix, adapter: str) -> str:
+def _counts(m: Matrix, key: str) -> str:
     counts: dict[str, int] = {}
     for case, dtype in m.columns:
-        cell = m.cell(adapter, case, dtype)
+        cell = m.cell(key, case, dtype)
         if cell is not None:
             counts[cell.verdict] = counts.get(cell.verdict, 0) + 1
     return ", ".join(f"{n} {v}" for v, n in counts.items())
 
 
+def _source_line(m: Matrix) -> str:
+    names = source_names([r.source for r in m.rows])
+    return ", ".join(f"`{names[r.source]}`" for r in m.rows)
+
+
 def to_markdown(m: Matrix) -> str:
     legend = " · ".join(f"{sym} {label}" for sym, _, label in [*STYLE.values(), NOT_RUN])
     dts = [d for d in dict.fromkeys(d for _, d in m.columns)]
+    shared = ", ".join(f"{a} ({len(rows)})" for a, rows in m.shared_adapters().items())
     lines = [
         "# Conformance matrix",
         "",
         f"One symbol per dtype in each cell, in the order {', '.join(dts)}. {legend}.",
-        "Generated by `mhaspec matrix`; the reports: "
-        + ", ".join(f"`{Path(s).name}`" for a in m.adapters for s in m.sources[a]) + ".",
+        "Generated by `mhaspec matrix`; one row per report, sorted by adapter: " + _source_line(m) + ".",
+        *([f"Several reports of one adapter, one row each: {shared}."] if shared else []),
         "",
         *[f"**{line}**" if line.startswith("WARNING") else line for line in m.environment_lines()],
         *([""] if m.environment_lines() else []),
         "| adapter | " + " | ".join(m.cases) + " |",
         "|---|" + "---|" * len(m.cases),
     ]
-    for a in m.adapters:
+    for r in m.rows:
         row = []
         for case in m.cases:
             row.append("".join(
-                (STYLE.get(c.verdict, ("?",))[0] if (c := m.cell(a, case, d)) else NOT_RUN[0]) for d in dts
+                (STYLE.get(c.verdict, OTHER)[0] if (c := m.cell(r.key, case, d)) else NOT_RUN[0]) for d in dts
             ))
-        fw = f" ({m.frameworks[a]})" if a in m.frameworks else ""
-        lines.append(f"| `{a}`{fw} | " + " | ".join(row) + " |")
+        fw = f" ({r.framework})" if r.framework else ""
+        lines.append(f"| `{r.key}`{fw} | " + " | ".join(row) + " |")
     lines += ["", "| adapter | counts | environment |", "|---|---|---|"]
-    lines += [f"| `{a}` | {_counts(m, a)} | {environment.summary(m.environment(a)).replace('|', '/')} |"
-              for a in m.adapters]
+    lines += [f"| `{r.key}` | {_counts(m, r.key)} | {environment.summary(m.environment(r.key)).replace('|', '/')} |"
+              for r in m.rows]
     notable = []
-    for a in m.adapters:
+    for r in m.rows:
         for case, dtype in m.columns:
-            c = m.cell(a, case, dtype)
+            c = m.cell(r.key, case, dtype)
             if c is not None and c.verdict not in ("pass", "unsupported"):
                 what = c.first_failing_stage or (c.reasons[0].split(":")[0] if c.reasons else "")
                 why = c.message or (c.reasons[0].split(": ", 2)[-1] if c.reasons else "")
-                notable.append(f"| `{a}` | {case} | {dtype} | {c.verdict} | {what} | {ratio_text(c.ratio)} | "
+                notable.append(f"| `{r.key}` | {case} | {dtype} | {c.verdict} | {what} | {ratio_text(c.ratio)} | "
                                f"{why.replace('|', '/')[:160]} |")
     if notable:
         lines += ["", "## Cells that did not simply pass", "",
@@ -301,14 +501,8 @@ def to_markdown(m: Matrix) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _heat_colour(ratio: float | None) -> str:
-    """White (0) through yellow (ratio 1: at the tolerance) to red (>= 10x over)."""
-    if ratio is None:
-        return "#ffffff"
-    x = 0.0 if ratio <= 0 else min(1.0, max(0.0, (math.log10(ratio) + 4) / 5))  # 1e-4 -> 0, 10 -> 1
-    r, g, b = (255, int(255 - 80 * x / 0.8), int(255 - 255 * x / 0.8)) if x <= 0.8 else (
-        255 - int((x - 0.8) / 0.2 * 57), int(175 - (x - 0.8) / 0.2 * 135), 0)
-    return f"#{r:02x}{g:02x}{b:02x}"
+def _stages_present(m: Matrix) -> list[str]:
+    return [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(k) for k in m.keys)]
 
 
 def to_html(m: Matrix) -> str:
@@ -318,91 +512,109 @@ def to_html(m: Matrix) -> str:
     head2 = "".join(f'<th class="dt{" first" if i == 0 else ""}">{e(DTYPE_SHORT.get(d, d))}</th>'
                     for _ in m.cases for i, d in enumerate(dts))
     rows = []
-    for a in m.adapters:
+    for r in m.rows:
         tds = []
         for case in m.cases:
             for i, d in enumerate(dts):
-                c = m.cell(a, case, d)
-                sym, colour, _ = STYLE.get(c.verdict, ("?", "#bdbdbd", c.verdict)) if c else NOT_RUN
+                c = m.cell(r.key, case, d)
+                colour = cell_colour(c)
+                sym = (STYLE.get(c.verdict, OTHER) if c else NOT_RUN)[0]
                 text = ratio_text(c.ratio) if c and c.verdict in ("pass", "fail", "known deviation") else sym
                 cls = ' class="first"' if i == 0 else ""
-                tds.append(f'<td{cls} style="background:{colour}" title="{e(hover_text(m, a, case, d))}">{e(text)}</td>')
-        fw = f'<div class="fw">{e(m.frameworks[a])}</div>' if a in m.frameworks else ""
-        fw += f'<div class="fw">{e(environment.label(m.environment(a)))}</div>'
-        title = f"{_counts(m, a)}\n{environment.summary(m.environment(a))}"
-        rows.append(f'<tr><th class="ad" title="{e(title)}">{e(a)}{fw}</th>{"".join(tds)}</tr>')
-    legend = "".join(f'<span class="key" style="background:{c}">{e(label)}</span>'
+                tds.append(f'<td{cls} style="background:{colour};color:{ink(colour)}" '
+                           f'title="{e(hover_text(m, r.key, case, d))}">{e(text)}</td>')
+        fw = f'<div class="fw">{e(r.framework)}</div>' if r.framework else ""
+        fw += f'<div class="fw">{e(environment.label(m.environment(r.key)))}</div>'
+        title = f"{r.source}\n{_counts(m, r.key)}\n{environment.summary(m.environment(r.key))}"
+        rows.append(f'<tr><th class="ad" title="{e(title)}">{e(r.key)}{fw}</th>{"".join(tds)}</tr>')
+    legend = "".join(f'<span class="key" style="background:{c};color:{ink(c)}">{e(label)}</span>'
                      for _, c, label in [*STYLE.values(), NOT_RUN])
-    stages_present = [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(a) for a in m.adapters)]
+    stages_present = _stages_present(m)
     heat_rows = []
-    for a in m.adapters:
-        worst = m.stage_worst(a)
+    for r in m.rows:
+        worst = m.stage_worst(r.key)
         tds = "".join(
-            f'<td style="background:{_heat_colour(worst.get(s))}" title="{e(a)} · {s}: worst error/tolerance '
-            f'{ratio_text(worst.get(s))}">{ratio_text(worst.get(s)) if s in worst else ""}</td>'
+            f'<td style="background:{(c := ratio_colour(worst.get(s)))};color:{ink(c)}" title="{e(r.key)} · {s}: '
+            f'worst error/tolerance {ratio_text(worst.get(s))}">{ratio_text(worst.get(s)) if s in worst else ""}</td>'
             for s in stages_present
         )
-        heat_rows.append(f'<tr><th class="ad">{e(a)}</th>{tds}</tr>')
+        heat_rows.append(f'<tr><th class="ad">{e(r.key)}</th>{tds}</tr>')
     heat_head = "".join(f"<th>{e(s)}</th>" for s in stages_present)
+    heat_legend = "".join(f'<span class="key" style="background:{(c := ratio_colour(x))};color:{ink(c)}">'
+                          f'{e(label)}</span>' for label, x in HEAT_KEYS)
     env_html = "\n".join(f'<p class="warn">{e(line)}</p>' if line.startswith("WARNING") else f"<p>{e(line)}</p>"
                          for line in m.environment_lines())
+    shared = ", ".join(f"{a} ({len(rows)})" for a, rows in m.shared_adapters().items())
+    shared_html = f'<p class="note">Several reports of one adapter, one row each: {e(shared)}.</p>' if shared else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>mhaspec conformance matrix</title>
 <style>
-body {{ font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #212121; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
+body {{ font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #212121; background: #fff; }}
+table {{ border-collapse: separate; border-spacing: 0; margin: 1em 0; }}
 th, td {{ border: 1px solid #fff; padding: 2px 4px; text-align: center; white-space: nowrap; }}
 td {{ font: 11px monospace; min-width: 2.6em; cursor: default; }}
+thead {{ position: sticky; top: 0; z-index: 2; }}
+thead th {{ background: #fff; }}
 th.case {{ writing-mode: vertical-rl; transform: rotate(180deg); vertical-align: bottom; font-weight: 600; }}
 th.dt {{ font: 10px monospace; color: #616161; }}
 .first {{ border-left: 3px solid #fff; }}
+th.ad, th.corner {{ position: sticky; left: 0; z-index: 1; background: #fff; box-shadow: 1px 0 0 #bdbdbd; }}
+th.corner {{ z-index: 3; }}
 th.ad {{ text-align: left; padding-right: 1em; }}
 .fw {{ font-weight: normal; color: #757575; font-size: 11px; }}
 .key {{ display: inline-block; padding: 2px 8px; margin-right: 4px; border: 1px solid #bbb; }}
 .warn {{ color: #b71c1c; font-weight: 600; }}
+.note {{ color: #424242; font-weight: 600; }}
 </style></head><body>
 <h1>mhaspec conformance matrix</h1>
-<p>Rows: adapters. Columns: case × dtype, grouped by case. A cell shows the case's verdict by colour and its worst
+<p>Rows: one per report, sorted by adapter (a second report of an adapter is a second row, labelled by what
+differs). Columns: case × dtype, grouped by case. A cell shows the case's verdict by colour and its worst
 error/tolerance ratio (≤ 1 passes; — none); hover a cell for its first failing stage and the reason.</p>
 <p>{legend}</p>
+{shared_html}
 {env_html}
-<table><tr><th></th>{head1}</tr><tr><th></th>{head2}</tr>
+<table class="matrix"><thead><tr><th class="corner"></th>{head1}</tr><tr><th class="corner"></th>{head2}</tr></thead>
+<tbody>
 {chr(10).join(rows)}
-</table>
+</tbody></table>
 <h2>Worst error/tolerance per stage</h2>
-<p>Over every case and dtype an adapter ran, where the stage passed or failed (≤ 1 is within tolerance;
+<p>Over every case and dtype a row ran, where the stage passed or failed (≤ 1 is within tolerance;
 declared known deviations are not counted).</p>
-<table><tr><th></th>{heat_head}</tr>
+<p>{heat_legend}</p>
+<table class="heat"><thead><tr><th class="corner"></th>{heat_head}</tr></thead>
+<tbody>
 {chr(10).join(heat_rows)}
-</table>
+</tbody></table>
 </body></html>
 """
 
 
+def _rgb(colour: str) -> tuple[float, float, float]:
+    return tuple(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))  # type: ignore[return-value]
+
+
 def draw_png(m: Matrix, path: Path) -> None:
-    """The matrix (and the per-stage heat map) as a PNG; needs matplotlib (``pip install 'mhaspec[plot]'``)."""
+    """The matrix (and the per-stage heat map) as a PNG; needs matplotlib (``pip install 'mhaspec[plot]'``).
+    Its colours are the HTML's: :func:`cell_colour` and :func:`ratio_colour`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap, TwoSlopeNorm
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, Normalize
     from matplotlib.patches import Patch
 
-    kinds = [*STYLE, "not run", "other"]
-    colours = [STYLE[k][1] for k in STYLE] + [NOT_RUN[1], "#bdbdbd"]
-    index = {k: i for i, k in enumerate(kinds)}
-    grid = [[index["not run"] if (c := m.cell(a, case, d)) is None else index.get(c.verdict, index["other"])
-             for case, d in m.columns] for a in m.adapters]
-    stages_present = [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(a) for a in m.adapters)]
-    heat = [[m.stage_worst(a).get(s, math.nan) for s in stages_present] for a in m.adapters]
+    keys = m.keys
+    grid = [[_rgb(cell_colour(m.cell(k, case, d))) for case, d in m.columns] for k in keys]
+    stages_present = _stages_present(m)
+    heat = [[m.stage_worst(k).get(s) for s in stages_present] for k in keys]
 
-    n_rows, n_cols = len(m.adapters), len(m.columns)
+    n_rows, n_cols = len(keys), len(m.columns)
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(max(8.0, 0.12 * n_cols + 2.5), 0.55 * n_rows + 4.0), dpi=110,
         gridspec_kw={"height_ratios": [1.0, 0.8], "hspace": 0.25},
     )
-    top.imshow(grid, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto",
-               interpolation="nearest")
+    top.imshow(grid, aspect="auto", interpolation="nearest")
     cases, dts = m.cases, list(dict.fromkeys(d for _, d in m.columns))
     for i in range(1, len(cases)):
         top.axvline(i * len(dts) - 0.5, color="white", linewidth=2)
@@ -411,28 +623,35 @@ def draw_png(m: Matrix, path: Path) -> None:
     top.xaxis.tick_top()
     top.set_yticks(range(n_rows))
     mixed = bool(m.environment_warnings())  # then each row names its environment; else one note below
-    top.set_yticklabels([f"{a} · {environment.short_label(m.environment(a))}" if mixed else a for a in m.adapters],
-                        fontsize=8)
+    top.set_yticklabels([f"{r.key} · {environment.short_label(m.environment(r.key))}" if mixed and not r.label
+                         else r.key for r in m.rows], fontsize=8)
     top.tick_params(length=0)
     top.set_xlabel(f"case × dtype (each case: {', '.join(DTYPE_SHORT.get(d, d) for d in dts)})", fontsize=8)
-    used = {k for row in grid for k in row}
-    top.legend(handles=[Patch(facecolor=colours[i], edgecolor="#999", label=kinds[i]) for i in sorted(used)],
+    used = {cell_colour(m.cell(k, case, d)) for k in keys for case, d in m.columns}
+    kinds = [(c, label) for _, c, label in STYLE.values()] + [(NOT_RUN[1], NOT_RUN[2]), (OTHER[1], "other")]
+    top.legend(handles=[Patch(facecolor=c, edgecolor="#999", label=label) for c, label in kinds if c in used],
                loc="upper left", bbox_to_anchor=(0, -0.06), ncol=7, fontsize=7, frameon=False)
 
-    logs = [[math.log10(max(x, 1e-6)) if not math.isnan(x) else math.nan for x in row] for row in heat]
-    norm = TwoSlopeNorm(vmin=-4, vcenter=0, vmax=2)  # green within the tolerance, red beyond it
-    image = bottom.imshow(logs, cmap="RdYlGn_r", norm=norm, aspect="auto", interpolation="nearest")
+    bottom.imshow([[_rgb(ratio_colour(x)) for x in row] for row in heat] if stages_present else [[(1.0,) * 3]] * n_rows,
+                  aspect="auto", interpolation="nearest")  # no stage passed or failed: white, no warning
     for i, row in enumerate(heat):
         for j, x in enumerate(row):
-            if not math.isnan(x):
-                bottom.text(j, i, ratio_text(x), ha="center", va="center", fontsize=6)
+            if x is not None:
+                bottom.text(j, i, ratio_text(x), ha="center", va="center", fontsize=6, color=ink(ratio_colour(x)))
     bottom.set_xticks(range(len(stages_present)))
     bottom.set_xticklabels(stages_present, rotation=30, ha="right", fontsize=7)
     bottom.set_yticks(range(n_rows))
-    bottom.set_yticklabels(m.adapters, fontsize=7)
+    bottom.set_yticklabels(keys, fontsize=7)
     bottom.set_title("worst error / tolerance per stage where it passed or failed (known deviations not counted; "
-                     "colour: log10, 0 = at the tolerance)", fontsize=8)
-    fig.colorbar(image, ax=bottom, fraction=0.05, pad=0.02).ax.tick_params(labelsize=7)
+                     "green within the tolerance, red beyond it; inf and NaN as ≥ 100)", fontsize=8)
+    low, high = PASS_STOPS[0][0], FAIL_STOPS[-1][0]
+    scale = [ratio_colour(10 ** (low + (high - low) * i / 299)) for i in range(300)]
+    bar = fig.colorbar(ScalarMappable(Normalize(low, high), ListedColormap([_rgb(c) for c in scale])),
+                       ax=bottom, fraction=0.05, pad=0.02)
+    bar.set_ticks([low + i for i in range(int(high - low) + 1)])
+    bar.set_ticklabels([f"1e{int(low) + i}" if int(low) + i < 0 else f"{10 ** (int(low) + i)}" for i in
+                        range(int(high - low) + 1)][:-1] + ["≥ 100, inf, NaN"])
+    bar.ax.tick_params(labelsize=7)
     known = [env for env in m.environments.values() if env]
     where = ("WARNING: reports from different environments (matrix.md names the differences)" if mixed else
              f"environment: {environment.cpu_label(known[0])} · {environment.blas_text(known[0])}" if known else
@@ -460,7 +679,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def write(m: Matrix, out: str | Path) -> tuple[list[Path], str]:
     """Write matrix.md, matrix.html and (with matplotlib) matrix.png into ``out``.
 
-    Returns (files written, a note: "" or how to get the PNG).
+    Returns (files written, a note for the reader: "" or its lines -- the adapters with several
+    reports and their rows (:meth:`Matrix.shared_notes`), how to get the PNG).
     """
     folder = Path(out)
     try:
@@ -471,10 +691,12 @@ def write(m: Matrix, out: str | Path) -> tuple[list[Path], str]:
     for name, text in (("matrix.md", to_markdown(m)), ("matrix.html", to_html(m))):
         _write_atomic(folder / name, text.encode("utf-8"))
         written.append(folder / name)
+    notes = [f"note: {line}" for line in m.shared_notes()]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return written, "matrix.png not written: matplotlib is missing (pip install 'mhaspec[plot]')"
+        notes.append("matrix.png not written: matplotlib is missing (pip install 'mhaspec[plot]')")
+        return written, "\n".join(notes)
     tmp = _temporary(folder / "matrix.png")
     try:
         draw_png(m, tmp)
@@ -483,4 +705,4 @@ def write(m: Matrix, out: str | Path) -> tuple[list[Path], str]:
         tmp.unlink(missing_ok=True)
         raise
     written.append(folder / "matrix.png")
-    return written, ""
+    return written, "\n".join(notes)
