@@ -22,7 +22,7 @@ from mhaspec.io import safetensors
 from mhaspec.protocol import wire
 
 FAULTS = ("none", "garbage", "stdout", "version", "no-ready", "bad-ready", "die", "partial", "hang", "twice",
-          "wrong-kind", "not-json", "bad-payload", "fail", "stderr", "unsupported")
+          "wrong-kind", "not-json", "bad-payload", "fail", "stderr", "unsupported", "unnumbered")
 
 
 def frame(header: dict, payload: bytes = b"") -> bytes:
@@ -90,6 +90,8 @@ def main() -> int:
         seconds = time.perf_counter() - start
         keys = list(stages)
         reply = {"reply": "run", "ok": True, "seconds": seconds, "mapping": True, "keys": keys, "special": {}}
+        if "seq" in request and fault != "unnumbered":
+            reply["seq"] = request["seq"]  # which request this answers
         body = safetensors.encode({k: np.ascontiguousarray(v) for k, v in stages.items()})
         if fault == "stdout":
             print("hello from the program's stdout", flush=True)
@@ -114,10 +116,10 @@ def main() -> int:
         if fault == "bad-payload":
             body = b"\xff" * 32
         if fault == "fail":
-            write_all(wfd, frame({"reply": "run", "ok": False, "error": f"no kernel for {case.id}"}))
+            write_all(wfd, frame({"reply": "run", "ok": False, "error": f"no kernel for {case.id}", "seq": request["seq"]}))
             continue
         write_all(wfd, frame(reply, body))
-        if fault == "twice":
+        if fault in ("twice", "unnumbered"):
             write_all(wfd, frame(reply, body))
 
 

@@ -86,6 +86,9 @@ def test_the_client_conforms_on_the_whole_catalog_in_every_dtype(language, clien
     seen = _check_all(captured)  # every message of the run, both ways, against the schema
     assert {("ready", "ready"), ("case_request", "run"), ("returned", "run"), ("close", "close")} <= seen
     assert report.environment["process"] == "exec" and report.environment["program"], report.environment
+    asked = [h["seq"] for d, h, _ in captured if d == "request" and "seq" in h]
+    answered = [h.get("seq") for d, h, _ in captured if d == "reply" and h.get("reply") != "ready"]
+    assert asked and answered == asked  # every reply echoes the number of the request it answers
     folder = _reports()
     if folder is not None:
         report.write_json(folder / f"exec-{language}.json")

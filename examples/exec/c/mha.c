@@ -1003,10 +1003,19 @@ static int send_header(int wfd, sbuf *h, const unsigned char *payload, uint64_t 
     return 0;
 }
 
+/* The number of the request being answered (its "seq"), echoed in every reply so that the runner can
+   tell a reply to another request apart; -1: the request had none. */
+static long long g_seq = -1;
+
+static void sb_seq(sbuf *h) {
+    if (g_seq >= 0) sb_printf(h, ",\"seq\":%lld", g_seq);
+}
+
 static int send_failure(int wfd, const char *reply, const char *error) {
     sbuf h = {0};
     sb_printf(&h, "{\"reply\":\"%s\",\"ok\":false,\"error\":", reply);
     sb_json_string(&h, error);
+    sb_seq(&h);
     sb_puts(&h, "}");
     int r = send_header(wfd, &h, NULL, 0);
     free(h.p);
@@ -1087,7 +1096,9 @@ static int run_case(int wfd, const mha_case *c) {
     sbuf h = {0};
     sb_printf(&h, "{\"reply\":\"run\",\"ok\":true,\"seconds\":%.9f,\"mapping\":true,\"keys\":[", seconds < 0 ? 0.0 : seconds);
     for (int k = 0; k < N_STAGES; k++) sb_printf(&h, "%s\"%s\"", k ? "," : "", STAGE_NAME[k]);
-    sb_puts(&h, "],\"special\":{}}");
+    sb_puts(&h, "],\"special\":{}");
+    sb_seq(&h);
+    sb_puts(&h, "}");
     r = send_header(wfd, &h, payload, len);
     free(h.p);
     free(payload);
@@ -1120,6 +1131,7 @@ static int serve(int rfd, int wfd) {
         int parsed = jparse(text, hl, &req, err, sizeof err) == 0 && req.type == J_OBJ;
         free(text);
         if (!parsed) {
+            g_seq = -1;
             if (skip_bytes(rfd, pl)) return -1;
             char msg[600];
             snprintf(msg, sizeof msg, "the request header is not a JSON object (%s)", err);
@@ -1127,6 +1139,8 @@ static int serve(int rfd, int wfd) {
             continue;
         }
         const jval *op = jget(&req, "op"), *cj = jget(&req, "case"), *reuse = jget(&req, "reuse");
+        const jval *seq = jget(&req, "seq");
+        g_seq = seq && seq->type == J_NUM && seq->is_int && seq->inum >= 0 ? seq->inum : -1;
         if (jis_str(op, "close")) { jfree(&req); free(held_payload); return 0; }
         if (cj) { /* a new case: forget the old one first (one payload at a time) */
             free(held_payload);

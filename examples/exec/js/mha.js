@@ -336,21 +336,23 @@ function main(argv) {
     if (frame === null) return 0; // end of file: the runner is done
     const header = frame.header, op = header.op;
     if (op === 'close') return 0;
+    // every reply echoes the request's number, so the runner can tell a reply to another request apart
+    const answer = (h, ...rest) => writeFrame(wfd, Number.isInteger(header.seq) ? { ...h, seq: header.seq } : h, ...rest);
     if (header.case !== undefined) { // a new case: keep it, or why it cannot be computed
       last = null; // drop the previous case first: one case in memory at a time
       try { last = { case: caseFromRequest(header.case, frame.payload) }; } catch (err) { last = { error: oneLine(err) }; }
       frame = null; // float64 arrays are views of the payload; other dtypes were converted: let it go
     } else if (header.reuse !== true) {
-      writeFrame(wfd, { reply: 'run', ok: false, error: `a ${JSON.stringify(op)} request with neither a case nor "reuse": true` });
+      answer({ reply: 'run', ok: false, error: `a ${JSON.stringify(op)} request with neither a case nor "reuse": true` });
       continue;
     }
     if (op !== 'run') { // never sent: ready says has_supports and has_backward are false
       const step = typeof op === 'string' && op.startsWith('supports') ? 'supports' : op === 'backward' ? 'backward' : 'run';
-      writeFrame(wfd, { reply: step, ok: false, error: `${name} answers only run (and close), not ${JSON.stringify(op)}` });
+      answer({ reply: step, ok: false, error: `${name} answers only run (and close), not ${JSON.stringify(op)}` });
       continue;
     }
-    if (last === null) { writeFrame(wfd, { reply: 'run', ok: false, error: 'reuse: no case was sent before' }); continue; }
-    if (last.error !== undefined) { writeFrame(wfd, { reply: 'run', ok: false, error: last.error }); continue; }
+    if (last === null) { answer({ reply: 'run', ok: false, error: 'reuse: no case was sent before' }); continue; }
+    if (last.error !== undefined) { answer({ reply: 'run', ok: false, error: last.error }); continue; }
     const c = last.case;
     let packed, seconds;
     try {
@@ -364,10 +366,10 @@ function main(argv) {
       }
       packed = packStages(c.dtype, stages, shapes);
     } catch (err) {
-      writeFrame(wfd, { reply: 'run', ok: false, error: oneLine(err) });
+      answer({ reply: 'run', ok: false, error: oneLine(err) });
       continue;
     }
-    writeFrame(wfd, { reply: 'run', ok: true, seconds, mapping: true, keys: STAGES.slice(), special: {} },
+    answer({ reply: 'run', ok: true, seconds, mapping: true, keys: STAGES.slice(), special: {} },
       () => packed.chunks(), packed.length);
   }
 }

@@ -117,7 +117,7 @@ def parse_header(text: bytes | bytearray | memoryview) -> dict[str, Any]:
     return header
 
 
-def decode(data: bytes | bytearray | memoryview, copy: bool = False) -> dict[str, np.ndarray]:
+def decode(data: bytes | bytearray | memoryview | Parts, copy: bool = False) -> dict[str, np.ndarray]:
     """The tensors of safetensors ``data``, in the header's order (``__metadata__`` is left out).
 
     ``copy=False``: read-only views of ``data`` (no copy; an array may be unaligned);
@@ -127,6 +127,8 @@ def decode(data: bytes | bytearray | memoryview, copy: bool = False) -> dict[str
     """
     if not len(data):
         return {}
+    if isinstance(data, Parts):
+        data = bytes(data)
     view = memoryview(data).cast("B")
     n = header_length(view)
     if PREFIX + n > len(view):

@@ -226,11 +226,15 @@ def check_unsupported(rules: Any) -> list[dict[str, str]]:
     return out
 
 
-def check_reply(header: Mapping[str, Any], expected: str) -> None:
-    """:class:`Malformed` unless ``header`` is a reply to ``expected`` (a step, or ``ready``)."""
+def check_reply(header: Mapping[str, Any], expected: str, seq: int | None = None) -> None:
+    """:class:`Malformed` unless ``header`` is a reply to ``expected`` (a step, or ``ready``) — and, when it
+    echoes a request number (``seq``), to request ``seq``."""
     kind = header.get("reply")
     if kind != expected:
         raise Malformed(f"a reply of kind {kind!r} where {expected!r} was due")
+    got = header.get("seq")
+    if seq is not None and got is not None and got != seq:
+        raise Malformed(f"a reply to request {got!r} where request {seq}'s was due (did it answer a request twice?)")
     if not isinstance(header.get("ok"), bool) or (header["ok"] is False and not isinstance(header.get("error"), str)):
         raise Malformed(f"a {expected!r} reply without ok (true, or false with an error)")
     if expected == "supports" and header["ok"] and not isinstance(header.get("answer"), (bool, str)):
@@ -240,7 +244,7 @@ def check_reply(header: Mapping[str, Any], expected: str) -> None:
 # -- a case, runner -> worker ----------------------------------------------------------
 
 
-def case_request(op: str, case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
+def case_request(op: str, case: Case, seq: int | None = None) -> tuple[dict[str, Any], safetensors.Parts]:
     """A request carrying ``case``: its scalar fields, its config and which inputs are one array, and bytes.
 
     Generic over the Case's fields, so a field added to the spec travels too;
@@ -248,12 +252,12 @@ def case_request(op: str, case: Case) -> tuple[dict[str, Any], safetensors.Parts
     travels once and is the same array again on the other side.
     """
     header, payload = case_message(case)
-    return {"op": op, "case": header}, payload
+    return {"op": op, **({} if seq is None else {"seq": seq}), "case": header}, payload
 
 
-def reuse_request(op: str) -> dict[str, Any]:
+def reuse_request(op: str, seq: int | None = None) -> dict[str, Any]:
     """A request for the case the worker already holds (the one of the previous request)."""
-    return {"op": op, "reuse": True}
+    return {"op": op, **({} if seq is None else {"seq": seq}), "reuse": True}
 
 
 def close_request() -> dict[str, Any]:

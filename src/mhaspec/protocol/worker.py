@@ -83,6 +83,8 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
             raise wire.Malformed(f"a {op!r} request reusing a case before any case was sent")
         for step in op.split("+"):
             reply, data = call_adapter(adapter, step, case)
+            if "seq" in header:
+                reply["seq"] = header["seq"]  # which request this answers
             if not described and step != "supports" and reply["ok"]:
                 reply["environment"] = describe_environment(process="worker")
                 described = True

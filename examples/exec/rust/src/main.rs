@@ -135,6 +135,7 @@ fn serve(reader: File, writer: File, bug: Option<Bug>) -> Result<(), String> {
     let mut last: Option<Result<Case, String>> = None;
     while let Some(req) = frame::read_frame(&mut r)? {
         let op = req.header.get("op").and_then(Json::as_str).unwrap_or("");
+        protocol::answering(req.header.get("seq").and_then(Json::as_u64));
         let step = op.split('+').next().unwrap_or("");
         if op == "close" {
             return Ok(());

@@ -144,7 +144,8 @@ class ProcessTransport(Transport):
         # The Case the current worker already holds, and the replies on their way, by the Case *object*
         # (held here, so that its id() cannot be reused by another Case: case ids repeat, e.g. in fuzz).
         self._sent: Case | None = None
-        self._expect: collections.deque[tuple[str, Case]] = collections.deque()
+        self._expect: collections.deque[tuple[str, Case, int]] = collections.deque()  # (step, case, seq)
+        self._seq = 0  # the number of the last request sent (a reply echoes it: docs/protocol.md §3)
         #: The adapter's description, as its worker sends it in ``ready`` (described where it computes:
         #: its known_deviations may measure the framework, which must not start here before a fork).
         self.info: dict[str, Any] | None = None
@@ -236,8 +237,7 @@ class ProcessTransport(Transport):
         """Read the reply of ``op`` for ``case``, sending the request first unless it is already on its way
         (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
         if self._expect and self._expect[0][0] == op and self._expect[0][1] is case:
-            self._expect.popleft()
-            return self._reply(op, case, timeout)
+            return self._reply(op, case, timeout, self._expect.popleft()[2])
         if self._expect or (self._process is not None and self._process.poll() is not None):
             self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
@@ -247,22 +247,23 @@ class ProcessTransport(Transport):
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
         self._send(case, with_supports=op == "supports", then="backward" if op == "backward" else "run")
-        self._expect.popleft()
-        return self._reply(op, case, timeout)
+        return self._reply(op, case, timeout, self._expect.popleft()[2])
 
     def _send(self, case: Case, with_supports: bool, then: str = "run") -> None:
         """Send ``case`` with the step ``then`` (``run`` or ``backward``), after ``supports`` if asked."""
         assert self._pipe is not None
         op = f"supports+{then}" if with_supports else then
+        self._seq += 1
+        seq = self._seq
         try:
             if self._sent is case:
-                self._pipe.send(wire.reuse_request(op))
+                self._pipe.send(wire.reuse_request(op, seq))
             else:
-                self._pipe.send(*wire.case_request(op, case))
+                self._pipe.send(*wire.case_request(op, case, seq))
                 self._sent = case
         except wire.Closed:
             pass  # the reply tells how it died
-        self._expect.extend([("supports", case), (then, case)] if with_supports else [(then, case)])
+        self._expect.extend([("supports", case, seq), (then, case, seq)] if with_supports else [(then, case, seq)])
 
     def prefetch(self, case: Case, with_supports: bool) -> None:
         """Send ``case`` ahead, so the worker computes it while the runner judges the previous one.
@@ -275,11 +276,11 @@ class ProcessTransport(Transport):
             return
         self._send(case, with_supports)
 
-    def _reply(self, op: str, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+    def _reply(self, op: str, case: Case, timeout: float | None, seq: int) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
         try:
             reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
-            wire.check_reply(reply, op)
+            wire.check_reply(reply, op, seq)
         except wire.Deadline:
             self._discard()
             raise CaseTimeout(

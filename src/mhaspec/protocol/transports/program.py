@@ -160,5 +160,5 @@ class Program(ProcessTransport):
         except (wire.Deadline, wire.Closed, wire.Malformed) as exc:
             what = f"bytes ({type(exc).__name__})"
         self._discard()
-        raise AdapterCrash(f"the program sent {what} nobody asked for (it answered a request twice?); "
+        raise AdapterCrash(f"the program sent {what} nobody asked for (did it answer a request twice?); "
                            "its process was killed")

@@ -54,10 +54,27 @@ pub fn ready(name: &str, environment: Json) -> Json {
     ])
 }
 
+/// The number (`seq`) of the request being answered, echoed in every reply so that the runner can
+/// tell a reply to another request apart; `u64::MAX`: the request had none.
+static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Remembers the `seq` of the request about to be answered (none: `None`).
+pub fn answering(seq: Option<u64>) {
+    SEQ.store(seq.unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);
+}
+
+fn numbered(mut items: Vec<(&str, Json)>) -> Json {
+    let seq = SEQ.load(std::sync::atomic::Ordering::Relaxed);
+    if seq != u64::MAX {
+        items.push(("seq", Json::int(seq)));
+    }
+    Json::obj(items)
+}
+
 /// A failed step (#/$defs/failure): one line naming the cause.
 pub fn failure(step: &str, error: &str) -> Json {
     let line = error.replace(['\n', '\r'], " ");
-    Json::obj(vec![("reply", Json::str(step)), ("ok", Json::Bool(false)), ("error", Json::Str(line))])
+    numbered(vec![("reply", Json::str(step)), ("ok", Json::Bool(false)), ("error", Json::Str(line))])
 }
 
 /// Writes the reply to a `run` (#/$defs/returned): the header, then the stages as a
@@ -70,7 +87,7 @@ pub fn write_run_reply<W: Write>(w: &mut W, stages: &[Stage], dtype: Dtype, seco
             return frame::write_header_only(w, &failure("run", &msg));
         }
     }
-    let header = Json::obj(vec![
+    let header = numbered(vec![
         ("reply", Json::str("run")),
         ("ok", Json::Bool(true)),
         ("seconds", Json::num(seconds.max(0.0))),
