@@ -28,7 +28,7 @@ def check(adapter: Any, dtypes: Any = None, cases: Any = None, **options: Any) -
 
 def load_case(case_id: str, dtype: str = "float64", **where: Any) -> Case:
     """The :class:`~mhaspec.spec.Case` an adapter's ``run(case)`` gets for ``case_id`` in ``dtype``
-    (``golden=DIR`` or ``catalog=FILE.json`` for cases other than the shipped fixtures), to call an
+    (``golden=DIR``, ``catalog=FILE.json`` or ``catalog="kernels"`` for cases other than the shipped fixtures), to call an
     implementation on interactively.  See :func:`mhaspec.show.load_case`; ``mhaspec show CASE`` prints it.
     """
     from .show import load_case as _load_case

@@ -65,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--golden", metavar="DIR", help="golden folder (default: the fixtures shipped with mhaspec)")
     run.add_argument("--catalog", metavar="FILE.json",
                      help="judge your own cases (JSON list of case specs, see `mhaspec schema`), computed on the fly "
-                     "by the fast float64 reference; no fixture is written")
+                     "by the fast float64 reference; no fixture is written. `--catalog kernels`: the built-in "
+                     "kernel-shaped cases (T = S = 64…1024, head_dim 16…256, causal, GQA/MQA, padding, "
+                     "FlashAttention's (113, 203) …), for kernels that refuse the small fixtures; a file named "
+                     "kernels is ./kernels")
     run.add_argument("--report", metavar="FILE.json", help="also write the JSON report (keys in docs/report.md)")
     run.add_argument("--device", help="device for adapters that take one, e.g. cpu or cuda (default: the adapter's)")
     run.add_argument("--timeout", default=None, metavar="SECONDS",
@@ -129,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
                    description="JSON Schema of the case spec (with its config) and of the fixture manifest.")
     cases = sub.add_parser("cases", help="list the catalog's cases", description="List the catalog's cases.")
     cases.add_argument("--json", action="store_true", help="print the case specs as JSON")
+    cases.add_argument("--catalog", metavar="FILE.json", help="list a catalog file's cases, or `kernels`'s (built in)")
     show = sub.add_parser(
         "show", help="print one case as an adapter receives it",
         description="Print the case an adapter's run(case) gets for CASE in --dtype: its sizes, config, every "
@@ -140,7 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--values", action="store_true", help="print every array's values as well")
     where = show.add_mutually_exclusive_group()
     where.add_argument("--golden", metavar="DIR", help="a golden folder (default: the fixtures shipped with mhaspec)")
-    where.add_argument("--catalog", metavar="FILE.json", help="a catalog file, its case computed on the fly")
+    where.add_argument("--catalog", metavar="FILE.json",
+                       help="a catalog file, or `kernels` (the built-in kernel-shaped cases), its case computed "
+                       "on the fly")
     matrix = sub.add_parser(
         "matrix",
         help="one conformance matrix (md, html, png) from JSON reports",
@@ -328,7 +334,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from .fixtures import DEFAULT_GOLDEN, in_source_checkout
     from .reference.generate import check, generate
-    from .spec import CATALOG, load_catalog_file
+    from .spec import CATALOG, resolve_catalog
 
     if args.catalog and not args.out and not args.check:
         raise MhaspecError(
@@ -339,7 +345,7 @@ def _generate(args: argparse.Namespace) -> int:
             f"generate: this mhaspec is an installed package ({DEFAULT_GOLDEN.parent}); rewriting its own "
             "fixtures would change the installed package. Write them elsewhere: `mhaspec generate --out DIR`, "
             "then `mhaspec run ADAPTER --golden DIR` (or check the shipped ones: `mhaspec generate --check`)")
-    catalog = load_catalog_file(args.catalog) if args.catalog else CATALOG
+    catalog = resolve_catalog(args.catalog)[0] if args.catalog else CATALOG
     _announce_large(catalog)
     progress = _large_case_progress(catalog)
     if args.check:
@@ -421,18 +427,19 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _cases(args: argparse.Namespace) -> int:
-    from .spec import CATALOG
+    from .spec import CATALOG, resolve_catalog
 
+    catalog = resolve_catalog(args.catalog)[0] if args.catalog else CATALOG
     if args.json:
-        print(json.dumps([s.model_dump(mode="json") for s in CATALOG], indent=2))
+        print(json.dumps([s.model_dump(mode="json") for s in catalog], indent=2))
         return 0
-    width = max(len(s.id) for s in CATALOG)
+    width = max((len(s.id) for s in catalog), default=4)
     print(f"{'case':<{width}}  {'B':>2} {'T':>4} {'S':>4} {'d':>3} {'H':>2} {'Hkv':>3} {'Dk':>3} {'Dv':>3}  description")
-    for s in CATALOG:
+    for s in catalog:
         c = s.config
         print(f"{s.id:<{width}}  {s.batch:>2} {s.tgt_len:>4} {s.src_len:>4} {c.d_model:>3} {c.H:>2} "
               f"{c.H_kv:>3} {c.D_k:>3} {c.D_v:>3}  {s.description}")
-    print(f"{len(CATALOG)} cases")
+    print(f"{len(catalog)} cases")
     return 0
 
 

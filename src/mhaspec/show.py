@@ -22,8 +22,8 @@ def load_case(case_id: str, dtype: str = "float64", *, golden: Path | str | None
     """The adapter-facing :class:`~mhaspec.spec.Case` of ``case_id`` in ``dtype``.
 
     ``golden``: a golden folder (default: the fixtures shipped with mhaspec); ``catalog``: a
-    catalog JSON file whose case is computed now with the fast float64 reference (as
-    ``mhaspec run --catalog`` does).  The arrays are read-only float64 in the canonical layout,
+    catalog JSON file, or ``"kernels"`` (the built-in kernel-shaped cases), whose case is computed
+    now with the fast float64 reference (as ``mhaspec run --catalog`` does).  The arrays are read-only float64 in the canonical layout,
     as every adapter receives them; ``case.dtype`` is the precision to compute in."""
     if dtype not in DTYPES:
         raise MhaspecError(f"dtype {dtype!r}: not one of {', '.join(DTYPES)}")

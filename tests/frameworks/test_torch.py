@@ -15,6 +15,7 @@ torch = require("torch")
 import mhaspec  # noqa: E402
 from mhaspec.adapters import torch_layer, torch_mha, torch_sdpa  # noqa: E402
 from mhaspec.adapters.backends.torch import keep_mask  # noqa: E402
+from mhaspec.reference.onthefly import OnTheFlyGolden  # noqa: E402
 from mhaspec.spec import MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -207,3 +208,14 @@ def test_user_example_adapter_conforms() -> None:
     assert report.ok, str(report)
     assert report.result("cross_attention", "float16").verdict == "unsupported"
     assert report.result("key_padding", "float64").verdict == "pass"
+
+
+#: kernel-shaped cases of the built-in catalog `kernels` (issue 35): SDPA's is_causal at T = S, its
+#: bottom-right causal mask at T != S, enable_gqa, key padding, head_dim 256
+KERNEL_CASES = ["k_d64_t256_causal_br", "k_fa_113_203_causal_br", "k_gqa_d64_t128", "k_d64_t128_padding", "k_d256_t64"]
+
+
+def test_sdpa_conforms_on_kernel_shaped_cases() -> None:
+    report = check_here("torch-sdpa", golden=OnTheFlyGolden("kernels"), cases=KERNEL_CASES)
+    assert report.ok, str(report)
+    assert {r.verdict for r in report.results} == {"pass"} and len(report.results) == 4 * len(KERNEL_CASES)

@@ -10,7 +10,8 @@ reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session
 CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
 or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
 runs it in the pytest process, for debugging).  ``--mha-catalog FILE.json``
-judges your own cases, computed on the fly (as ``mhaspec run --catalog``).
+judges your own cases, computed on the fly (as ``mhaspec run --catalog``;
+``--mha-catalog kernels``: the built-in kernel-shaped cases).
 With pytest-xdist (``-n auto``) each xdist worker judges its share through its
 own session: the same verdicts, on every core.  Importing this plugin imports
 no framework.
@@ -31,7 +32,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="dtype(s) to run (repeat or comma-separate; default all four)")
     group.addoption("--mha-golden", default=None, metavar="DIR", help="golden folder (default: the shipped fixtures)")
     group.addoption("--mha-catalog", default=None, metavar="FILE.json",
-                    help="your own cases, computed on the fly by the fast reference (as `mhaspec run --catalog`)")
+                    help="your own cases, computed on the fly by the fast reference (as `mhaspec run --catalog`); "
+                         "`kernels`: the built-in kernel-shaped cases")
     group.addoption("--mha-device", default=None, help="device passed to the adapter (e.g. cuda)")
     group.addoption("--mha-backward", action="store_true", default=False,
                     help="also judge the backward stages (the adapter's backward(case); docs/backward.md)")

@@ -21,6 +21,7 @@ from .. import __version__
 from .. import environment as _environment
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
+from .selection import unsupported_hint
 
 REPORT_VERSION = 1
 #: error lines shown per distinct message in the grouped summary (`-v` shows them all)
@@ -136,7 +137,8 @@ class Report:
         if not self.results:
             return "nothing was judged: no case × dtype was selected (empty dtype list, case selection or catalog)"
         if all(r.verdict == UNSUPPORTED for r in self.results):
-            return f"nothing was judged: the adapter does not support any of the {len(self.results)} selected case × dtype"
+            return (f"nothing was judged: the adapter does not support any of the {len(self.results)} selected "
+                    f"case × dtype{unsupported_hint((r.message for r in self.results), self.golden)}")
         return "nothing was judged: no selected case × dtype got an informative verdict"
 
     @property

@@ -24,7 +24,7 @@ from .deviations import DeclaredDeviations
 from .diagnose import diagnose
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
-from .selection import resolve_dtypes, select_cases  # noqa: F401 (re-exported)
+from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
                         judging_bounds, local_references, worst_case_tolerances)
 from .tolerance import backward_bounds
@@ -168,7 +168,7 @@ class Session:
     def _judge(self, golden: GoldenCase, dtype: str) -> CaseResult:
         case_id = golden.id
         if dtype not in self.dtypes:
-            return CaseResult(case_id, dtype, UNSUPPORTED, message=f"the adapter declares dtypes {', '.join(self.dtypes)}")
+            return CaseResult(case_id, dtype, UNSUPPORTED, message=f"{DECLARED_DTYPES} {', '.join(self.dtypes)}")
         if self._timeouts >= MAX_TIMEOUTS:
             return CaseResult(case_id, dtype, ERROR, message=f"not run: the adapter already timed out on {self._timeouts} "
                               "case×dtype in this session (select cases with -k, or raise --timeout)")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from ..errors import MhaspecError
 from ..fixtures import GoldenSet
 from ..spec import DTYPES
+from ..spec.catalog import builtin_source
 
 
 def select_cases(golden: GoldenSet, cases: Iterable[str] | None = None, pattern: str | None = None) -> list[str]:
@@ -47,3 +48,23 @@ def resolve_dtypes(dtypes: Iterable[str] | str | None) -> list[str]:
     if unknown:
         raise MhaspecError(f"unknown dtype(s) {', '.join(unknown)}; dtypes are {', '.join(DTYPES)}")
     return [d for d in DTYPES if d in dtypes]
+
+
+#: How many distinct reasons :func:`unsupported_hint` quotes.
+REASONS_QUOTED = 3
+#: How the reason of a case × dtype in a dtype the adapter does not declare begins.
+DECLARED_DTYPES = "the adapter declares dtypes"
+
+
+def unsupported_hint(reasons: Iterable[str], golden: str) -> str:
+    """What a run whose every case × dtype was unsupported adds to "nothing was judged": the
+    adapter's reasons and, unless the run was already on them or only its dtypes were refused, the
+    built-in kernel-shaped cases."""
+    distinct = list(dict.fromkeys(r for r in reasons if r))
+    quoted = "; ".join(distinct[:REASONS_QUOTED]) + (f"; … {len(distinct) - REASONS_QUOTED} more"
+                                                     if len(distinct) > REASONS_QUOTED else "")
+    out = f" ({quoted})" if quoted else ""
+    if golden != builtin_source("kernels") and not (distinct and all(r.startswith(DECLARED_DTYPES) for r in distinct)):
+        out += ("; if your kernel needs kernel-shaped sizes (T = S a multiple of its block, head dim >= 16), "
+                "try --catalog kernels")
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import FixtureError
 from ..fixtures import GoldenCase, GoldenSet
-from ..spec import Catalog, CaseSpec, load_catalog_file
+from ..spec import Catalog, CaseSpec, resolve_catalog
 from .fast import forward_fast
 
 
@@ -28,12 +28,14 @@ def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
 
 
 class OnTheFlyGolden(GoldenSet):
-    """A catalog judged without fixtures.  ``folder`` is the catalog's path (shown in reports)."""
+    """A catalog judged without fixtures: a :class:`~mhaspec.spec.Catalog`, a catalog file, or a
+    built-in catalog's name (``OnTheFlyGolden("kernels")``; :func:`mhaspec.spec.resolve_catalog`
+    says which wins).  ``folder`` names it in reports: the file's path or ``kernels (built-in catalog)``."""
 
     def __init__(self, catalog: Catalog | Path | str, source: Path | str | None = None) -> None:
         if not isinstance(catalog, Catalog):
-            source = catalog if source is None else source
-            catalog = load_catalog_file(catalog)
+            catalog, name = resolve_catalog(catalog)
+            source = name if source is None else source
         self.catalog = catalog
         self.folder = Path(source) if source is not None else Path("<catalog>")
         self._loaded: dict[str, GoldenCase] = {}  # the last case only: the runner judges case-major

@@ -12,7 +12,7 @@ from .backward import (
     make_d_output,
 )
 from .case import Case, CaseSpec, Dtype, Inputs, MaskSpec, Weights
-from .catalog import CATALOG, Catalog, load_catalog_file
+from .catalog import BUILTIN_CATALOGS, CATALOG, Catalog, load_catalog_file, resolve_catalog
 from .config import DTYPES, INPUT_NAMES, STAGES, WEIGHT_NAMES, MHAConfig
 from .manifest import MANIFEST_NAME, SPEC_VERSION, Manifest, ManifestEntry
 from .stages import (ALL_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, STAGE, Stage, compared_entries, downstream,
@@ -45,6 +45,8 @@ __all__ = [
     "CaseSpec",
     "Catalog",
     "load_catalog_file",
+    "resolve_catalog",
+    "BUILTIN_CATALOGS",
     "Dtype",
     "Inputs",
     "MHAConfig",

@@ -234,6 +234,40 @@ CATALOG = Catalog(
 )
 
 
+#: Catalogs built into mhaspec, selected by name where a catalog file is taken
+#: (``--catalog kernels``): name -> module of :mod:`mhaspec.spec` holding its ``CASES``.
+BUILTIN_CATALOGS = {"kernels": "kernels"}
+
+
+def builtin_source(name: str) -> str:
+    """How reports and errors name the built-in catalog ``name``."""
+    return f"{name} (built-in catalog)"
+
+
+def builtin_catalog(name: str) -> Catalog:
+    """The built-in catalog ``name`` (:data:`BUILTIN_CATALOGS`)."""
+    import importlib
+
+    from ..errors import SpecError
+
+    if name not in BUILTIN_CATALOGS:
+        raise SpecError(f"no built-in catalog {name!r}; built-in catalogs: {', '.join(BUILTIN_CATALOGS)}")
+    module = importlib.import_module(f"{__package__}.{BUILTIN_CATALOGS[name]}")
+    return Catalog(CaseSpec.model_validate(item) for item in module.CASES)
+
+
+def resolve_catalog(catalog: str | Path) -> tuple[Catalog, str]:
+    """(the catalog, how to name it) for what ``--catalog`` was given: a built-in catalog's name
+    (``"kernels"``) or a catalog file.
+
+    A string that is exactly a built-in name is that catalog, even where a file of that name
+    exists in the current folder; ``./kernels`` (anything with a path separator), ``kernels.json``
+    and a :class:`~pathlib.Path` always name a file."""
+    if isinstance(catalog, str) and catalog in BUILTIN_CATALOGS:
+        return builtin_catalog(catalog), builtin_source(catalog)
+    return load_catalog_file(catalog), str(catalog)
+
+
 def load_catalog_file(path: str | Path) -> Catalog:
     """A catalog from a JSON file: a list of case objects, or ``{"cases": [...]}``.
 
@@ -245,7 +279,8 @@ def load_catalog_file(path: str | Path) -> Catalog:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SpecError(f"{path}: spec file not found") from None
+        raise SpecError(
+            f"{path}: spec file not found (built-in catalogs, by name: {', '.join(BUILTIN_CATALOGS)})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read spec file ({exc})") from None
     except json.JSONDecodeError as exc:
