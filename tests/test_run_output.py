@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import mhaspec
+from mhaspec.adapters import Deviation
 from mhaspec.adapters.numpy_mha import NumpyMHA
 from mhaspec.cli import main
 from mhaspec.conformance import FAIL
+from mhaspec.spec import STAGES
 from tests.variants import Variant
 
 
@@ -180,3 +182,36 @@ def test_generate_announces_a_large_case_before_computing(tmp_path, capsys, monk
     assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g"), "--check"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("  case 1/2: big") and out[2].startswith("golden fixtures are current (2 cases")
+
+
+class ScaleFloat32Declared(Variant):
+    """A float32 scale in float64 (Keras, the ONNX exporters), declared bounded by float32 tolerances."""
+
+    known_deviations = [Deviation("the scale is taken in float32 (test)", dtype="float64", within="float32")]
+
+
+def test_a_known_deviation_shows_how_far_off_it_is_and_how_close_it_came_to_its_bound():
+    from mhaspec.conformance import KNOWN_DEVIATION
+    from mhaspec.conformance.compare import worst_check_ratio
+
+    report = mhaspec.check(ScaleFloat32Declared(name="scale-f32", scale_float32=True), dtypes=["float64"],
+                           cases=["no_bias"], timeout=None)
+    (r,) = report.results
+    assert r.verdict == KNOWN_DEVIATION and report.exit_code == 0 and report.ok
+    deviating = [st for st in r.stages if st.verdict == KNOWN_DEVIATION]
+    far = max(worst_check_ratio(st) for st in deviating)
+    # the column: the ratio the deviating stages reached against the normal tolerance (not the passing stages' 0)
+    assert far > 1e3 and r.shown_ratio == far and report.row(r, 10).rstrip().endswith(f"{far:.3g}")
+    assert r.worst_ratio > 1  # the JSON's too: the golden check, now with the known-deviation stages
+    # how close each came to its widened bound: in the stage, the JSON and the footer
+    for st in deviating:
+        assert st.within == "float32" and 0 < st.within_ratio <= 1, st
+        assert f"within its declared bound (float32 tolerances): worst ratio {st.within_ratio:.3g}" in st.message
+    stage = report.to_json()["results"][0]["stages"][STAGES.index(deviating[0].stage)]
+    assert stage["within"] == "float32" and stage["within_ratio"] == deviating[0].within_ratio
+    assert report.to_json()["results"][0]["worst_ratio"] > 1
+    footer = "\n".join(report.footer())
+    scores = r.stage("scores")
+    assert (f"known deviation (scores): the scale is taken in float32 (test)\n"
+            f"    worst ratio {worst_check_ratio(scores):.3g} against the normal tolerance; "
+            f"{scores.within_ratio:.3g} against its declared bound (within: float32)\n    no_bias[float64]") in footer

@@ -16,7 +16,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..protocol.contract import Deviation, match_pattern
 from ..spec import CATALOG, INPUT_GRADIENTS, REGISTRY
-from .compare import FAIL, KNOWN_DEVIATION, StageResult
+from .compare import FAIL, KNOWN_DEVIATION, StageResult, worst_check_ratio
 
 
 def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
@@ -84,12 +84,16 @@ class DeclaredDeviations:
                         selected = outside_rows if visible is None else outside_rows & visible
                         rows_excused = "; the query rows that see no key are left to its row-scoped declaration"
                 bounded = judge_within(dev.within, selected)
+                what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
+                ratio = worst_check_ratio(bounded)
                 if bounded.verdict == FAIL:
-                    what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
-                    ratio = "" if bounded.worst_ratio is None else f", worst ratio {bounded.worst_ratio:.3g}"
-                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{ratio} — "
+                    shown = "" if ratio is None else f", worst ratio {ratio:.3g}"
+                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{shown} — "
                               f"a bug the deviation cannot account for")
                     continue
+                res.within, res.within_ratio = dev.within, ratio
+                if ratio is not None:
+                    res.message += f"; within its declared bound ({what}): worst ratio {ratio:.3g}"
                 res.message += rows_excused  # (within and rows never combine: outside is None here)
             if outside is not None:
                 rest = judge(outside if visible is None else outside & visible)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import __version__
 from .. import environment as _environment
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num, worst_check_ratio
 
 REPORT_VERSION = 1
 #: error lines shown per distinct message in the grouped summary (`-v` shows them all)
@@ -54,20 +54,23 @@ class CaseResult:
 
     @property
     def worst_ratio(self) -> float | None:
-        ratios = [st.worst_ratio for st in self.stages if st.worst_ratio is not None and st.verdict in (PASS, FAIL)]
+        """The golden check's error/tolerance at the worst element of any stage that passed, failed or is
+        a known deviation (against the normal tolerance: a known deviation's is usually > 1)."""
+        ratios = [st.worst_ratio for st in self.stages
+                  if st.worst_ratio is not None and st.verdict in (PASS, FAIL, KNOWN_DEVIATION)]
         return max(ratios) if ratios else None
 
     @property
     def shown_ratio(self) -> float | None:
         """The ratio the table shows: for a failing case the largest ratio of any check of its failing
         stages (golden, local, rms: the one that made it fail; None when they failed on shape, dtype
-        or NaN), else :attr:`worst_ratio`."""
-        if self.verdict == FAIL:  # each failing stage's worst check: golden, local or systematic (rms)
-            ratios = [x for st in self.stages if st.verdict == FAIL
-                      for x in (st.worst_ratio, getattr(st, "local_worst_ratio", None), getattr(st, "rms_ratio", None))
-                      if x is not None]
+        or NaN); for a known deviation the same of its known-deviation stages (how far beyond the
+        normal tolerance they are); else :attr:`worst_ratio`."""
+        if self.verdict in (FAIL, KNOWN_DEVIATION):  # each such stage's worst check: golden, local or rms
+            ratios = [x for st in self.stages if st.verdict == self.verdict
+                      for x in [worst_check_ratio(st)] if x is not None]
             return max(ratios) if ratios else None
-        if self.verdict in (PASS, KNOWN_DEVIATION):
+        if self.verdict == PASS:
             return self.worst_ratio
         return None
 
@@ -310,18 +313,25 @@ class Report:
     def _reasons(self, verbose: bool) -> list[str]:
         """Known deviations, uninformative stages and unsupported cases, grouped by their reason."""
         reasons: dict[str, list[CaseResult]] = {}
+        deviating: dict[str, list[StageResult]] = {}  # a known deviation's stages: their figures
         for r in self.results:
             if r.verdict in (UNSUPPORTED, UNINFORMATIVE) and not r.stages:
                 reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
                 continue
             for st in r.stages:
                 if st.verdict == KNOWN_DEVIATION:
-                    reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(r)
+                    key = f"known deviation ({st.stage}): {st.reason}"
+                    reasons.setdefault(key, []).append(r)
+                    deviating.setdefault(key, []).append(st)
                 elif st.verdict == UNINFORMATIVE:
                     reasons.setdefault(f"uninformative ({st.stage}): {st.message or st.reason}", []).append(r)
                 elif verbose and st.verdict == NOT_EXPOSED:
                     reasons.setdefault(f"not exposed: {st.stage}", []).append(r)
-        return [f"{reason}\n    {_where(group)}" for reason, group in reasons.items()]
+        out = []
+        for reason, group in reasons.items():
+            figures = f"\n    {_deviation_figures(deviating[reason])}" if reason in deviating else ""
+            out.append(f"{reason}{figures}\n    {_where(group)}")
+        return out
 
     def __str__(self) -> str:
         return self.table()
@@ -383,6 +393,21 @@ def ratio_text(ratio: float | None) -> str:
     if ratio is None:
         return "—"
     return f"{ratio:.3g}" if np.isfinite(ratio) else ("nan" if np.isnan(ratio) else "inf")
+
+
+def _deviation_figures(stages: list[StageResult]) -> str:
+    """How far a group of known-deviation stages is from the normal tolerance, and how close it came to
+    the bound of the declaration that excused it: ``worst ratio 3.2 against the normal tolerance;
+    0.41 against its declared bound (within: float32)``."""
+    ratios = [x for st in stages for x in [worst_check_ratio(st)] if x is not None]
+    text = f"worst ratio {ratio_text(max(ratios) if ratios else None)} against the normal tolerance"
+    bounded = [st for st in stages if st.within is not None]
+    if bounded:
+        within = [st.within_ratio for st in bounded if st.within_ratio is not None]
+        names = ", ".join(dict.fromkeys(f"{st.within:g}" if isinstance(st.within, float) else str(st.within)
+                                        for st in bounded))
+        text += f"; {ratio_text(max(within) if within else None)} against its declared bound (within: {names})"
+    return text
 
 
 def _stage_message(r: CaseResult, stage: str) -> str:
