@@ -248,7 +248,8 @@ def test_deviation_declarations_are_validated():
         parse_deviations({"gqa": " "})
     assert parse_deviations({"gqa/float16": "r"})[0].pattern == "gqa/float16/*"
     with pytest.raises(AdapterError, match=r"\*/float64/\* \(within: float8\): within must be one of float64, "
-                                           r"float32, float16, bfloat16, worst-case, not 'float8'"):
+                                           r"float32, float16, bfloat16, worst-case, or a positive finite number "
+                                           r"\(an absolute bound on \|error\|, e.g. 1e-27\), not 'float8'"):
         parse_deviations([{"reason": "x", "dtype": "float64", "within": "float8"}])
     with pytest.raises(AdapterError, match="rows and within cannot be combined"):
         parse_deviations([Deviation("x", rows="fully_masked", within="float32")])

@@ -11,12 +11,14 @@ that matches no case, or that covered only passing stages, is a warning.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
+
 import numpy as np
 
 from ..fixtures import GoldenCase
 from ..protocol.contract import Deviation, match_pattern
 from ..spec import CATALOG, INPUT_GRADIENTS, REGISTRY
-from .compare import FAIL, KNOWN_DEVIATION, StageResult, worst_check_ratio
+from .compare import FAIL, KNOWN_DEVIATION, StageResult, as_float_array, compare_stage, fold_local, worst_check_ratio
 
 
 def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
@@ -37,6 +39,34 @@ def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
     return np.broadcast_to(~blind.any(axis=1)[..., None], shape)  # (B, T, ·)
 
 
+def within_absolute(bound: float, stage: str, got: Any, expected: np.ndarray, tolerance: np.ndarray, dtype: str,
+                    selected: np.ndarray | None, local: tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None = None,
+                    ) -> StageResult:
+    """``stage`` against the golden (``expected``, ``tolerance``) and, with ``local`` (its reference,
+    tolerance and sources), its local check, every element within its tolerance or ``|error| <= bound``:
+    what an absolute ``within`` allows."""
+    res = compare_stage(stage, got, expected, np.maximum(tolerance, bound), dtype, selected)
+    if local is not None:
+        ref, tol, sources = local
+        fold_local(res, compare_stage(stage, got, ref, np.maximum(tol, bound), dtype, selected, value_checks=False),
+                   sources)
+    return res
+
+
+def _beyond_absolute(bound: float, got: Any, golden: GoldenCase, stage: str, selected: np.ndarray | None,
+                     judge: Callable[[np.ndarray | None], StageResult]) -> StageResult | None:
+    """The elements of ``stage`` (of ``selected``) whose |error| exceeds an absolute ``bound``, judged
+    as normal — golden, local, systematic and value checks — or None when ``got`` is no array of the
+    stage's shape (the widened check has failed it already)."""
+    values, _ = (None, "") if got is None else as_float_array(got)
+    expected = golden.stages[stage]
+    if values is None or values.shape != expected.shape:
+        return None
+    with np.errstate(invalid="ignore"):
+        beyond = ~(np.abs(values - expected) <= bound)  # NaN and inf errors are beyond it
+    return judge(beyond if selected is None else beyond & selected)
+
+
 class DeclaredDeviations:
     """The deviations an adapter declares, and which of them this run has used."""
 
@@ -52,7 +82,8 @@ class DeclaredDeviations:
         dtype: str,
         visible: np.ndarray | None,
         judge: Callable[[np.ndarray | None], StageResult],
-        judge_within: Callable[[str, np.ndarray | None], StageResult],
+        judge_within: Callable[[str | float, np.ndarray | None], StageResult],
+        got: Any = None,
     ) -> None:
         """Turn a failing ``res`` into a known deviation when the first applicable declaration excuses it.
 
@@ -60,7 +91,9 @@ class DeclaredDeviations:
         no key, and excuses the failure only if ``judge`` passes everything
         outside those rows.  A bounded one (``within``) excuses it only if
         ``judge_within`` passes the stage with the tolerances it names: an
-        error beyond them is a bug the deviation cannot account for.
+        error beyond them is a bug the deviation cannot account for.  An
+        absolute bound (a number) also needs ``got``, the adapter's stage: the
+        elements whose error exceeds it must pass ``judge``, every check.
         """
         beyond = ""
         for i, dev in enumerate(self.declared):
@@ -84,8 +117,17 @@ class DeclaredDeviations:
                         selected = outside_rows if visible is None else outside_rows & visible
                         rows_excused = "; the query rows that see no key are left to its row-scoped declaration"
                 bounded = judge_within(dev.within, selected)
-                what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
                 ratio = worst_check_ratio(bounded)
+                if isinstance(dev.within, str):
+                    what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
+                else:
+                    what = f"its tolerances or |error| ≤ {dev.within:g}"
+                    rest = None if bounded.verdict == FAIL else _beyond_absolute(dev.within, got, golden, res.stage,
+                                                                                selected, judge)
+                    if rest is not None:  # its ratios are those of the widened bound there (it exceeds |error| ≤ within)
+                        ratio = max((x for x in (ratio, worst_check_ratio(rest)) if x is not None), default=None)
+                        if rest.verdict == FAIL:
+                            bounded, ratio = rest, worst_check_ratio(rest)
                 if bounded.verdict == FAIL:
                     shown = "" if ratio is None else f", worst ratio {ratio:.3g}"
                     beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{shown} — "
