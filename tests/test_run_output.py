@@ -215,3 +215,53 @@ def test_a_known_deviation_shows_how_far_off_it_is_and_how_close_it_came_to_its_
     assert (f"known deviation (scores): the scale is taken in float32 (test)\n"
             f"    worst ratio {worst_check_ratio(scores):.3g} against the normal tolerance; "
             f"{scores.within_ratio:.3g} against its declared bound (within: float32)\n    no_bias[float64]") in footer
+
+
+class OutputOnly(NumpyMHA):
+    """Correct, returning only the required stage, with declarations on stages it never returns."""
+
+    name = "output-only"
+    known_deviations = [
+        Deviation("a stage it never returns (test)", stage="attn_weights|head_outputs"),
+        Deviation("a stage it returns, never needed (test)", stage="output"),
+        Deviation("one of its stages returned (test)", stage="scores|output", dtype="float16"),
+        Deviation("a backward stage, in a forward run (test)", stage="d_b_o"),
+    ]
+
+    def run(self, case):
+        return {"output": super().run(case)["output"]}
+
+
+def test_a_declaration_on_stages_never_returned_is_a_warning(tmp_path, capsys):
+    report = mhaspec.check(OutputOnly(), dtypes=["float32", "float64"], cases=["self_basic", "custom_mask"])
+    assert report.ok and report.exit_code == 0
+    assert report.warnings == [
+        "known deviation */*/attn_weights|head_outputs can apply to nothing: the adapter never returned the "
+        "stage(s) it names (attn_weights, head_outputs) in this run",
+        "known deviation */*/output did not occur: every stage it covers passed",  # returned, never needed
+    ]  # (scores|output: output returned, in another dtype; d_b_o: no backward stage is judged without --backward)
+    assert report.to_json()["warnings"] == report.warnings
+    footer = "\n".join(report.footer())
+    assert f"warning: {report.warnings[0]}" in footer
+
+
+class SomeGradients(NumpyMHA):
+    """Correct, returning the forward output and two gradients, with a declaration on a gradient it never returns."""
+
+    name = "some-gradients"
+    known_deviations = [Deviation("a gradient it never returns (test)", stage="d_b_o|d_w_o")]
+
+    def run(self, case):
+        return {"output": super().run(case)["output"]}
+
+    def backward(self, case):
+        grads = super().backward(case)
+        return {k: grads[k] for k in ("d_query", "d_concat")}
+
+
+def test_a_declaration_on_gradients_never_returned_is_a_warning_in_a_backward_run():
+    report = mhaspec.check(SomeGradients(), dtypes=["float32"], cases=["self_basic"], backward=True)
+    assert report.ok and report.warnings == [
+        "known deviation */*/d_b_o|d_w_o can apply to nothing: the adapter never returned the stage(s) it names "
+        "(d_w_o, d_b_o) in this run"]
+    assert not mhaspec.check(SomeGradients(), dtypes=["float32"], cases=["self_basic"]).warnings  # forward only

@@ -5,7 +5,8 @@ stages it covers.  A failing stage it covers becomes a ``known deviation`` — u
 row-scoped (``rows="fully_masked"``) and the stage fails outside the query rows that see no
 key too, or bounded (``within=``) and the stage fails the tolerances it names too: then the
 failure stays a failure, a bug the deviation cannot account for.  After a run, a declaration
-that matches no case, or that covered only passing stages, is a warning.
+that matches no case, that names only stages the adapter never returned, or that covered only
+passing stages, is a warning.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..protocol.contract import Deviation, match_pattern
-from ..spec import CATALOG, INPUT_GRADIENTS, REGISTRY
+from ..spec import BACKWARD_STAGES, CATALOG, INPUT_GRADIENTS, REGISTRY, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, StageResult, as_float_array, compare_stage, fold_local, worst_check_ratio
 
 
@@ -74,6 +75,7 @@ class DeclaredDeviations:
         self.declared = list(declared)
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()  # … that covered a stage which passed
+        self._returned: set[str] = set()  # the stages the adapter returned in this run
 
     def apply(
         self,
@@ -95,6 +97,7 @@ class DeclaredDeviations:
         absolute bound (a number) also needs ``got``, the adapter's stage: the
         elements whose error exceeds it must pass ``judge``, every check.
         """
+        self._returned.add(res.stage)
         beyond = ""
         for i, dev in enumerate(self.declared):
             if not dev.matches(golden.id, dtype, res.stage):
@@ -154,16 +157,29 @@ class DeclaredDeviations:
         res.message += beyond
 
     def warnings(self, golden_ids: Iterable[str]) -> list[str]:
-        """Declared deviations that match no case (of ``golden_ids`` or the catalog), or that never
-        occurred in this run."""
+        """Declared deviations that match no case (of ``golden_ids`` or the catalog), that name only
+        stages the adapter never returned in this run, or that never occurred in this run."""
         out = []
         # a case of the built-in catalog is a case too: an adapter's deviations name them, and a user's own
         # golden folder or --catalog need not hold them
         known = list(golden_ids) + [c.id for c in CATALOG]
         for i, dev in enumerate(self.declared):
+            never = self._never_returned(dev)
             if not any(match_pattern(c, dev.case) for c in known):
                 out.append(f"known deviation {dev.pattern} matches no case in the golden folder or the catalog")
+            elif never:
+                out.append(f"known deviation {dev.pattern} can apply to nothing: the adapter never returned the "
+                           f"stage(s) it names ({', '.join(never)}) in this run")
             elif i in self._passed_matching and i not in self._used:
                 out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
         return out
+
+    def _never_returned(self, dev: Deviation) -> list[str]:
+        """The stages ``dev`` names, when the adapter returned none of them in this run (its backward
+        stages only if it returned any: a run without --backward has none); [] otherwise, or when the
+        adapter returned nothing at all (nothing judged: the report says so)."""
+        if not self._returned or any(match_pattern(s, dev.stage) for s in self._returned):
+            return []
+        backward = any(s in BACKWARD_STAGES for s in self._returned)
+        return [s for s in (*STAGES, *(BACKWARD_STAGES if backward else ())) if match_pattern(s, dev.stage)]
 
