@@ -15,7 +15,7 @@ from mhaspec.adapters import Deviation
 from mhaspec.adapters.numpy_mha import NumpyMHA
 from mhaspec.cli import main
 from mhaspec.conformance import FAIL
-from mhaspec.spec import STAGES
+from mhaspec.spec import DTYPES, STAGES
 from tests.variants import Variant
 
 
@@ -265,3 +265,43 @@ def test_a_declaration_on_gradients_never_returned_is_a_warning_in_a_backward_ru
         "known deviation */*/d_b_o|d_w_o can apply to nothing: the adapter never returned the stage(s) it names "
         "(d_w_o, d_b_o) in this run"]
     assert not mhaspec.check(SomeGradients(), dtypes=["float32"], cases=["self_basic"]).warnings  # forward only
+
+
+def test_the_header_names_the_dtypes_judged_and_unsupported_rows_fold_unless_v(tmp_path, capsys):
+    import json
+    import re
+
+    (tmp_path / "one_dtype.py").write_text(textwrap.dedent("""
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        class OneDtype(NumpyMHA):
+            name = "one-dtype"
+            dtypes = ("float32",)
+
+            def supports(self, case):
+                return "no MQA today (test)" if case.id == "mqa_self" else True
+    """))
+    adapter, report = str(tmp_path / "one_dtype.py") + ":OneDtype", tmp_path / "r.json"
+    assert main(["run", adapter, "-k", "self_basic,mqa_self,no_bias", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert " · dtypes float32 (float64, float16, bfloat16: not computed by the adapter) · " in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if re.match(r"(self_basic|mqa_self|no_bias) ", line)]
+    assert [line.split()[:3] for line in rows] == [["self_basic", "float32", "pass"], ["no_bias", "float32", "pass"]]
+    folded = ["unsupported (9 case×dtype, every case in float64, float16, bfloat16): the adapter declares dtypes "
+              "float32", "unsupported (1 case×dtype): no MQA today (test) — mqa_self[float32]"]
+    table = out.split("case ", 1)[1].split("\n\n", 1)[0].splitlines()  # the column titles to the first blank line
+    assert table[-2:] == folded, table
+    assert out.count("unsupported") == 3, out  # the two lines, and the summary's count
+    data = json.loads(report.read_text())  # the JSON keeps every row
+    assert len(data["results"]) == 12 and data["counts"]["unsupported"] == 10
+    assert data["adapter"]["dtypes"] == ["float32"] and data["dtypes"] == list(DTYPES)
+    assert main(["run", adapter, "-k", "self_basic,mqa_self,no_bias", "-v"]) == 0
+    verbose = capsys.readouterr().out
+    unsupported = [line for line in verbose.splitlines() if re.match(r"(self_basic|mqa_self|no_bias) +\w+ +unsupported", line)]
+    assert len(unsupported) == 10
+    assert folded[0] not in verbose and "unsupported: the adapter declares dtypes float32\n" in verbose
+    # the same from the report object: header, folded rows
+    text = mhaspec.check(str(tmp_path / "one_dtype.py") + ":OneDtype", cases=["self_basic"]).table()
+    assert "dtypes float32 (float64, float16, bfloat16: not computed by the adapter)" in text
+    assert "unsupported (3 case×dtype, every case in float64, float16, bfloat16)" in text
+    assert "  unsupported  " not in text

@@ -127,7 +127,7 @@ class DeclaredDeviations:
                     what = f"its tolerances or |error| ≤ {dev.within:g}"
                     rest = None if bounded.verdict == FAIL else _beyond_absolute(dev.within, got, golden, res.stage,
                                                                                 selected, judge)
-                    if rest is not None:  # its ratios are those of the widened bound there (it exceeds |error| ≤ within)
+                    if rest is not None:  # its ratios are the widened bound's there (|error| > within)
                         ratio = max((x for x in (ratio, worst_check_ratio(rest)) if x is not None), default=None)
                         if rest.verdict == FAIL:
                             bounded, ratio = rest, worst_check_ratio(rest)

@@ -11,6 +11,7 @@ import os
 import re
 import platform
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,8 @@ class Report:
     #: where the verdict was reached (mhaspec.environment.describe, read in the process that ran the
     #: adapter); None: this process's, described when the report is written
     environment: dict[str, Any] | None = None
+    #: the dtypes the adapter declares it computes in (None: unknown, a run cut short before it was loaded)
+    adapter_dtypes: list[str] | None = None
 
     @property
     def judged(self) -> int:
@@ -190,14 +193,22 @@ class Report:
     # -- output ----------------------------------------------------------
     def header(self) -> str:
         return self.format_header(self.adapter, self.framework, self.framework_version, self.dtypes, self.golden,
-                                  self.described_environment())
+                                  self.described_environment(), adapter_dtypes=self.adapter_dtypes)
 
     @staticmethod
     def format_header(adapter: str, framework: str | None, version: str | None, dtypes: list[str], golden: str,
-                      environment: dict[str, Any] | None = None) -> str:
-        """Two lines: what was run, and where (``environment: AMD EPYC (avx2, no avx512) · …``)."""
+                      environment: dict[str, Any] | None = None, adapter_dtypes: Sequence[str] | None = None) -> str:
+        """Two lines: what was run, and where (``environment: AMD EPYC (avx2, no avx512) · …``).  With
+        ``adapter_dtypes`` (those it declares), the dtypes shown are those judged, and the requested ones
+        it does not compute are named: ``dtypes float32 (float64, float16: not computed by the adapter)``."""
         fw = f" ({framework} {version or '?'})" if framework else ""
-        return (f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {', '.join(dtypes)} · "
+        shown = ", ".join(dtypes)
+        if adapter_dtypes is not None:
+            missing = [d for d in dtypes if d not in adapter_dtypes]
+            shown = ", ".join(d for d in dtypes if d in adapter_dtypes) or "none"
+            if missing:
+                shown += f" ({', '.join(missing)}: not computed by the adapter)"
+        return (f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {shown} · "
                 f"golden {golden}\nenvironment: {_environment.summary(environment) if environment else 'unknown'}")
 
     def described_environment(self) -> dict[str, Any]:
@@ -227,9 +238,15 @@ class Report:
         """The per case × dtype table, then what did not pass (grouped; every detail when ``verbose``)."""
         width = self.case_width([r.case for r in self.results])
         lines = [self.header(), "", self.column_titles(width)]
-        lines += [self.row(r, width) for r in self.results]
+        lines += [self.row(r, width) for r in self.results if self.shown(r, verbose)]
         lines += self.footer(verbose)
         return "\n".join(lines)
+
+    @staticmethod
+    def shown(r: CaseResult, verbose: bool = False) -> bool:
+        """Whether the table has a row of its own for ``r``: unsupported ones are folded into one line
+        per reason after the table (:meth:`folded`), unless ``verbose``."""
+        return verbose or r.verdict != UNSUPPORTED
 
     @staticmethod
     def case_width(case_ids: list[str]) -> int:
@@ -247,7 +264,7 @@ class Report:
     def footer(self, verbose: bool = False) -> list[str]:
         """What did not pass (grouped by first failing stage, or every detail when ``verbose``),
         warnings, and the summary line."""
-        lines: list[str] = []
+        lines: list[str] = [] if verbose else self.folded()
         details = self.details() if verbose else self.grouped()
         if details:
             lines += ["", *details]
@@ -259,6 +276,23 @@ class Report:
             lines += ["", self.nothing_judged]
         lines += ["", self.summary()]
         return lines
+
+    def folded(self) -> list[str]:
+        """The unsupported case×dtype, one line per reason: ``unsupported (84 case×dtype, every case in
+        float64, float16, bfloat16): the adapter declares dtypes float32``, or where they are."""
+        groups: dict[str, list[CaseResult]] = {}
+        for r in self.results:
+            if r.verdict == UNSUPPORTED:
+                groups.setdefault(r.message, []).append(r)
+        cases = {r.case for r in self.results}
+        out = []
+        for reason, group in groups.items():
+            dtypes = list(dict.fromkeys(r.dtype for r in group))
+            if len(group) == len(cases) * len(dtypes):  # every case in these dtypes (each case×dtype is there once)
+                out.append(f"unsupported ({len(group)} case×dtype, every case in {', '.join(dtypes)}): {reason}")
+            else:
+                out.append(f"unsupported ({len(group)} case×dtype): {reason} — {_where(group)}")
+        return out
 
     def grouped(self) -> list[str]:
         """What did not pass, one group per first failing stage (with an example, its message and
@@ -291,7 +325,7 @@ class Report:
             if len(group) > ERRORS_SHOWN:
                 out.append(f"    … and {len(group) - ERRORS_SHOWN} more case×dtype with this error: "
                            f"{_where(group[ERRORS_SHOWN:])}")
-        out += self._reasons(verbose=False)
+        out += self._reasons(verbose=False, unsupported=False)  # (folded after the table)
         if failing or errors:
             out.append("(`-v` lists every failing stage of every case)")
         return out
@@ -310,13 +344,14 @@ class Report:
             out += [f"{r.case} [{r.dtype}] signature: {h}" for h in r.hints]
         return out + self._reasons(verbose)
 
-    def _reasons(self, verbose: bool) -> list[str]:
-        """Known deviations, uninformative stages and unsupported cases, grouped by their reason."""
+    def _reasons(self, verbose: bool, unsupported: bool = True) -> list[str]:
+        """Known deviations, uninformative stages and (``unsupported``) unsupported cases, grouped by their reason."""
         reasons: dict[str, list[CaseResult]] = {}
         deviating: dict[str, list[StageResult]] = {}  # a known deviation's stages: their figures
         for r in self.results:
             if r.verdict in (UNSUPPORTED, UNINFORMATIVE) and not r.stages:
-                reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
+                if unsupported or r.verdict != UNSUPPORTED:
+                    reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
                 continue
             for st in r.stages:
                 if st.verdict == KNOWN_DEVIATION:
@@ -345,6 +380,7 @@ class Report:
                 "name": self.adapter,
                 "framework": self.framework,
                 "framework_version": self.framework_version,
+                "dtypes": None if self.adapter_dtypes is None else list(self.adapter_dtypes),
             },
             "platform": {
                 "python": platform.python_version(),

@@ -419,6 +419,7 @@ class Session:
             duration_s=duration,
             backward=self.backward,
             environment=self.environment,
+            adapter_dtypes=list(self.dtypes),
             **partial,
         )
 
