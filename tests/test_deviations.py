@@ -2,9 +2,11 @@
 
 The adapter under test takes the scale in float32 whatever the dtype (what Keras and the ONNX
 exporters do in float64; declared there ``within="float32"``), or accumulates in the dtype itself
-(declared ``within="worst-case"``).  On top of it, realistic bugs of tests/variants.py must be
-rejected on exactly the case × dtype where they are rejected without any deviation — in every
-dtype — while an unbounded declaration hides them in the dtype it covers.
+(declared ``within="worst-case"``), or leaves a tiny absolute error where the spec has an exact 0
+(PaddlePaddle's CPU softmax at masked weights; declared with an absolute bound, ``within=1e-27``).
+On top of it, realistic bugs of tests/variants.py must be rejected on exactly the case × dtype where
+they are rejected without any deviation — in every dtype — while an unbounded declaration hides them
+in the dtype it covers.
 benchmarks/deviation_figures.py prints the same over every bug.
 """
 
@@ -12,11 +14,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import mhaspec
-from mhaspec.adapters import Deviation
+from mhaspec.adapters import Deviation, parse_deviations
+from mhaspec.adapters.numpy_mha import NumpyMHA
 from mhaspec.conformance import ERROR, FAIL, KNOWN_DEVIATION, PASS
+from mhaspec.conformance.compare import round_to_bfloat16
+from mhaspec.errors import AdapterError
 from mhaspec.spec import DTYPES
 
 from .backward_variants import BUGS as BACKWARD_BUGS
@@ -146,3 +152,132 @@ def test_a_float32_scale_bounded_deviation_passes_forward_and_backward():
                            timeout=None, backward=True)
     assert report.ok, report.table()
     assert {r.dtype for r in report.results if r.verdict == KNOWN_DEVIATION} == {"float64"}
+
+
+class TinyAtMaskedWeights(NumpyMHA):
+    """Correct, except that every masked attention weight (exactly 0 in the spec) is ``error``, as
+    PaddlePaddle's CPU softmax leaves 1.6e-28 there."""
+
+    name = "tiny-at-masked"
+
+    def __init__(self, error: float, deviations: list[Deviation] = ()) -> None:
+        super().__init__()
+        self.error, self.known_deviations = error, list(deviations)
+
+    def run(self, case):
+        out = super().run(case)
+        weights = np.asarray(out["attn_weights"])
+        wrong = weights.astype(np.float64)
+        wrong[~np.broadcast_to(case.visible, wrong.shape)] = self.error
+        out["attn_weights"] = wrong.astype(weights.dtype)  # rounded to the dtype: a value of it
+        return out
+
+
+#: per dtype: (the tiny error, the absolute bound declared, an error beyond it).  float16 cannot hold
+#: 1.6e-28 (its smallest value is 2^-24 = 6e-8): the same test one scale up.
+ABSOLUTE = {"float64": (1.6e-28, 1e-27, 1e-20), "float32": (1.6e-28, 1e-27, 1e-20),
+            "bfloat16": (1.6e-28, 1e-27, 1e-20), "float16": (2.0**-24, 1e-7, 2.0**-20)}
+MASKED = ["causal_square", "key_padding", "custom_mask", "causal_bottom_right_t_gt_s"]  # have masked weights
+TINY = "softmax leaves a tiny value at masked weights (test)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_absolute_bound_excuses_a_tiny_error_at_masked_weights_and_nothing_more(dtype: str):
+    tiny, bound, beyond = ABSOLUTE[dtype]
+    declared = [Deviation(TINY, stage="attn_weights", within=bound)]
+    cases = [*MASKED, "gqa"]  # gqa: nothing masked, nothing to excuse
+    alone = mhaspec.check(TinyAtMaskedWeights(tiny), dtypes=[dtype], cases=cases, timeout=None)
+    assert {(r.case, r.first_failing_stage) for r in alone.results if r.verdict == FAIL} == {
+        (c, "attn_weights") for c in MASKED}, alone.table()
+    report = mhaspec.check(TinyAtMaskedWeights(tiny, declared), dtypes=[dtype], cases=cases, timeout=None)
+    assert report.ok and report.exit_code == 0 and not report.warnings, report.table()
+    assert report.result("gqa", dtype).verdict == PASS
+    rounded = float(round_to_bfloat16(np.array(tiny)) if dtype == "bfloat16" else np.asarray(tiny).astype(dtype))
+    for case in MASKED:
+        st = report.result(case, dtype).stage("attn_weights")
+        assert st.verdict == KNOWN_DEVIATION and st.reason == TINY and st.within == bound
+        assert rounded / bound * 0.99 <= st.within_ratio <= 1, st  # how close to the bound it came
+        assert st.worst_ratio == np.inf  # against the normal tolerance: 0 where masked
+        assert f"(its tolerances or |error| ≤ {bound:g}): worst ratio" in st.message
+    stage = report.to_json()["results"][0]["stages"][4]
+    assert stage["stage"] == "attn_weights" and stage["within"] == bound and stage["within_ratio"] <= 1
+    assert f"against its declared bound (within: {bound:g})" in "\n".join(report.footer())
+    # an error beyond the bound is a failure, declaration or not
+    worse = mhaspec.check(TinyAtMaskedWeights(beyond, declared), dtypes=[dtype], cases=cases, timeout=None)
+    assert {(r.case, r.first_failing_stage) for r in worse.results if r.verdict == FAIL} == {
+        (c, "attn_weights") for c in MASKED}, worse.table()
+    message = worse.result(MASKED[0], dtype).stage("attn_weights").message
+    assert (f"beyond its declared deviation (*/*/attn_weights (within: {bound:g})): fails its tolerances or "
+            f"|error| ≤ {bound:g} too") in message, message
+
+
+@pytest.mark.parametrize("bug", ["output_bias_dropped", "causal_off_by_one", "softmax_over_queries+output_only"])
+def test_a_bug_beyond_an_absolute_bound_fails_in_every_dtype(bug: str):
+    # 1e-27 on every stage excuses only errors no bug leaves: the bugs are rejected where they are alone
+    variant, stage = {**BUGS, **OUTPUT_ONLY_BUGS}[bug]
+    alone = rejected(report_of(variant))
+    assert {d for _, d in alone} == set(DTYPES)
+    bounded = mhaspec.check(Declared(variant, [Deviation(TINY, within=1e-27)]), timeout=None, isolate=False)
+    assert rejected(bounded) == alone
+    assert [r.first_failing_stage for r in bounded.results] == [r.first_failing_stage
+                                                               for r in report_of(variant).results]
+    assert {r.first_failing_stage for r in bounded.results if r.dtype == "float64"} == {None, stage}
+
+
+@pytest.mark.parametrize("within, said", [(-1e-27, "-1e-27"), (0.0, "0.0"), (float("nan"), "nan"),
+                                          (float("inf"), "inf"), (True, "True"), ("1e-27", "'1e-27'")])
+def test_an_absolute_bound_must_be_a_positive_finite_number(within, said):
+    with pytest.raises(AdapterError) as raised:
+        parse_deviations([Deviation(TINY, stage="attn_weights", within=within)], "adapter mine: known_deviations")
+    text = str(raised.value)
+    assert text.startswith("adapter mine: known_deviations: deviation */*/attn_weights (within: ") and \
+        f"or a positive finite number (an absolute bound on |error|, e.g. 1e-27), not {said}" in text, text
+    (dev,) = parse_deviations([{"reason": TINY, "within": np.float32(1e-27)}])
+    assert type(dev.within) is float and dev.within == float(np.float32(1e-27))
+    assert parse_deviations([Deviation(TINY, within=1)])[0].within == 1.0
+
+
+class TinyAtMaskedScoresGradient(DeclaredBackward):
+    """A correct backward, except that d_scores (exactly 0 where masked in the spec) is ``error`` there."""
+
+    def __init__(self, error: float, deviations: list[Deviation] = ()) -> None:
+        super().__init__(BACKWARD_CORRECT["plain"][0], list(deviations))
+        self.error = error
+
+    def backward(self, case):
+        out = dict(super().backward(case))
+        grad = np.asarray(out["d_scores"])
+        wrong = grad.astype(np.float64)
+        wrong[~np.broadcast_to(case.visible, wrong.shape)] = self.error
+        out["d_scores"] = wrong.astype(grad.dtype)
+        return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_absolute_bound_in_the_backward_excuses_a_tiny_error_and_nothing_more(dtype: str):
+    tiny, bound, beyond = ABSOLUTE[dtype]
+    # the local checks of d_q_proj and d_k_proj recompute them from this d_scores: declared with it
+    declared = [Deviation(TINY, stage="d_scores|d_q_proj|d_k_proj", within=bound)]
+
+    def run(error, deviations=()):
+        return mhaspec.check(TinyAtMaskedScoresGradient(error, deviations), dtypes=[dtype], cases=MASKED,
+                             timeout=None, backward=True, isolate=False)
+
+    assert {(r.first_failing_stage, r.verdict) for r in run(tiny).results} == {("d_scores", FAIL)}
+    report = run(tiny, declared)
+    assert report.ok and not report.warnings, report.table()
+    for r in report.results:
+        st = r.stage("d_scores")
+        assert st.verdict == KNOWN_DEVIATION and st.within == bound and st.within_ratio <= 1, (r.case, st)
+    assert {(r.first_failing_stage, r.verdict) for r in run(beyond, declared).results} == {("d_scores", FAIL)}
+
+
+@pytest.mark.parametrize("bug", ["mask_ignored_in_backward", "dq_without_scale", "transposed_dw"])
+def test_a_backward_bug_beyond_an_absolute_bound_fails_in_every_dtype(bug: str):
+    variant, stage = BACKWARD_BUGS[bug]
+    alone = rejected(report_of(variant, backward=True))
+    assert {d for _, d in alone} == set(DTYPES)
+    bounded = mhaspec.check(DeclaredBackward(variant, [Deviation(TINY, within=1e-27)]), timeout=None,
+                            backward=True, isolate=False)
+    assert rejected(bounded) == alone
+    assert {r.first_failing_stage for r in bounded.results if r.verdict == FAIL} == {stage}

@@ -141,7 +141,7 @@ def test_json_report_has_the_documented_keys(tmp_path):
     stage = rep["results"][0]["stages"][3]
     assert set(stage) == {"stage", "verdict", "max_abs_err", "max_rel_err", "worst_ratio", "worst_index",
                           "compared", "nonfinite", "rms_ratio", "local_worst_ratio", "failed_check", "imprecise",
-                          "message", "reason"}
+                          "within", "within_ratio", "message", "reason"}
 
 
 class Broken:
@@ -248,7 +248,8 @@ def test_deviation_declarations_are_validated():
         parse_deviations({"gqa": " "})
     assert parse_deviations({"gqa/float16": "r"})[0].pattern == "gqa/float16/*"
     with pytest.raises(AdapterError, match=r"\*/float64/\* \(within: float8\): within must be one of float64, "
-                                           r"float32, float16, bfloat16, worst-case, not 'float8'"):
+                                           r"float32, float16, bfloat16, worst-case, or a positive finite number "
+                                           r"\(an absolute bound on \|error\|, e.g. 1e-27\), not 'float8'"):
         parse_deviations([{"reason": "x", "dtype": "float64", "within": "float8"}])
     with pytest.raises(AdapterError, match="rows and within cannot be combined"):
         parse_deviations([Deviation("x", rows="fully_masked", within="float32")])

@@ -226,6 +226,31 @@ def test_every_kind_of_reply_matches_its_schema(captured, adapters):
     assert len(special) == 1 and special[0]["scores"]["name"] == "complex128", special
 
 
+class TinyBounded:
+    """A correct adapter declaring an absolute bound (``within=1e-27``), read in its worker."""
+
+    name = "tiny-bounded"
+    known_deviations = [{"reason": "a tiny value at masked weights", "stage": "attn_weights", "within": 1e-27}]
+
+    def run(self, case):
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        return NumpyMHA().run(case)
+
+
+def test_an_absolute_bound_travels_in_ready_and_matches_its_schema(captured):
+    report = mhaspec.check(TinyBounded(), dtypes=["float32"], cases=["causal_square"])
+    assert report.ok
+    _check_all(captured)  # the ready with its deviation among them
+    (ready,) = [h for d, h, _ in captured if d == "reply" and h.get("reply") == "ready"]
+    assert ready["deviations"] == [{"reason": "a tiny value at masked weights", "case": "*", "dtype": "*",
+                                    "stage": "attn_weights", "rows": None, "within": 1e-27}]
+    deviation = _validator("deviation")
+    for bad in (0, -1e-27, "1e-27", True):
+        assert not deviation.is_valid({**ready["deviations"][0], "within": bad}), bad
+    assert deviation.is_valid({**ready["deviations"][0], "within": "worst-case"})
+
+
 def test_the_schema_names_what_the_spec_has():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     assert DEFS["protocol"]["const"] == wire.PROTOCOL == "mhaspec-wire/1"

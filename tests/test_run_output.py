@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import mhaspec
+from mhaspec.adapters import Deviation
 from mhaspec.adapters.numpy_mha import NumpyMHA
 from mhaspec.cli import main
 from mhaspec.conformance import FAIL
+from mhaspec.spec import DTYPES, STAGES
 from tests.variants import Variant
 
 
@@ -180,3 +182,126 @@ def test_generate_announces_a_large_case_before_computing(tmp_path, capsys, monk
     assert main(["generate", "--catalog", str(catalog), "--out", str(tmp_path / "g"), "--check"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("  case 1/2: big") and out[2].startswith("golden fixtures are current (2 cases")
+
+
+class ScaleFloat32Declared(Variant):
+    """A float32 scale in float64 (Keras, the ONNX exporters), declared bounded by float32 tolerances."""
+
+    known_deviations = [Deviation("the scale is taken in float32 (test)", dtype="float64", within="float32")]
+
+
+def test_a_known_deviation_shows_how_far_off_it_is_and_how_close_it_came_to_its_bound():
+    from mhaspec.conformance import KNOWN_DEVIATION
+    from mhaspec.conformance.compare import worst_check_ratio
+
+    report = mhaspec.check(ScaleFloat32Declared(name="scale-f32", scale_float32=True), dtypes=["float64"],
+                           cases=["no_bias"], timeout=None)
+    (r,) = report.results
+    assert r.verdict == KNOWN_DEVIATION and report.exit_code == 0 and report.ok
+    deviating = [st for st in r.stages if st.verdict == KNOWN_DEVIATION]
+    far = max(worst_check_ratio(st) for st in deviating)
+    # the column: the ratio the deviating stages reached against the normal tolerance (not the passing stages' 0)
+    assert far > 1e3 and r.shown_ratio == far and report.row(r, 10).rstrip().endswith(f"{far:.3g}")
+    assert r.worst_ratio > 1  # the JSON's too: the golden check, now with the known-deviation stages
+    # how close each came to its widened bound: in the stage, the JSON and the footer
+    for st in deviating:
+        assert st.within == "float32" and 0 < st.within_ratio <= 1, st
+        assert f"within its declared bound (float32 tolerances): worst ratio {st.within_ratio:.3g}" in st.message
+    stage = report.to_json()["results"][0]["stages"][STAGES.index(deviating[0].stage)]
+    assert stage["within"] == "float32" and stage["within_ratio"] == deviating[0].within_ratio
+    assert report.to_json()["results"][0]["worst_ratio"] > 1
+    footer = "\n".join(report.footer())
+    scores = r.stage("scores")
+    assert (f"known deviation (scores): the scale is taken in float32 (test)\n"
+            f"    worst ratio {worst_check_ratio(scores):.3g} against the normal tolerance; "
+            f"{scores.within_ratio:.3g} against its declared bound (within: float32)\n    no_bias[float64]") in footer
+
+
+class OutputOnly(NumpyMHA):
+    """Correct, returning only the required stage, with declarations on stages it never returns."""
+
+    name = "output-only"
+    known_deviations = [
+        Deviation("a stage it never returns (test)", stage="attn_weights|head_outputs"),
+        Deviation("a stage it returns, never needed (test)", stage="output"),
+        Deviation("one of its stages returned (test)", stage="scores|output", dtype="float16"),
+        Deviation("a backward stage, in a forward run (test)", stage="d_b_o"),
+    ]
+
+    def run(self, case):
+        return {"output": super().run(case)["output"]}
+
+
+def test_a_declaration_on_stages_never_returned_is_a_warning(tmp_path, capsys):
+    report = mhaspec.check(OutputOnly(), dtypes=["float32", "float64"], cases=["self_basic", "custom_mask"])
+    assert report.ok and report.exit_code == 0
+    assert report.warnings == [
+        "known deviation */*/attn_weights|head_outputs can apply to nothing: the adapter never returned the "
+        "stage(s) it names (attn_weights, head_outputs) in this run",
+        "known deviation */*/output did not occur: every stage it covers passed",  # returned, never needed
+    ]  # (scores|output: output returned, in another dtype; d_b_o: no backward stage is judged without --backward)
+    assert report.to_json()["warnings"] == report.warnings
+    footer = "\n".join(report.footer())
+    assert f"warning: {report.warnings[0]}" in footer
+
+
+class SomeGradients(NumpyMHA):
+    """Correct, returning the forward output and two gradients, with a declaration on a gradient it never returns."""
+
+    name = "some-gradients"
+    known_deviations = [Deviation("a gradient it never returns (test)", stage="d_b_o|d_w_o")]
+
+    def run(self, case):
+        return {"output": super().run(case)["output"]}
+
+    def backward(self, case):
+        grads = super().backward(case)
+        return {k: grads[k] for k in ("d_query", "d_concat")}
+
+
+def test_a_declaration_on_gradients_never_returned_is_a_warning_in_a_backward_run():
+    report = mhaspec.check(SomeGradients(), dtypes=["float32"], cases=["self_basic"], backward=True)
+    assert report.ok and report.warnings == [
+        "known deviation */*/d_b_o|d_w_o can apply to nothing: the adapter never returned the stage(s) it names "
+        "(d_w_o, d_b_o) in this run"]
+    assert not mhaspec.check(SomeGradients(), dtypes=["float32"], cases=["self_basic"]).warnings  # forward only
+
+
+def test_the_header_names_the_dtypes_judged_and_unsupported_rows_fold_unless_v(tmp_path, capsys):
+    import json
+    import re
+
+    (tmp_path / "one_dtype.py").write_text(textwrap.dedent("""
+        from mhaspec.adapters.numpy_mha import NumpyMHA
+
+        class OneDtype(NumpyMHA):
+            name = "one-dtype"
+            dtypes = ("float32",)
+
+            def supports(self, case):
+                return "no MQA today (test)" if case.id == "mqa_self" else True
+    """))
+    adapter, report = str(tmp_path / "one_dtype.py") + ":OneDtype", tmp_path / "r.json"
+    assert main(["run", adapter, "-k", "self_basic,mqa_self,no_bias", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert " · dtypes float32 (float64, float16, bfloat16: not computed by the adapter) · " in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if re.match(r"(self_basic|mqa_self|no_bias) ", line)]
+    assert [line.split()[:3] for line in rows] == [["self_basic", "float32", "pass"], ["no_bias", "float32", "pass"]]
+    folded = ["unsupported (9 case×dtype, every case in float64, float16, bfloat16): the adapter declares dtypes "
+              "float32", "unsupported (1 case×dtype): no MQA today (test) — mqa_self[float32]"]
+    table = out.split("case ", 1)[1].split("\n\n", 1)[0].splitlines()  # the column titles to the first blank line
+    assert table[-2:] == folded, table
+    assert out.count("unsupported") == 3, out  # the two lines, and the summary's count
+    data = json.loads(report.read_text())  # the JSON keeps every row
+    assert len(data["results"]) == 12 and data["counts"]["unsupported"] == 10
+    assert data["adapter"]["dtypes"] == ["float32"] and data["dtypes"] == list(DTYPES)
+    assert main(["run", adapter, "-k", "self_basic,mqa_self,no_bias", "-v"]) == 0
+    verbose = capsys.readouterr().out
+    unsupported = [line for line in verbose.splitlines() if re.match(r"(self_basic|mqa_self|no_bias) +\w+ +unsupported", line)]
+    assert len(unsupported) == 10
+    assert folded[0] not in verbose and "unsupported: the adapter declares dtypes float32\n" in verbose
+    # the same from the report object: header, folded rows
+    text = mhaspec.check(str(tmp_path / "one_dtype.py") + ":OneDtype", cases=["self_basic"]).table()
+    assert "dtypes float32 (float64, float16, bfloat16: not computed by the adapter)" in text
+    assert "unsupported (3 case×dtype, every case in float64, float16, bfloat16)" in text
+    assert "  unsupported  " not in text

@@ -269,12 +269,13 @@ def _run(args: argparse.Namespace) -> int:
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
         header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder),
-                                      session.environment)
+                                      session.environment, adapter_dtypes=session.dtypes)
         print(header + "\n\n" + Report.column_titles(width), flush=True)
 
         def progress(result):  # stream rows as they are judged: framework adapters can take a while
             done.append(result)
-            print(Report.row(result, width), flush=True)
+            if Report.shown(result, args.verbose):  # unsupported ones: folded into a line per reason after the table
+                print(Report.row(result, width), flush=True)
 
         report = check(session, dtypes=dtypes, pattern=args.pattern, progress=progress)
     except KeyboardInterrupt:

@@ -117,6 +117,10 @@ def merge(parts: list[tuple[tuple[int, int, int], StageResult]]) -> StageResult:
     # the message and reason of the first block with the merged verdict, located in the case
     (b, t0, t1), chosen = next((where, r) for where, r in parts if r.verdict == worst_verdict)
     merged.reason = chosen.reason
+    if worst_verdict == KNOWN_DEVIATION:  # a bounded declaration's figures: the worst block's
+        merged.within = chosen.within
+        within = [r.within_ratio for _, r in parts if r.within_ratio is not None]
+        merged.within_ratio = max(within) if within else None
     if chosen.message:
         where = f"batch entry {b}" if ROW_AXIS[first.stage] is None else f"batch entry {b}, query rows {t0}:{t1}"
         merged.message = f"[block: {where}; indices within the block] {chosen.message}"

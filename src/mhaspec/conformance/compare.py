@@ -36,6 +36,10 @@ class StageResult:
     local_worst_ratio: float | None = None  # the local check's worst error/tolerance, if it ran
     failed_check: str = ""  # "golden", "local" or "golden+local" when the stage fails
     imprecise: bool = False  # fails the standard precision contract, passes the worst-case bound
+    #: a known deviation excused by a bounded declaration: its bound (``Deviation.within``), and the
+    #: worst error/bound ratio the stage reached against that widened bound (<= 1: it held)
+    within: str | float | None = None
+    within_ratio: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,9 +55,18 @@ class StageResult:
             "local_worst_ratio": _num(self.local_worst_ratio),
             "failed_check": self.failed_check,
             "imprecise": self.imprecise,
+            "within": self.within if isinstance(self.within, str) else _num(self.within),
+            "within_ratio": _num(self.within_ratio),
             "message": self.message,
             "reason": self.reason,
         }
+
+
+def worst_check_ratio(res: StageResult) -> float | None:
+    """The largest ratio of any check of ``res`` — golden (``worst_ratio``), local, systematic
+    (``rms_ratio``): the one that made it fail, if it failed on values; None when none ran."""
+    ratios = [x for x in (res.worst_ratio, res.local_worst_ratio, res.rms_ratio) if x is not None]
+    return max(ratios) if ratios else None
 
 
 def _num(x: float | None) -> float | str | None:

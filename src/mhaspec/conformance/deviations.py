@@ -5,18 +5,21 @@ stages it covers.  A failing stage it covers becomes a ``known deviation`` — u
 row-scoped (``rows="fully_masked"``) and the stage fails outside the query rows that see no
 key too, or bounded (``within=``) and the stage fails the tolerances it names too: then the
 failure stays a failure, a bug the deviation cannot account for.  After a run, a declaration
-that matches no case, or that covered only passing stages, is a warning.
+that matches no case, that names only stages the adapter never returned, or that covered only
+passing stages, is a warning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
+
 import numpy as np
 
 from ..fixtures import GoldenCase
 from ..protocol.contract import Deviation, match_pattern
-from ..spec import CATALOG, INPUT_GRADIENTS, REGISTRY
-from .compare import FAIL, KNOWN_DEVIATION, StageResult
+from ..spec import BACKWARD_STAGES, CATALOG, INPUT_GRADIENTS, REGISTRY, STAGES
+from .compare import FAIL, KNOWN_DEVIATION, StageResult, as_float_array, compare_stage, fold_local, worst_check_ratio
 
 
 def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
@@ -37,6 +40,34 @@ def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
     return np.broadcast_to(~blind.any(axis=1)[..., None], shape)  # (B, T, ·)
 
 
+def within_absolute(bound: float, stage: str, got: Any, expected: np.ndarray, tolerance: np.ndarray, dtype: str,
+                    selected: np.ndarray | None, local: tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None = None,
+                    ) -> StageResult:
+    """``stage`` against the golden (``expected``, ``tolerance``) and, with ``local`` (its reference,
+    tolerance and sources), its local check, every element within its tolerance or ``|error| <= bound``:
+    what an absolute ``within`` allows."""
+    res = compare_stage(stage, got, expected, np.maximum(tolerance, bound), dtype, selected)
+    if local is not None:
+        ref, tol, sources = local
+        fold_local(res, compare_stage(stage, got, ref, np.maximum(tol, bound), dtype, selected, value_checks=False),
+                   sources)
+    return res
+
+
+def _beyond_absolute(bound: float, got: Any, golden: GoldenCase, stage: str, selected: np.ndarray | None,
+                     judge: Callable[[np.ndarray | None], StageResult]) -> StageResult | None:
+    """The elements of ``stage`` (of ``selected``) whose |error| exceeds an absolute ``bound``, judged
+    as normal — golden, local, systematic and value checks — or None when ``got`` is no array of the
+    stage's shape (the widened check has failed it already)."""
+    values, _ = (None, "") if got is None else as_float_array(got)
+    expected = golden.stages[stage]
+    if values is None or values.shape != expected.shape:
+        return None
+    with np.errstate(invalid="ignore"):
+        beyond = ~(np.abs(values - expected) <= bound)  # NaN and inf errors are beyond it
+    return judge(beyond if selected is None else beyond & selected)
+
+
 class DeclaredDeviations:
     """The deviations an adapter declares, and which of them this run has used."""
 
@@ -44,6 +75,7 @@ class DeclaredDeviations:
         self.declared = list(declared)
         self._used: set[int] = set()  # indices of deviations that excused a failing stage
         self._passed_matching: set[int] = set()  # … that covered a stage which passed
+        self._returned: set[str] = set()  # the stages the adapter returned in this run
 
     def apply(
         self,
@@ -52,7 +84,8 @@ class DeclaredDeviations:
         dtype: str,
         visible: np.ndarray | None,
         judge: Callable[[np.ndarray | None], StageResult],
-        judge_within: Callable[[str, np.ndarray | None], StageResult],
+        judge_within: Callable[[str | float, np.ndarray | None], StageResult],
+        got: Any = None,
     ) -> None:
         """Turn a failing ``res`` into a known deviation when the first applicable declaration excuses it.
 
@@ -60,8 +93,11 @@ class DeclaredDeviations:
         no key, and excuses the failure only if ``judge`` passes everything
         outside those rows.  A bounded one (``within``) excuses it only if
         ``judge_within`` passes the stage with the tolerances it names: an
-        error beyond them is a bug the deviation cannot account for.
+        error beyond them is a bug the deviation cannot account for.  An
+        absolute bound (a number) also needs ``got``, the adapter's stage: the
+        elements whose error exceeds it must pass ``judge``, every check.
         """
+        self._returned.add(res.stage)
         beyond = ""
         for i, dev in enumerate(self.declared):
             if not dev.matches(golden.id, dtype, res.stage):
@@ -84,12 +120,25 @@ class DeclaredDeviations:
                         selected = outside_rows if visible is None else outside_rows & visible
                         rows_excused = "; the query rows that see no key are left to its row-scoped declaration"
                 bounded = judge_within(dev.within, selected)
-                if bounded.verdict == FAIL:
+                ratio = worst_check_ratio(bounded)
+                if isinstance(dev.within, str):
                     what = "the worst-case contract" if dev.within == "worst-case" else f"{dev.within} tolerances"
-                    ratio = "" if bounded.worst_ratio is None else f", worst ratio {bounded.worst_ratio:.3g}"
-                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{ratio} — "
+                else:
+                    what = f"its tolerances or |error| ≤ {dev.within:g}"
+                    rest = None if bounded.verdict == FAIL else _beyond_absolute(dev.within, got, golden, res.stage,
+                                                                                selected, judge)
+                    if rest is not None:  # its ratios are the widened bound's there (|error| > within)
+                        ratio = max((x for x in (ratio, worst_check_ratio(rest)) if x is not None), default=None)
+                        if rest.verdict == FAIL:
+                            bounded, ratio = rest, worst_check_ratio(rest)
+                if bounded.verdict == FAIL:
+                    shown = "" if ratio is None else f", worst ratio {ratio:.3g}"
+                    beyond = (f"; beyond its declared deviation ({dev.pattern}): fails {what} too{shown} — "
                               f"a bug the deviation cannot account for")
                     continue
+                res.within, res.within_ratio = dev.within, ratio
+                if ratio is not None:
+                    res.message += f"; within its declared bound ({what}): worst ratio {ratio:.3g}"
                 res.message += rows_excused  # (within and rows never combine: outside is None here)
             if outside is not None:
                 rest = judge(outside if visible is None else outside & visible)
@@ -108,16 +157,29 @@ class DeclaredDeviations:
         res.message += beyond
 
     def warnings(self, golden_ids: Iterable[str]) -> list[str]:
-        """Declared deviations that match no case (of ``golden_ids`` or the catalog), or that never
-        occurred in this run."""
+        """Declared deviations that match no case (of ``golden_ids`` or the catalog), that name only
+        stages the adapter never returned in this run, or that never occurred in this run."""
         out = []
         # a case of the built-in catalog is a case too: an adapter's deviations name them, and a user's own
         # golden folder or --catalog need not hold them
         known = list(golden_ids) + [c.id for c in CATALOG]
         for i, dev in enumerate(self.declared):
+            never = self._never_returned(dev)
             if not any(match_pattern(c, dev.case) for c in known):
                 out.append(f"known deviation {dev.pattern} matches no case in the golden folder or the catalog")
+            elif never:
+                out.append(f"known deviation {dev.pattern} can apply to nothing: the adapter never returned the "
+                           f"stage(s) it names ({', '.join(never)}) in this run")
             elif i in self._passed_matching and i not in self._used:
                 out.append(f"known deviation {dev.pattern} did not occur: every stage it covers passed")
         return out
+
+    def _never_returned(self, dev: Deviation) -> list[str]:
+        """The stages ``dev`` names, when the adapter returned none of them in this run (its backward
+        stages only if it returned any: a run without --backward has none); [] otherwise, or when the
+        adapter returned nothing at all (nothing judged: the report says so)."""
+        if not self._returned or any(match_pattern(s, dev.stage) for s in self._returned):
+            return []
+        backward = any(s in BACKWARD_STAGES for s in self._returned)
+        return [s for s in (*STAGES, *(BACKWARD_STAGES if backward else ())) if match_pattern(s, dev.stage)]
 

@@ -11,6 +11,7 @@ import os
 import re
 import platform
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from .. import __version__
 from .. import environment as _environment
 from ..spec import BACKWARD_STAGES, SPEC_VERSION, STAGES
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num
+from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, _num, worst_check_ratio
 from .selection import unsupported_hint
 
 REPORT_VERSION = 1
@@ -55,20 +56,23 @@ class CaseResult:
 
     @property
     def worst_ratio(self) -> float | None:
-        ratios = [st.worst_ratio for st in self.stages if st.worst_ratio is not None and st.verdict in (PASS, FAIL)]
+        """The golden check's error/tolerance at the worst element of any stage that passed, failed or is
+        a known deviation (against the normal tolerance: a known deviation's is usually > 1)."""
+        ratios = [st.worst_ratio for st in self.stages
+                  if st.worst_ratio is not None and st.verdict in (PASS, FAIL, KNOWN_DEVIATION)]
         return max(ratios) if ratios else None
 
     @property
     def shown_ratio(self) -> float | None:
         """The ratio the table shows: for a failing case the largest ratio of any check of its failing
         stages (golden, local, rms: the one that made it fail; None when they failed on shape, dtype
-        or NaN), else :attr:`worst_ratio`."""
-        if self.verdict == FAIL:  # each failing stage's worst check: golden, local or systematic (rms)
-            ratios = [x for st in self.stages if st.verdict == FAIL
-                      for x in (st.worst_ratio, getattr(st, "local_worst_ratio", None), getattr(st, "rms_ratio", None))
-                      if x is not None]
+        or NaN); for a known deviation the same of its known-deviation stages (how far beyond the
+        normal tolerance they are); else :attr:`worst_ratio`."""
+        if self.verdict in (FAIL, KNOWN_DEVIATION):  # each such stage's worst check: golden, local or rms
+            ratios = [x for st in self.stages if st.verdict == self.verdict
+                      for x in [worst_check_ratio(st)] if x is not None]
             return max(ratios) if ratios else None
-        if self.verdict in (PASS, KNOWN_DEVIATION):
+        if self.verdict == PASS:
             return self.worst_ratio
         return None
 
@@ -118,6 +122,8 @@ class Report:
     #: where the verdict was reached (mhaspec.environment.describe, read in the process that ran the
     #: adapter); None: this process's, described when the report is written
     environment: dict[str, Any] | None = None
+    #: the dtypes the adapter declares it computes in (None: unknown, a run cut short before it was loaded)
+    adapter_dtypes: list[str] | None = None
 
     @property
     def judged(self) -> int:
@@ -189,14 +195,22 @@ class Report:
     # -- output ----------------------------------------------------------
     def header(self) -> str:
         return self.format_header(self.adapter, self.framework, self.framework_version, self.dtypes, self.golden,
-                                  self.described_environment())
+                                  self.described_environment(), adapter_dtypes=self.adapter_dtypes)
 
     @staticmethod
     def format_header(adapter: str, framework: str | None, version: str | None, dtypes: list[str], golden: str,
-                      environment: dict[str, Any] | None = None) -> str:
-        """Two lines: what was run, and where (``environment: AMD EPYC (avx2, no avx512) · …``)."""
+                      environment: dict[str, Any] | None = None, adapter_dtypes: Sequence[str] | None = None) -> str:
+        """Two lines: what was run, and where (``environment: AMD EPYC (avx2, no avx512) · …``).  With
+        ``adapter_dtypes`` (those it declares), the dtypes shown are those judged, and the requested ones
+        it does not compute are named: ``dtypes float32 (float64, float16: not computed by the adapter)``."""
         fw = f" ({framework} {version or '?'})" if framework else ""
-        return (f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {', '.join(dtypes)} · "
+        shown = ", ".join(dtypes)
+        if adapter_dtypes is not None:
+            missing = [d for d in dtypes if d not in adapter_dtypes]
+            shown = ", ".join(d for d in dtypes if d in adapter_dtypes) or "none"
+            if missing:
+                shown += f" ({', '.join(missing)}: not computed by the adapter)"
+        return (f"mhaspec {__version__} · spec {SPEC_VERSION} · adapter {adapter}{fw} · dtypes {shown} · "
                 f"golden {golden}\nenvironment: {_environment.summary(environment) if environment else 'unknown'}")
 
     def described_environment(self) -> dict[str, Any]:
@@ -226,9 +240,15 @@ class Report:
         """The per case × dtype table, then what did not pass (grouped; every detail when ``verbose``)."""
         width = self.case_width([r.case for r in self.results])
         lines = [self.header(), "", self.column_titles(width)]
-        lines += [self.row(r, width) for r in self.results]
+        lines += [self.row(r, width) for r in self.results if self.shown(r, verbose)]
         lines += self.footer(verbose)
         return "\n".join(lines)
+
+    @staticmethod
+    def shown(r: CaseResult, verbose: bool = False) -> bool:
+        """Whether the table has a row of its own for ``r``: unsupported ones are folded into one line
+        per reason after the table (:meth:`folded`), unless ``verbose``."""
+        return verbose or r.verdict != UNSUPPORTED
 
     @staticmethod
     def case_width(case_ids: list[str]) -> int:
@@ -246,7 +266,7 @@ class Report:
     def footer(self, verbose: bool = False) -> list[str]:
         """What did not pass (grouped by first failing stage, or every detail when ``verbose``),
         warnings, and the summary line."""
-        lines: list[str] = []
+        lines: list[str] = [] if verbose else self.folded()
         details = self.details() if verbose else self.grouped()
         if details:
             lines += ["", *details]
@@ -258,6 +278,23 @@ class Report:
             lines += ["", self.nothing_judged]
         lines += ["", self.summary()]
         return lines
+
+    def folded(self) -> list[str]:
+        """The unsupported case×dtype, one line per reason: ``unsupported (84 case×dtype, every case in
+        float64, float16, bfloat16): the adapter declares dtypes float32``, or where they are."""
+        groups: dict[str, list[CaseResult]] = {}
+        for r in self.results:
+            if r.verdict == UNSUPPORTED:
+                groups.setdefault(r.message, []).append(r)
+        cases = {r.case for r in self.results}
+        out = []
+        for reason, group in groups.items():
+            dtypes = list(dict.fromkeys(r.dtype for r in group))
+            if len(group) == len(cases) * len(dtypes):  # every case in these dtypes (each case×dtype is there once)
+                out.append(f"unsupported ({len(group)} case×dtype, every case in {', '.join(dtypes)}): {reason}")
+            else:
+                out.append(f"unsupported ({len(group)} case×dtype): {reason} — {_where(group)}")
+        return out
 
     def grouped(self) -> list[str]:
         """What did not pass, one group per first failing stage (with an example, its message and
@@ -290,7 +327,7 @@ class Report:
             if len(group) > ERRORS_SHOWN:
                 out.append(f"    … and {len(group) - ERRORS_SHOWN} more case×dtype with this error: "
                            f"{_where(group[ERRORS_SHOWN:])}")
-        out += self._reasons(verbose=False)
+        out += self._reasons(verbose=False, unsupported=False)  # (folded after the table)
         if failing or errors:
             out.append("(`-v` lists every failing stage of every case)")
         return out
@@ -309,21 +346,29 @@ class Report:
             out += [f"{r.case} [{r.dtype}] signature: {h}" for h in r.hints]
         return out + self._reasons(verbose)
 
-    def _reasons(self, verbose: bool) -> list[str]:
-        """Known deviations, uninformative stages and unsupported cases, grouped by their reason."""
+    def _reasons(self, verbose: bool, unsupported: bool = True) -> list[str]:
+        """Known deviations, uninformative stages and (``unsupported``) unsupported cases, grouped by their reason."""
         reasons: dict[str, list[CaseResult]] = {}
+        deviating: dict[str, list[StageResult]] = {}  # a known deviation's stages: their figures
         for r in self.results:
             if r.verdict in (UNSUPPORTED, UNINFORMATIVE) and not r.stages:
-                reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
+                if unsupported or r.verdict != UNSUPPORTED:
+                    reasons.setdefault(f"{r.verdict}: {r.message}", []).append(r)
                 continue
             for st in r.stages:
                 if st.verdict == KNOWN_DEVIATION:
-                    reasons.setdefault(f"known deviation ({st.stage}): {st.reason}", []).append(r)
+                    key = f"known deviation ({st.stage}): {st.reason}"
+                    reasons.setdefault(key, []).append(r)
+                    deviating.setdefault(key, []).append(st)
                 elif st.verdict == UNINFORMATIVE:
                     reasons.setdefault(f"uninformative ({st.stage}): {st.message or st.reason}", []).append(r)
                 elif verbose and st.verdict == NOT_EXPOSED:
                     reasons.setdefault(f"not exposed: {st.stage}", []).append(r)
-        return [f"{reason}\n    {_where(group)}" for reason, group in reasons.items()]
+        out = []
+        for reason, group in reasons.items():
+            figures = f"\n    {_deviation_figures(deviating[reason])}" if reason in deviating else ""
+            out.append(f"{reason}{figures}\n    {_where(group)}")
+        return out
 
     def __str__(self) -> str:
         return self.table()
@@ -337,6 +382,7 @@ class Report:
                 "name": self.adapter,
                 "framework": self.framework,
                 "framework_version": self.framework_version,
+                "dtypes": None if self.adapter_dtypes is None else list(self.adapter_dtypes),
             },
             "platform": {
                 "python": platform.python_version(),
@@ -385,6 +431,21 @@ def ratio_text(ratio: float | None) -> str:
     if ratio is None:
         return "—"
     return f"{ratio:.3g}" if np.isfinite(ratio) else ("nan" if np.isnan(ratio) else "inf")
+
+
+def _deviation_figures(stages: list[StageResult]) -> str:
+    """How far a group of known-deviation stages is from the normal tolerance, and how close it came to
+    the bound of the declaration that excused it: ``worst ratio 3.2 against the normal tolerance;
+    0.41 against its declared bound (within: float32)``."""
+    ratios = [x for st in stages for x in [worst_check_ratio(st)] if x is not None]
+    text = f"worst ratio {ratio_text(max(ratios) if ratios else None)} against the normal tolerance"
+    bounded = [st for st in stages if st.within is not None]
+    if bounded:
+        within = [st.within_ratio for st in bounded if st.within_ratio is not None]
+        names = ", ".join(dict.fromkeys(f"{st.within:g}" if isinstance(st.within, float) else str(st.within)
+                                        for st in bounded))
+        text += f"; {ratio_text(max(within) if within else None)} against its declared bound (within: {names})"
+    return text
 
 
 def _stage_message(r: CaseResult, stage: str) -> str:

@@ -18,16 +18,16 @@ from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transpo
                                    validate_timeout)
 from ..spec import STAGE, STAGES, compared_entries
 from . import judging
-from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage
+from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import judge_in_blocks
-from .deviations import DeclaredDeviations
+from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
                         judging_bounds, local_references, worst_case_tolerances)
-from .tolerance import backward_bounds
+from .tolerance import backward_bounds, local_checks
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
@@ -247,8 +247,13 @@ class Session:
         within_tolerances: dict[str, dict[str, np.ndarray]] = {}  # by Deviation.within, when one is asked
         worst_local: dict[str, tuple[np.ndarray, Bound]] = {}  # the worst-case local bounds, when within= asks
 
-        def within_judge(within: str, selected: np.ndarray | None, stage: str) -> StageResult:
+        def within_judge(within: str | float, selected: np.ndarray | None, stage: str) -> StageResult:
             """``stage`` against the golden with the tolerances a bounded deviation allows."""
+            if not isinstance(within, str):  # an absolute bound: its tolerance, or |error| <= within
+                ref = local.get(stage)
+                return within_absolute(within, stage, own.get(stage, returned[stage]), golden.stages[stage],
+                                       tolerances[stage], dtype, selected,
+                                       None if ref is None else (ref[0], ref[1].tolerance(LAMBDA), LOCAL_INPUTS[stage]))
             if within not in within_tolerances:
                 if within == "worst-case":
                     within_tolerances[within] = judging.with_reference_error(golden, self._worst_case(golden, dtype))
@@ -292,7 +297,8 @@ class Session:
             visible = compared_entries(stage, golden.visible)
             res = judge(visible)
             self._deviations.apply(res, golden, dtype, visible, judge,
-                                   lambda within, selected, stage=stage: within_judge(within, selected, stage))
+                                   lambda within, selected, stage=stage: within_judge(within, selected, stage),
+                                   own.get(stage, returned[stage]))
             stages.append(res)
         return stages
 
@@ -357,9 +363,16 @@ class Session:
         bounds = self._backward_bounds(golden, dtype, self.precision, forward_bounds)
         results = judge_backward(returned, golden, dtype, bounds, forward=forward, precision=self.precision)
         within_bounds: dict[str, dict[str, Bound]] = {}  # by Deviation.within, when one is asked
+        local_refs: dict[None, dict[str, Any]] = {}  # the local checks, when an absolute within= asks
 
-        def within_judge(within: str, selected: np.ndarray | None, stage: str) -> StageResult:
+        def within_judge(within: str | float, selected: np.ndarray | None, stage: str) -> StageResult:
             """``stage`` against the golden with the bounds a bounded deviation allows."""
+            if not isinstance(within, str):  # an absolute bound: its tolerance, or |error| <= within
+                if not local_refs:  # the local checks, again (judge_backward does not keep them)
+                    local_refs[None] = local_checks(golden, dtype, own_stages(golden, forward, returned),
+                                                    precision=self.precision)
+                return within_absolute(within, stage, returned[stage], golden.stages[stage],
+                                       bounds[stage].tolerance(LAMBDA), dtype, selected, local_refs[None].get(stage))
             if within not in within_bounds:
                 if within == "worst-case":
                     within_bounds[within] = self._backward_bounds(golden, dtype, "worst-case")
@@ -377,7 +390,8 @@ class Session:
 
             visible = compared_entries(res.stage, golden.visible)
             self._deviations.apply(res, golden, dtype, visible, judge,
-                                   lambda within, selected, stage=res.stage: within_judge(within, selected, stage))
+                                   lambda within, selected, stage=res.stage: within_judge(within, selected, stage),
+                                   returned[res.stage])
         return results, "", seconds
 
     def deviation_warnings(self) -> list[str]:
@@ -405,6 +419,7 @@ class Session:
             duration_s=duration,
             backward=self.backward,
             environment=self.environment,
+            adapter_dtypes=list(self.dtypes),
             **partial,
         )
 

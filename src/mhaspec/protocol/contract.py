@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
+import math
+import numbers
 import os
 import sys
 import tempfile
@@ -62,7 +64,12 @@ class Deviation:
       (a float64 scale or softmax taken in float32);
     * ``"worst-case"``: the stage must still pass the worst-case precision
       contract in its own dtype — for a sum accumulated in the dtype itself
-      (a bfloat16 bias gradient summed in bfloat16).
+      (a bfloat16 bias gradient summed in bfloat16);
+    * a positive finite number (``1e-27``), an absolute bound: every element
+      must pass its normal tolerance or have ``|error| <= within`` — for a tiny
+      absolute error where the spec has an exact value (PaddlePaddle's CPU
+      softmax leaves 1.6e-28 at masked weights, where the spec has 0); the
+      elements beyond it are judged as normal (every check).
 
     Beyond that the stage is a plain failure ("beyond its declared
     deviation").  ``None`` (the default) excuses an error of any size.
@@ -73,7 +80,7 @@ class Deviation:
     dtype: str = "*"
     stage: str = "*"
     rows: str | None = None
-    within: str | None = None
+    within: str | float | None = None
 
     def matches(self, case: str, dtype: str, stage: str) -> bool:
         return match_pattern(case, self.case) and match_pattern(dtype, self.dtype) and match_pattern(stage, self.stage)
@@ -81,7 +88,7 @@ class Deviation:
     @property
     def pattern(self) -> str:
         rows = f" (rows: {self.rows})" if self.rows else ""
-        within = f" (within: {self.within})" if self.within else ""
+        within = f" (within: {self.within})" if self.within is not None else ""
         return f"{self.case}/{self.dtype}/{self.stage}{rows}{within}"
 
 
@@ -93,7 +100,8 @@ def match_pattern(name: str, pattern: str) -> bool:
 #: Values of :attr:`Deviation.rows`.
 DEVIATION_ROWS = ("fully_masked",)
 
-#: Values of :attr:`Deviation.within`: a dtype, or the worst-case precision contract.
+#: Named values of :attr:`Deviation.within`: a dtype, or the worst-case precision contract (or else
+#: a positive finite number: an absolute bound on the error).
 DEVIATION_WITHIN = (*DTYPES, "worst-case")
 
 
@@ -102,7 +110,7 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
 
     Accepted: a mapping ``"CASE[/DTYPE[/STAGE]]" -> reason``; or an iterable of
     :class:`Deviation` or of dicts with ``reason`` and optional ``case``,
-    ``dtype``, ``stage``, ``rows``, ``within``.
+    ``dtype``, ``stage``, ``rows``, ``within``.  An absolute ``within`` comes back a float.
     """
     if declared is None:
         return []
@@ -127,12 +135,16 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
                 raise AdapterError(f"{where}: entry {item!r} is neither a Deviation nor a dict with a reason")
     else:
         raise AdapterError(f"{where}: expected a mapping or a list, got {type(declared).__name__}")
-    for dev in out:
+    for i, dev in enumerate(out):
         if dev.rows is not None and dev.rows not in DEVIATION_ROWS:
             raise AdapterError(f"{where}: deviation {dev.pattern}: rows must be one of {DEVIATION_ROWS}")
-        if dev.within is not None and dev.within not in DEVIATION_WITHIN:
+        if dev.within is not None and not (dev.within in DEVIATION_WITHIN if isinstance(dev.within, str)
+                                           else _absolute_bound(dev.within)):
             raise AdapterError(f"{where}: deviation {dev.pattern}: within must be one of "
-                               f"{', '.join(DEVIATION_WITHIN)}, not {dev.within!r}")
+                               f"{', '.join(DEVIATION_WITHIN)}, or a positive finite number (an absolute bound "
+                               f"on |error|, e.g. 1e-27), not {dev.within!r}")
+        if dev.within is not None and not isinstance(dev.within, str):
+            dev = out[i] = dataclasses.replace(dev, within=float(dev.within))  # (a numpy scalar, an int)
         if dev.within is not None and dev.rows is not None:
             raise AdapterError(f"{where}: deviation {dev.pattern}: rows and within cannot be combined (rows "
                                "already confines it: everything outside those rows must pass)")
@@ -145,6 +157,11 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
                     raise AdapterError(f"{where}: deviation {dev.pattern}{which} matches no {field}; "
                                        f"{field}s are {', '.join(names)}")
     return out
+
+
+def _absolute_bound(within: Any) -> bool:
+    """Whether ``within`` is an absolute bound: a positive finite real number (not a bool)."""
+    return isinstance(within, numbers.Real) and not isinstance(within, bool) and math.isfinite(within) and within > 0
 
 
 def adapter_name(adapter: Any) -> str:
