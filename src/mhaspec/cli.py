@@ -405,8 +405,9 @@ def _matrix(args: argparse.Namespace) -> int:
     for line in m.environment_warnings():
         print(f"mhaspec matrix: warning: reports from different environments: {line}", file=sys.stderr)
     written, note = write(m, args.out)
-    print(f"matrix of {_plural(len(m.adapters), 'adapter')} × {len(m.columns)} case×dtype: "
-          + ", ".join(str(p) for p in written))
+    rows = _plural(len(m.rows), "report") + (f" of {_plural(len(m.adapters), 'adapter')}"
+                                             if len(m.rows) != len(m.adapters) else "")
+    print(f"matrix of {rows} × {len(m.columns)} case×dtype: " + ", ".join(str(p) for p in written))
     if note:
         print(note)
     return 0
