@@ -290,3 +290,135 @@ BUGS = {
 
 #: The same bugs in a kernel that exposes only "output" (where fused kernels hide them).
 OUTPUT_ONLY_BUGS = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in BUGS.items()}
+
+
+# -- look-alikes and more bugs for the diagnosis (src/mhaspec/conformance/diagnose.py,
+#    benchmarks/diagnosis_confusion.py): none of them is in BUGS, so the detection figures are unchanged.
+
+def _seed(case: Case, salt: str) -> int:
+    import zlib
+
+    return zlib.crc32(f"{salt}/{case.id}/{case.dtype}".encode())
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """Not an implementation: every stage returned, all zeros (the right shapes and dtype)."""
+
+    name: str = "zeros"
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        return {k: np.zeros_like(v) for k, v in Variant().run(case).items()}
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Not an implementation: every stage returned as Gaussian noise with the right shape, dtype and
+    root-mean-square (of the correct result), seeded by the case: what a garbled kernel returns."""
+
+    name: str = "noise"
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(_seed(case, self.name))
+        out = {}
+        for k, v in Variant().run(case).items():
+            rms = float(np.sqrt(np.mean(np.square(v.astype(np.float64))))) or 1.0
+            out[k] = (rms * rng.standard_normal(v.shape)).astype(v.dtype)
+        return out
+
+
+@dataclass(frozen=True)
+class ImpreciseQProj:
+    """Correct but imprecise: ``q_proj`` = x @ W^Q + b^Q plus an error of ``relative[dtype]`` × (the
+    dtype's unit roundoff) × sqrt(d_model) × its root-mean-square, element-wise Gaussian (a sloppy
+    but right projection: a few to a hundred times the tolerance off, not a different function;
+    the float64 and float32 tolerances are wider in unit roundoffs than the 16-bit types', whose
+    sums are float32); every other stage as computed from the right projection."""
+
+    name: str = "imprecise_q_proj"
+    relative: tuple[tuple[str, float], ...] = (("float64", 16.0), ("float32", 16.0), ("float16", 1.0),
+                                               ("bfloat16", 1.0))
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        out = Variant().run(case)
+        q = out["q_proj"].astype(np.float64)
+        unit = float(np.finfo(DT[case.dtype]).eps) / 2
+        rms = float(np.sqrt(np.mean(np.square(q)))) or 1.0
+        noise = np.random.default_rng(_seed(case, self.name)).standard_normal(q.shape)
+        error = dict(self.relative)[case.dtype] * unit * np.sqrt(case.config.d_model) * rms * noise
+        out["q_proj"] = (q + error).astype(out["q_proj"].dtype)
+        return out
+
+
+@dataclass(frozen=True)
+class WeightTransposed:
+    """A bug: the projection ``weight`` (w_q, w_k, w_v or w_o) used transposed, as (out, in).  Only
+    possible where that weight is square; elsewhere it would not run, and the variant is correct."""
+
+    weight: str = "w_q"
+    name: str = ""
+    compute_dtype: str | None = None
+
+    def run(self, case: Case) -> dict[str, np.ndarray]:
+        w = getattr(case.weights, self.weight)
+        if w.shape[0] == w.shape[1]:
+            case = case.model_copy(update={"weights": case.weights.model_copy(update={self.weight: w.T})})
+        return Variant().run(case)
+
+
+@dataclass(frozen=True)
+class SoftmaxFloat32(Variant):
+    """A float64 run whose softmax is computed in float32 (as JAX with x64 off for one op, or MLX's
+    float32-accurate ``exp``): the scores are float64, the weights float32-accurate, then float64
+    again.  In the other dtypes the softmax is in float32 already: correct there."""
+
+    name: str = "softmax_float32"
+
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+        if acc != np.float64:
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S)
+        p, _ = super()._softmax_pv(s.astype(np.float32), V, allowed, np.float32,
+                                   lambda x: np.asarray(x).astype(np.float32), mm, S)
+        p = p.astype(np.float64)
+        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64))
+
+
+@dataclass(frozen=True)
+class Float32Exp(Variant):
+    """A float64 run whose ``exp`` is float32-accurate (as MLX's float64): e = exp(x − max) evaluated in
+    float32, everything else (the sum, the division, P·V) in float64; the weights and what follows are
+    float32-accurate without being float32 numbers.  Correct in the other dtypes (their softmax is
+    in float32 already)."""
+
+    name: str = "float32_exp"
+
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+        if acc != np.float64:
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S)
+        x = np.where(allowed, s, -np.inf)
+        peak = np.max(x, axis=-1, keepdims=True)
+        peak = np.where(np.isfinite(peak), peak, 0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            e = np.exp((x - peak).astype(np.float32)).astype(np.float64)
+        total = np.sum(e, axis=-1, keepdims=True)
+        p = np.where(allowed & (total > 0), e / np.where(total > 0, total, 1.0), 0.0)
+        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64))
+
+
+#: Not implementations, or correct ones: they must get no diagnosis.
+LOOKALIKES = {
+    "zeros": Zeros(),
+    "random_noise": Noise(),
+    "imprecise_q_proj": ImpreciseQProj(),
+}
+
+#: More bugs with a diagnosis of their own (not in BUGS: the detection figures stay those of BUGS).
+#: name -> (adapter, the stage where it must first be caught)
+DIAGNOSED_BUGS = {
+    "w_q_transposed": (WeightTransposed("w_q", name="w_q_T"), "q_proj"),
+    "w_k_transposed": (WeightTransposed("w_k", name="w_k_T"), "k_proj"),
+    "w_v_transposed": (WeightTransposed("w_v", name="w_v_T"), "v_proj"),
+    "float32_when_float64_asked": (Variant(name="fp32_for_fp64", compute_dtype="float32"), "q_proj"),
+    "softmax_in_float32_when_float64_asked": (SoftmaxFloat32(), "attn_weights"),
+    "float32_exp_when_float64_asked": (Float32Exp(), "attn_weights"),
+}

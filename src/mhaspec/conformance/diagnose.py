@@ -2,20 +2,69 @@
 
 The verdict never depends on this module: it only adds a hint to a case that
 already fails, naming the bug when the returned values fit one of these
-patterns (checked on the failing stages, first failing stage first):
+patterns (checked on the failing forward stages, first failing stage first).
 
-- a wrong scale: ``scores`` are the golden times one constant factor;
-- heads in the wrong order: each returned head equals some other golden head
-  (the permutation is given);
-- query rows that see no key come back NaN or attend uniformly, and only
-  those rows fail;
-- the output (or a projection) equals the golden computed with its weight
-  matrix transposed;
-- the values fit a narrower dtype than the one asked for (computed in
-  float32 / float16 / bfloat16 and widened).
+A signature is named only on evidence, in the dtype's own terms.  The
+*tolerance* of an element is the standard precision contract's
+(``LAMBDA·sigma + worst`` with the golden's own error: the verdict's, under the
+default ``--precision``).  A signature's *alternative* is the golden as the bug
+computes it, with a tolerance of its own; it *explains* the returned values
+(:func:`explains`) when all of these hold, on the compared entries:
 
-Every comparison is relative to the dtype's unit roundoff, so a hint is only
-given when the alternative explains the values far better than the golden.
+- **fit**: every returned value is within :data:`FIT` = 2 tolerances of the
+  alternative (a correct implementation stays within 1 of the golden);
+- **nearer**: the worst error/tolerance against the golden is at least
+  :data:`CLOSER` = 10 times the worst against the alternative;
+- **apart**: the alternative is more than :data:`APART` = 4 tolerances from the
+  golden on at least :data:`MIN_APART` = 8 entries (the entries that carry the
+  evidence, not one or two).
+
+A returned stage with fewer than :data:`MIN_VALUES` = 8 finite values, or whose
+finite values are all equal (all zeros, a constant), gets no signature, nor do
+non-finite values except as below.  Zeros and noise fit no alternative, and a
+result that is right but imprecise is nearer the golden than any alternative:
+they get none.
+
+The signatures and their tests:
+
+- *a wrong scale* (``scores``): the alternative is the golden × c, c the median
+  of returned/golden over the scores above 1e-3 of the largest; its tolerance is
+  |c| × the golden's (each term of the scores' bound scales with the scale);
+- *heads in the wrong order* (stages with one slice per query head): each
+  returned head h is within FIT tolerances of exactly one golden head perm[h]
+  (that head's tolerance), perm is a permutation other than the identity, and
+  the permuted golden explains the stage;
+- *rows that see no key*: every row that sees some key is finite and within its
+  tolerance (only the rows that see none fail), and those rows are NaN/inf —
+  or uniform: weights within :data:`UNIFORM_ULPS` = 2 unit roundoffs of 1/S;
+  head outputs, concat, output: the mean of the values, explained with the
+  largest tolerance of the other rows as its tolerance (a uniform row is an
+  ordinary attention output: its rounding is theirs);
+- *a weight transposed* (``q_proj``, ``k_proj``, ``v_proj``, ``output``; square
+  weights): the alternative is x @ Wᵀ + b (x: the golden's input of the
+  stage); its tolerance is the golden's, scaled element-wise where the
+  transposed product's magnitudes (|x|·|Wᵀ| + |b|) exceed the golden's
+  (|x|·|W| + |b|, what the accumulation terms are made of), plus one unit
+  roundoff of its value (the rounding of a different result);
+- *computed in a narrower dtype* (float64 asked: float32, float16, bfloat16;
+  float32 asked: float16, bfloat16): no other signature, and every failing
+  stage passes the narrower dtype's standard judgement (each element within its
+  tolerance, and the systematic-error test), that dtype's tolerance being
+  sharp enough to tell (at most :data:`SHARP` × the stage's largest value: 64
+  unit roundoffs of a 16-bit type, 4096 of float32, whose tolerance holds
+  float32 sums — a case like large_logits, where it is wider, could hide a
+  small bug), with at least :data:`NARROW_MIN_VALUES` = 32 compared entries in
+  all, and a worst error at least :data:`BEYOND` = 64 times the asked dtype's
+  tolerance.  The widest such dtype is named (float16 yields to bfloat16 when
+  nearly every value is a bfloat16 number and the golden's are not), with the
+  stages: "every stage", "attn_weights onward", or their list.  float16 asked
+  has none: bfloat16's rounding is only 8 times float16's, too close to tell
+  from imprecision (compare.py's representability fingerprint names it in the
+  verdict's message).
+
+Large cases (above blocks.MAX_BLOCK_ELEMENTS) are diagnosed on their first block
+of query rows.  benchmarks/diagnosis_confusion.py runs the zoo of
+tests/variants.py through it: no variant is given a wrong signature, in any dtype.
 """
 
 from __future__ import annotations
@@ -26,8 +75,11 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import REGISTRY, STAGE, STAGES, downstream
-from .compare import FAIL, StageResult, as_float_array, representable
+from ..spec import REGISTRY, STAGE, STAGES, compared_entries, downstream
+from . import judging
+from .blocks import MAX_BLOCK_ELEMENTS, _slice_stage, block_case
+from .compare import FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage, representable
+from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, judging_bounds
 
 #: unit roundoff of each dtype
 EPS = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -38,75 +90,189 @@ HEAD_AXIS_STAGES = tuple(name for name in STAGES if REGISTRY[name].head_axis_fir
 PER_HEAD_STAGES = tuple(name for name in STAGES if REGISTRY[name].attends and REGISTRY[name].heads is not None)
 #: the stages from the softmax on: those a query row that sees no key can make fail
 AFTER_SOFTMAX = downstream(STAGE.attn_weights)
-NARROWER = {"float64": ("float32", "bfloat16", "float16"), "float32": ("bfloat16", "float16"),
+#: the narrower dtypes a run in each dtype is tested for, widest first
+NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16"),
             "float16": (), "bfloat16": ()}
 
+#: the alternative fits: every compared returned value within FIT of its tolerances
+FIT = 2.0
+#: the alternative differs from the golden by more than APART tolerances ...
+APART = 4.0
+#: ... on at least MIN_APART entries
+MIN_APART = 8
+#: the returned values are at least CLOSER times nearer the alternative than the golden (worst
+#: error / tolerance against each)
+CLOSER = 10.0
+#: fewest finite entries a signature is read from
+MIN_VALUES = 8
+#: a narrower dtype: the worst error of a failing stage at least BEYOND times the asked dtype's tolerance
+BEYOND = 64.0
+#: a narrower dtype's tolerance sharp enough to tell: at most SHARP[dtype] × the stage's largest value
+#: (64 unit roundoffs of a 16-bit type; float32's, whose tolerance holds float32 sums, 4096): where
+#: it is wider (large logits) a small bug hides in it
+SHARP = {"float32": 2.0**-12, "float16": 2.0**-5, "bfloat16": 2.0**-2}
+#: fewest compared entries (all the failing stages together) a narrower dtype is read from
+NARROW_MIN_VALUES = 32
+#: a float16 fit whose values nearly all fit bfloat16 (and the golden's do not) is bfloat16's
+NARROW_FRACTION = 0.9
+#: uniform weights: within this many unit roundoffs of 1/S
+UNIFORM_ULPS = 2.0
 
-def _close(got: np.ndarray, alt: np.ndarray, dtype: str, slack: float = 64.0) -> bool:
-    """``got`` equals ``alt`` up to a rounding-sized error (``slack`` unit roundoffs of the largest value)."""
-    if got.shape != alt.shape or got.size == 0 or not np.all(np.isfinite(got)):
+
+def _ratio(err: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """err / tol element-wise; inf where tol = 0 < err, 0 where both are 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tol > 0, err / np.where(tol > 0, tol, 1.0), np.where(err > 0, np.inf, 0.0))
+
+
+def degenerate(got: np.ndarray) -> bool:
+    """Too few finite values to read a signature from, or they are all equal (all zeros, a constant)."""
+    finite = got[np.isfinite(got)]
+    return finite.size < MIN_VALUES or bool(np.all(finite == finite.flat[0]))
+
+
+def explains(got: np.ndarray, alt: np.ndarray, golden: np.ndarray, tol_alt: np.ndarray, tol: np.ndarray) -> bool:
+    """The alternative ``alt`` explains ``got`` and the golden does not: the module's fit, nearer and
+    apart tests, on the entries given (every argument of one shape, or broadcastable to it)."""
+    got, alt = np.broadcast_arrays(got, alt)
+    if got.size < MIN_VALUES or not np.all(np.isfinite(got)) or not np.all(np.isfinite(alt)):
         return False
-    scale = max(float(np.max(np.abs(alt))), np.finfo(np.float64).tiny)
-    return float(np.max(np.abs(got - alt))) <= slack * EPS[dtype] * scale
+    tol_alt, tol = np.broadcast_to(tol_alt, got.shape), np.broadcast_to(tol, got.shape)
+    fit = float(np.max(_ratio(np.abs(got - alt), tol_alt)))
+    if fit > FIT:
+        return False
+    with np.errstate(invalid="ignore"):
+        if float(np.max(_ratio(np.abs(got - golden), tol))) < CLOSER * fit:
+            return False
+        apart = _ratio(np.abs(alt - golden), tol) > APART
+    return int(np.count_nonzero(apart)) >= MIN_APART
 
 
-def constant_factor(got: np.ndarray, golden: np.ndarray, visible: np.ndarray | None, dtype: str) -> str:
+def _evidence(alternative: str) -> str:
+    """The test :func:`explains` passed, in a few words."""
+    return f"within {FIT:g} tolerances of {alternative}, {CLOSER:g}× nearer than to the golden"
+
+
+class _Evidence:
+    """One failing case: the golden, the returned stages as float64, tolerances by dtype (lazily)."""
+
+    def __init__(self, golden: GoldenCase, returned: Mapping[str, np.ndarray], dtype: str):
+        self.golden, self.returned, self.dtype = golden, returned, dtype
+        self._judging: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
+
+    def _bounds(self, dtype: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if dtype not in self._judging:
+            raw, tols = judging.derived(self.golden, ("judging", dtype, "standard"),
+                                        lambda: judging_bounds(self.golden, dtype, "standard"))
+            self._judging[dtype] = (judging.with_reference_error(self.golden, raw), tols)
+        return self._judging[dtype]
+
+    def tol(self, stage: str, dtype: str | None = None) -> np.ndarray:
+        """The standard tolerance of every element of ``stage`` in ``dtype`` (default: the one asked)."""
+        return np.broadcast_to(self._bounds(dtype or self.dtype)[1][stage], self.golden.stages[stage].shape)
+
+    def selected(self, stage: str) -> np.ndarray:
+        """Which entries of ``stage`` are compared (bool, the stage's shape)."""
+        sel = compared_entries(stage, self.golden.visible)
+        shape = self.golden.stages[stage].shape
+        return np.ones(shape, bool) if sel is None else np.broadcast_to(sel, shape)
+
+    def passes(self, stage: str, dtype: str) -> bool:
+        """``stage`` passes the standard judgement in ``dtype`` against the golden (values aside)."""
+        bounds, tols = self._bounds(dtype)
+        res = compare_stage(stage, self.returned[stage], self.golden.stages[stage], tols[stage], dtype,
+                            compared_entries(stage, self.golden.visible), noise=bounds[stage],
+                            rms_limit=KAPPA**0.5, rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False)
+        return res.verdict == PASS
+
+
+def constant_factor(ev: _Evidence, stage: str = STAGE.scores) -> str:
     """'the golden × c' when every compared score is the golden times one constant c != 1."""
-    sel = np.ones(golden.shape, bool) if visible is None else np.broadcast_to(visible, golden.shape)
-    g, v = golden[sel], got[sel]
-    big = np.abs(g) > 1e-3 * (np.max(np.abs(g)) if g.size else 0)
-    if np.count_nonzero(big) < 2 or not np.all(np.isfinite(v)):
+    got, gold, tol, sel = ev.returned[stage], ev.golden.stages[stage], ev.tol(stage), ev.selected(stage)
+    g, v = gold[sel], got[sel]
+    if g.size < MIN_VALUES or not np.all(np.isfinite(v)):
+        return ""
+    big = np.abs(g) > 1e-3 * np.max(np.abs(g))
+    if np.count_nonzero(big) < MIN_VALUES:
         return ""
     c = float(np.median(v[big] / g[big]))
-    if not np.isfinite(c) or c == 0 or abs(c - 1) < 1e-3 or not _close(v, c * g, dtype):
+    if not np.isfinite(c) or c == 0 or not explains(v, c * g, g, abs(c) * tol[sel], tol[sel]):
         return ""
     inverse = f" (1/{1 / c:.4g})" if abs(c) < 1 else ""
     return (f"the returned scores are the golden × {c:.4g}{inverse} everywhere: a wrong scale "
-            f"(the spec's scale is multiplied in once; 1/sqrt(D_k) unless the config sets it)")
+            f"(the spec's scale is multiplied in once; 1/sqrt(D_k) unless the config sets it) "
+            f"[{_evidence('the golden × c')}]")
 
 
-def head_permutation(got: np.ndarray, golden: np.ndarray, heads: int, dtype: str, stage: str) -> str:
-    """'heads in the wrong order' when returned head h equals golden head perm[h] for a permutation != identity."""
+def _heads_first(x: np.ndarray, stage: str, heads: int) -> np.ndarray:
+    """``x`` (a stage's shape) with the query head as the first axis."""
     if stage in HEAD_AXIS_STAGES:
-        g, v, axis = golden, got, 1
-    else:  # (B, T, H·D): split the last axis into heads
-        g = golden.reshape(*golden.shape[:-1], heads, -1)
-        v = got.reshape(*got.shape[:-1], heads, -1)
-        axis = g.ndim - 2
-    if heads < 2 or g.shape != v.shape:
+        return np.moveaxis(x, 1, 0)
+    split = x.reshape(*x.shape[:-1], heads, -1)  # (B, T, H·D): split the last axis into heads
+    return np.moveaxis(split, split.ndim - 2, 0)
+
+
+def head_permutation(ev: _Evidence, stage: str) -> str:
+    """'heads in the wrong order' when returned head h equals golden head perm[h] for a permutation != identity."""
+    heads = ev.golden.spec.config.H
+    if heads < 2:
         return ""
-    g, v = np.moveaxis(g, axis, 0), np.moveaxis(v, axis, 0)
+    got, gold = ev.returned[stage], ev.golden.stages[stage]
+    v, g = _heads_first(got, stage, heads), _heads_first(gold, stage, heads)
+    tol, sel = _heads_first(np.array(ev.tol(stage)), stage, heads), _heads_first(ev.selected(stage), stage, heads)
     perm = []
     for h in range(heads):
-        match = [j for j in range(heads) if _close(v[h], g[j], dtype)]
+        match = [j for j in range(heads) if sel[j].any()
+                 and float(np.max(_ratio(np.abs(v[h][sel[j]] - g[j][sel[j]]), tol[j][sel[j]]))) <= FIT]
         if len(match) != 1:
             return ""
         perm.append(match[0])
     if sorted(perm) != list(range(heads)) or perm == list(range(heads)):
         return ""
-    return (f"heads in the wrong order: returned head h is golden head perm[h], perm = {perm} "
-            f"(a head axis split or merged in the wrong order)")
-
-
-def blind_rows(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str, failing_elsewhere: bool) -> str:
-    """NaN or uniform attention on the query rows that see no key, when only those rows fail."""
-    blind = ~golden.visible.any(axis=-1)  # (B, H, T)
-    if not blind.any() or failing_elsewhere or stage not in AFTER_SOFTMAX:
+    both = sel[perm] & sel
+    if not explains(v[both], g[perm][both], g[both], tol[perm][both], tol[both]):
         return ""
-    per_head = REGISTRY[stage].head_axis_first  # (B, H, T, ·); else (B, T, ·)
-    if per_head:
-        rows = got[blind]  # (n, ·)
-    else:
-        rows = got[blind.any(axis=1)]
+    return (f"heads in the wrong order: returned head h is golden head perm[h], perm = {perm} "
+            f"(a head axis split or merged in the wrong order) [each head within {FIT:g} tolerances of one "
+            f"golden head only; {_evidence('the permuted golden')}]")
+
+
+def _blind(ev: _Evidence, stage: str) -> np.ndarray:
+    """The stage's entries in the query rows that see no key (bool, the stage's shape)."""
+    blind = ~ev.golden.visible.any(axis=-1)  # (B, H, T)
+    shape = ev.golden.stages[stage].shape
+    if REGISTRY[stage].head_axis_first:  # (B, H, T, ·)
+        return np.broadcast_to(blind[..., None], shape)
+    return np.broadcast_to(blind.any(axis=1)[..., None], shape)  # (B, T, ·)
+
+
+def blind_rows(ev: _Evidence, stage: str) -> str:
+    """NaN or uniform attention on the query rows that see no key, when only those rows fail."""
+    golden = ev.golden
+    if stage not in AFTER_SOFTMAX or golden.visible.any(axis=-1).all():
+        return ""
+    got, gold, tol = ev.returned[stage], golden.stages[stage], ev.tol(stage)
+    rows, sel = _blind(ev, stage), ev.selected(stage)
+    others = ~rows & sel
+    if not others.any():
+        return ""
+    v_out = got[others]
+    if not np.all(np.isfinite(v_out)) or float(np.max(_ratio(np.abs(v_out - gold[others]), tol[others]))) > 1.0:
+        return ""  # the other rows fail too: not (only) the rows that see no key
+    per_head = REGISTRY[stage].head_axis_first
+    blind = ~golden.visible.any(axis=-1)
     n = int(blind.sum()) if per_head else int(blind.any(axis=1).sum())
     where = f"the {n} query row(s) that see no key"
-    if np.isnan(rows).any():
-        return f"NaN in {where} (a softmax over only -inf; spec: zero weights, zero head outputs, output = b_o)"
+    if not np.all(np.isfinite(got[rows])):
+        return (f"NaN in {where} (a softmax over only -inf; spec: zero weights, zero head outputs, output = b_o) "
+                f"[every other row within its tolerance]")
     if stage == STAGE.attn_weights:
         S = got.shape[-1]
-        if _close(rows, np.full_like(rows, 1.0 / S), dtype):
+        alt = np.full(int(np.count_nonzero(rows)), 1.0 / S)
+        if explains(got[rows], alt, gold[rows], UNIFORM_ULPS * EPS[ev.dtype] / S, tol[rows]):
             return (f"{where} attend uniformly (weight 1/S = {1 / S:.4g} on every key: masked logits filled "
-                    f"with a finite number instead of -inf); spec: zero weights")
+                    f"with a finite number instead of -inf); spec: zero weights [within {UNIFORM_ULPS:g} unit "
+                    f"roundoffs of 1/S, every other row within its tolerance]")
         return ""
     v = golden.stages[STAGE.v_proj]  # (B, S, G·E): uniform attention averages the values over S
     H, G = golden.spec.config.H, golden.spec.config.H_kv
@@ -122,15 +288,18 @@ def blind_rows(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str, fail
         else:
             w = golden.weights
             alt = concat @ w["w_o"] + (w["b_o"] if "b_o" in w else 0)
-    mask = blind if stage == STAGE.head_outputs else blind.any(axis=1)
-    if _close(got[mask], alt[mask], dtype, slack=1024.0):
+    # a uniform row is an ordinary attention output (weights 1/S): its rounding is the other rows' size
+    tol_alt = float(np.max(tol[others]))
+    if explains(got[rows], alt[rows], gold[rows], tol_alt, tol[rows]):
         return (f"{where} attend uniformly (the mean of the values: masked logits filled with a finite "
-                f"number instead of -inf); spec: zero head outputs, output = b_o")
+                f"number instead of -inf); spec: zero head outputs, output = b_o [those rows "
+                f"{_evidence('uniform attention')}; every other row within its tolerance]")
     return ""
 
 
-def transposed_weight(got: np.ndarray, golden: GoldenCase, stage: str, dtype: str) -> str:
+def transposed_weight(ev: _Evidence, stage: str) -> str:
     """The stage equals the golden computed with its (square) weight matrix transposed."""
+    golden = ev.golden
     w = golden.weights
     sources = {STAGE.q_proj: ("w_q", "b_q", golden.inputs["query"]), STAGE.k_proj: ("w_k", "b_k", golden.inputs["key"]),
                STAGE.v_proj: ("w_v", "b_v", golden.inputs["value"]),
@@ -140,57 +309,122 @@ def transposed_weight(got: np.ndarray, golden: GoldenCase, stage: str, dtype: st
     name, bias, x = sources[stage]
     if w[name].shape[0] != w[name].shape[1]:
         return ""
-    alt = x @ w[name].T + (w[bias] if bias in w else 0)
-    if _close(got, alt, dtype, slack=1024.0):
+    b = w[bias] if bias in w else 0.0
+    alt = x @ w[name].T + b
+    # the bound's accumulation terms are made of |x|·|W| (+ |b|): scaled to the transposed product's,
+    # element by element, where they grow; plus the rounding of the alternative's own value
+    ours, theirs = np.abs(x) @ np.abs(w[name]) + np.abs(b), np.abs(x) @ np.abs(w[name].T) + np.abs(b)
+    scale = np.maximum(np.where(ours > 0, theirs / np.where(ours > 0, ours, 1.0), 1.0), 1.0)
+    tol = ev.tol(stage)
+    if explains(ev.returned[stage], alt, golden.stages[stage], tol * scale + EPS[ev.dtype] * np.abs(alt), tol):
         label = "W^O" if name == "w_o" else f"W^{name[-1].upper()}"
         return (f"{stage} equals the golden computed with {label} ({name}) transposed: the weight is used as "
-                f"(out, in); the canonical layout is (in, out), y = x @ W + b")
+                f"(out, in); the canonical layout is (in, out), y = x @ W + b [{_evidence(f'x @ {label}ᵀ + b')}]")
     return ""
 
 
-def narrower_dtype(got: np.ndarray, golden: np.ndarray, dtype: str) -> str:
-    """The values all fit a narrower dtype (and the golden rounded to ``dtype`` does not)."""
-    nonzero = np.isfinite(got) & (got != 0)
-    if np.count_nonzero(nonzero) < 16:
-        return ""
+def _fits(v: np.ndarray, g: np.ndarray, asked: str, narrow: str) -> tuple[float, float]:
+    """(the share of the nonzero values ``v`` that are ``narrow`` numbers, that of the golden's
+    rounded to the asked dtype); (0, 1) when there are too few."""
+    nonzero = v != 0
+    if np.count_nonzero(nonzero) < MIN_VALUES:
+        return 0.0, 1.0
     with np.errstate(over="ignore", invalid="ignore"):
-        expected = golden[nonzero].astype(np.float32 if dtype == "float32" else np.float64).astype(np.float64)
-    for narrow in NARROWER[dtype]:
-        if np.mean(representable(got[nonzero], narrow)) >= 0.99 and np.mean(representable(expected, narrow)) < 0.5:
-            return (f"every value fits {narrow}: computed in {narrow} and widened to {dtype} "
-                    f"(a cast, autocast or default dtype narrower than the one asked for)")
-    return ""
+        rounded = g[nonzero].astype(np.float32 if asked == "float32" else np.float64).astype(np.float64)
+    return float(np.mean(representable(v[nonzero], narrow))), float(np.mean(representable(rounded, narrow)))
+
+
+def _all_fit(picked: Mapping[str, tuple[np.ndarray, ...]], asked: str, narrow: str, fraction: float) -> bool:
+    """At least ``fraction`` of every stage's nonzero values are ``narrow`` numbers, and under half of
+    the golden's (rounded to the asked dtype) are in one stage at least: the fit tells."""
+    shares = [_fits(v, g, asked, narrow) for v, g, *_ in picked.values()]
+    return all(ours >= fraction for ours, _ in shares) and any(theirs < 0.5 for _, theirs in shares)
+
+
+def narrower_dtype(ev: _Evidence, stages: list[str]) -> tuple[str, float, float, bool] | None:
+    """(narrower dtype, relative error, largest worst error / the asked dtype's tolerance, every value
+    fits it) when every one of ``stages`` (the failing ones) passes the narrower dtype's standard
+    judgement, with a tolerance sharp enough to tell, and one is far beyond the asked one's; else None."""
+    picked = {}
+    for stage in stages:
+        got, gold, sel = ev.returned[stage], ev.golden.stages[stage], ev.selected(stage)
+        v, g = got[sel], gold[sel]
+        if degenerate(v) or not np.all(np.isfinite(v)):
+            return None
+        err = np.abs(v - g)
+        picked[stage] = (v, g, err, float(np.max(_ratio(err, ev.tol(stage)[sel]))))
+    if sum(v.size for v, *_ in picked.values()) < NARROW_MIN_VALUES or max(b for *_, b in picked.values()) < BEYOND:
+        return None
+
+    def fit(narrow: str) -> bool:
+        return all(float(np.max(ev.tol(stage, narrow)[ev.selected(stage)])) <= SHARP[narrow] * float(np.max(np.abs(g)))
+                   and ev.passes(stage, narrow) for stage, (v, g, _, _) in picked.items())
+
+    narrow = next((n for n in NARROWER[ev.dtype] if fit(n)), None)
+    if narrow is None:
+        return None
+    if narrow == "float16" and _all_fit(picked, ev.dtype, "bfloat16", NARROW_FRACTION) and fit("bfloat16"):
+        narrow = "bfloat16"  # float16 numbers of bfloat16's 8 significant bits: bfloat16's
+    rel = max(float(np.max(err) / max(float(np.max(np.abs(g))), np.finfo(np.float64).tiny))
+              for v, g, err, _ in picked.values())
+    fits = _all_fit(picked, ev.dtype, narrow, 0.99)
+    return narrow, rel, max(b for *_, b in picked.values()), fits
+
+
+def _where(named: list[str], exposed: list[str]) -> str:
+    """'every stage', 'attn_weights onward' or the stages, for the stages ``named`` of those ``exposed``."""
+    if len(named) == 1:
+        return named[0]
+    if named == exposed:
+        return "every stage"
+    if named == exposed[exposed.index(named[0]):]:
+        return f"{named[0]} onward"
+    return ", ".join(named)
 
 
 def diagnose(golden: GoldenCase, returned: Mapping[str, Any], dtype: str, stages: Sequence[StageResult]) -> list[str]:
     """Hints about the failing stages of one case (first failing stage first); [] when nothing is recognised."""
+    # the forward stages (the backward ones have no signature here)
+    failing = [st.stage for st in stages if st.verdict == FAIL and st.stage in returned and st.stage in STAGES]
+    if not failing:
+        return []
+    exposed = [st.stage for st in stages if st.verdict != NOT_EXPOSED and st.stage in STAGES]
+    arrays: dict[str, np.ndarray] = {}
+    for stage in dict.fromkeys(failing + [s for s in exposed if s in returned]):
+        got, _ = as_float_array(returned[stage])
+        if got is not None and got.shape == golden.stages[stage].shape:
+            arrays[stage] = got
+    B, H, T, S = golden.visible.shape
+    if B * H * T * S > MAX_BLOCK_ELEMENTS:  # a large case: its first block of query rows
+        t1 = min(T, max(1, MAX_BLOCK_ELEMENTS // (H * S)))
+        block = block_case(golden, 0, 0, t1)
+        arrays = {k: _slice_stage(k, a, 0, 0, t1) for k, a in arrays.items()}
+        with judging.judging_block(block, golden, {}):
+            return _diagnose(_Evidence(block, arrays, dtype), failing, exposed)
+    return _diagnose(_Evidence(golden, arrays, dtype), failing, exposed)
+
+
+def _diagnose(ev: _Evidence, failing: list[str], exposed: list[str]) -> list[str]:
     hints: list[str] = []
-    H = golden.spec.config.H
-    for st in stages:
-        if st.verdict != FAIL or st.stage not in returned:
-            continue
-        got, _ = as_float_array(returned[st.stage])
-        gold = golden.stages[st.stage]
-        if got is None or got.shape != gold.shape:
-            continue
-        with np.errstate(all="ignore"):
-            found = (
-                (constant_factor(got, gold, golden.visible, dtype) if st.stage == STAGE.scores else "")
-                or (head_permutation(got, gold, H, dtype, st.stage) if st.stage in PER_HEAD_STAGES else "")
-                or blind_rows(got, golden, st.stage, dtype, _fails_outside_blind_rows(got, gold, golden, st.stage, dtype))
-                or transposed_weight(got, golden, st.stage, dtype)
-                or narrower_dtype(got, gold, dtype)
+    present = [stage for stage in failing if stage in ev.returned]  # (not: a stage of the wrong shape)
+    signed = len(present) < len(failing)  # then no narrower dtype either: not every failing stage fits it
+    with np.errstate(all="ignore"):
+        for stage in present:
+            found = "" if degenerate(ev.returned[stage]) else (
+                (constant_factor(ev) if stage == STAGE.scores else "")
+                or (head_permutation(ev, stage) if stage in PER_HEAD_STAGES else "")
+                or blind_rows(ev, stage)
+                or transposed_weight(ev, stage)
             )
-        if found and not any(found in h for h in hints):
-            hints.append(f"{st.stage}: {found}")
+            signed = signed or bool(found)
+            if found and not any(found in h for h in hints):
+                hints.append(f"{stage}: {found}")
+        fit = None if signed else narrower_dtype(ev, failing)
+    if fit is not None:
+        narrow, rel, beyond, fits = fit
+        hints.append(f"{_where(failing, exposed)}: {narrow}-accurate (errors ≈ {rel:.0e} relative, {ev.dtype} "
+                     f"asked: within {narrow}'s tolerance, up to {beyond:.2g}× {ev.dtype}'s)"
+                     f"{f'; every value fits {narrow}' if fits else ''}: computed in {narrow} and widened to "
+                     f"{ev.dtype} (a cast, autocast, default dtype or library function narrower than the one "
+                     f"asked for)")
     return hints
-
-
-def _fails_outside_blind_rows(got: np.ndarray, gold: np.ndarray, golden: GoldenCase, stage: str, dtype: str) -> bool:
-    """Whether ``got`` is far from the golden (beyond rounding) outside the rows that see no key."""
-    blind = ~golden.visible.any(axis=-1)
-    if stage not in AFTER_SOFTMAX:
-        return True
-    keep = ~blind if REGISTRY[stage].head_axis_first else ~blind.any(axis=1)
-    g, v = gold[keep], got[keep]
-    return not _close(v, g, dtype, slack=4096.0)

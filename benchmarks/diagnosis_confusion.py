@@ -1,0 +1,207 @@
+"""The diagnosis's confusion table: which signature each variant of the zoo is given, per dtype.
+
+Runs every variant below over the catalog in each dtype (``mhaspec.check(adapter,
+isolate=False, timeout=None)``) and sorts the diagnosis of every failing case×dtype into the
+signatures of src/mhaspec/conformance/diagnose.py.  Rows are variants, columns the signature
+named ("none": no signature at all), one table per dtype.  EXPECTED says, for each variant,
+the one signature that is right for it, or None (then only "none" is right); a signature
+other than that is *wrong*.  A variant that is no bug in a dtype (tests/zoo.py ``applies``:
+float16 computation when float16 is asked) expects "none" there.
+
+The variants: the BUGS and OUTPUT_ONLY_BUGS of tests/variants.py; its look-alikes (zeros,
+random noise, a correct-but-imprecise q_proj: LOOKALIKES); the bugs kept for the diagnosis
+(each of W^Q, W^K, W^V transposed, a float64 run in float32 throughout, a float64 run whose
+softmax is in float32: DIAGNOSED_BUGS); and every correct variant (CORRECT, CORRECT output
+only, NATIVE), which expect none.
+
+    python benchmarks/diagnosis_confusion.py [--dtype float64 ...] [--variant SUBSTRING ...] [-v]
+
+Exit status 1 when any dtype has a wrong signature.  ``-v`` prints each wrong one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mhaspec  # noqa: E402
+from mhaspec.conformance import FAIL  # noqa: E402
+from mhaspec.spec import DTYPES  # noqa: E402
+from tests.variants import (BUGS, CORRECT, DIAGNOSED_BUGS, LOOKALIKES, NATIVE, OUTPUT_ONLY_BUGS,  # noqa: E402
+                            output_only)
+from tests.zoo import applies  # noqa: E402
+
+#: signature -> the pattern of its text in a diagnosis (diagnose.py's wording)
+SIGNATURES = {
+    "scale": r"the returned scores are the golden ×",
+    "heads": r"heads in the wrong order",
+    "nokey-NaN": r"NaN in the \d+ query row\(s\) that see no key",
+    "nokey-uniform": r"that see no key attend uniformly",
+    "WqT": r"W\^Q \(w_q\) transposed",
+    "WkT": r"W\^K \(w_k\) transposed",
+    "WvT": r"W\^V \(w_v\) transposed",
+    "WoT": r"W\^O \(w_o\) transposed",
+    "as-float32": r"float32-accurate|every value fits float32",
+    "as-float16": r"\bfloat16-accurate|every value fits float16",
+    "as-bfloat16": r"bfloat16-accurate|every value fits bfloat16",
+}
+OTHER = "other"  # a diagnosis matching none of the patterns: always wrong
+NONE = "none"
+COLUMNS = [*SIGNATURES, OTHER, NONE]
+
+#: variant -> the signature that is right for it (None: no signature is)
+EXPECTED: dict[str, str | None] = {
+    "missing_scale": "scale",
+    "scale_by_d_model": "scale",
+    "softmax_over_queries": None,
+    "heads_split_in_wrong_order": None,  # features of a head interleaved with other heads': no permutation
+    "heads_merged_without_transpose": None,  # query rows and heads mixed: no permutation of heads
+    "w_o_transposed": "WoT",
+    "causal_off_by_one": None,
+    "causal_wrong_alignment": None,
+    "mask_polarity_inverted": None,
+    "mask_applied_after_softmax": None,
+    "gqa_heads_by_modulo": None,
+    "softmax_without_max_subtraction": None,
+    "unnormalised_pv": None,
+    "online_softmax_stale_accumulator": None,
+    "dropout_left_on": None,
+    "float16_when_float32_asked": "as-float16",
+    "bfloat16_when_float16_asked": "as-bfloat16",  # in float64 and float32; float16 asked: none (see below)
+    "output_bias_dropped": None,
+    "uniform_weights_on_fully_masked_rows": "nokey-uniform",
+    "nan_on_fully_masked_rows": "nokey-NaN",
+    # what "output" alone shows
+    **{f"{name}+output_only": None for name in BUGS},
+    "w_o_transposed+output_only": "WoT",
+    "float16_when_float32_asked+output_only": "as-float16",
+    "bfloat16_when_float16_asked+output_only": "as-bfloat16",
+    "uniform_weights_on_fully_masked_rows+output_only": "nokey-uniform",
+    "nan_on_fully_masked_rows+output_only": "nokey-NaN",
+    # look-alikes: never a signature
+    **{name: None for name in LOOKALIKES},
+    "w_q_transposed": "WqT",
+    "w_k_transposed": "WkT",
+    "w_v_transposed": "WvT",
+    "float32_when_float64_asked": "as-float32",
+    "softmax_in_float32_when_float64_asked": "as-float32",
+    "float32_exp_when_float64_asked": "as-float32",
+    # correct implementations: never a signature
+    **{name: None for name in CORRECT},
+    **{f"{name}+output_only": None for name in CORRECT},
+    **{name: None for name in NATIVE},
+}
+
+#: Where a variant expects a signature in some dtypes only: (variant, dtype asked) -> expected there.
+#: A float16 run computed in bfloat16 is not named: bfloat16 is only 8 times float16's rounding, too
+#: close to tell from a float16 implementation that is merely imprecise (compare.py's
+#: representability fingerprint names it in the verdict's message instead).
+EXPECTED_IN = {
+    ("bfloat16_when_float16_asked", "float16"): None,
+    ("bfloat16_when_float16_asked+output_only", "float16"): None,
+}
+
+
+def variants() -> dict[str, object]:
+    """Every variant of the table, by name."""
+    out: dict[str, object] = {}
+    out.update({name: v for name, (v, _) in BUGS.items()})
+    out.update({name: v for name, (v, _) in OUTPUT_ONLY_BUGS.items()})
+    out.update(LOOKALIKES)
+    out.update({name: v for name, (v, _) in DIAGNOSED_BUGS.items()})
+    out.update(CORRECT)
+    out.update({f"{name}+output_only": output_only(v) for name, v in CORRECT.items()})
+    out.update(NATIVE)
+    return out
+
+
+def expected(name: str, adapter: object, dtype: str) -> str | None:
+    """The signature that is right for ``name`` in ``dtype`` (None: only "none" is right)."""
+    if not applies(adapter, dtype):
+        return None  # computing in the dtype asked for: no bug there
+    return EXPECTED_IN.get((name, dtype), EXPECTED[name])
+
+
+def signatures(hints: list[str]) -> set[str]:
+    """The signatures named by one case's diagnosis ({NONE} when it is empty)."""
+    named = set()
+    for h in hints:
+        kinds = [k for k, pattern in SIGNATURES.items() if re.search(pattern, h)]
+        named.update(kinds or [OTHER])
+    return named or {NONE}
+
+
+def run(names: list[str], dtype: str) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """(per variant: the count of failing case×dtype per column, and "fail", "found", "expected":
+    those failing, those naming the right signature, those expecting one; the wrong signatures)."""
+    zoo = variants()
+    counts: dict[str, dict[str, int]] = {}
+    wrong: list[str] = []
+    for name in names:
+        adapter = zoo[name]
+        right = expected(name, adapter, dtype)
+        row = dict.fromkeys([*COLUMNS, "fail", "found", "expected"], 0)
+        for r in mhaspec.check(adapter, dtypes=[dtype], isolate=False, timeout=None).results:
+            if r.verdict != FAIL:
+                continue
+            row["fail"] += 1
+            named = signatures(r.hints)
+            for kind in named:
+                row[kind] += 1
+            bad = named - {NONE, right}
+            if bad:
+                wrong.append(f"{name} on {r.case} [{dtype}]: {sorted(bad)}: {r.hints}")
+            if right is not None:
+                row["expected"] += 1
+                row["found"] += right in named
+        counts[name] = row
+    return counts, wrong
+
+
+def table(dtype: str, names: list[str], counts: dict[str, dict[str, int]], seconds: float) -> list[str]:
+    """The confusion table of one dtype, one line per variant."""
+    width = max(len(n) for n in names) + 2
+    head = f"{'variant':<{width}}{'expected':<14}{'fail':>5} " + "".join(f"{c:>{max(len(c), 4) + 1}}" for c in COLUMNS)
+    lines = [f"== {dtype} ({seconds:.0f} s): failing case×dtype by the signature named ==", head]
+    zoo = variants()
+    for name in names:
+        row = counts[name]
+        right = expected(name, zoo[name], dtype) or "-"
+        cells = "".join(f"{(row[c] or '.'):>{max(len(c), 4) + 1}}" for c in COLUMNS)
+        lines.append(f"{name:<{width}}{right:<14}{row['fail']:>5} {cells}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype(s) to run (default: all four)")
+    parser.add_argument("--variant", action="append", help="only the variants whose name contains this")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every wrong signature")
+    args = parser.parse_args()
+    names = [n for n in variants() if not args.variant or any(s in n for s in args.variant)]
+    missing = [n for n in names if n not in EXPECTED]
+    if missing:
+        raise SystemExit(f"no expected signature for: {', '.join(missing)}")
+    status = 0
+    for dtype in args.dtype or DTYPES:
+        start = time.perf_counter()
+        counts, wrong = run(names, dtype)
+        found, wanted = sum(row["found"] for row in counts.values()), sum(row["expected"] for row in counts.values())
+        print("\n".join(table(dtype, names, counts, time.perf_counter() - start)))
+        print(f"{dtype}: expected signature found in {found} of {wanted} failing case×dtype that expect one")
+        print(f"{dtype}: wrong signatures: {len(wrong)}", flush=True)
+        if wrong:
+            status = 1
+            for line in wrong if args.verbose else wrong[:5]:
+                print(f"    {line}")
+        print()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
