@@ -95,7 +95,13 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
     for stage in b0:
         limit = 1e-7 if stage in ("scores", "attn_weights") else 1e-6
         assert _rel(b0[stage].sigma, b1[stage].sigma) <= limit, stage
-        assert _rel(b0[stage].worst, b1[stage].worst) <= limit, stage
+        # the worst part against the whole tolerance: under the probabilistic accumulation it can be
+        # only the second-order term, 1e-12 of the tolerance, whose closed form the loops evaluate
+        # with other exponentials (a few % apart there, each an upper bound of the exact term)
+        w0, w1 = b0[stage].worst, b1[stage].worst
+        assert np.array_equal(np.isfinite(w0), np.isfinite(w1)), stage
+        fin = np.isfinite(w0)
+        assert np.all(np.abs(w0[fin] - w1[fin]) <= limit * t0[stage][fin]), stage
         assert _rel(t0[stage], t1[stage]) <= limit, stage
     # masked weights: no allowance at all, in both
     hidden = ~golden.visible

@@ -225,21 +225,21 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             Q = heads(own[STAGE.q_proj], H).reshape(N, T, -1)
             K, K2, aK = judging.memoised(golden, ("local keys",), key_operands)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
-            g_d = r.gamma(cfg.D_k)
+            a_d = r.accumulation(cfg.D_k)
 
             def scores(n: slice, rows: slice, buf: Scratch) -> None:
                 q, dst = Q[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_scores(kernels, q, K[n], K2[n], aK[n], scale, u, g_d,
+                if kernels is not None and compiled.local_scores(kernels, q, K[n], K2[n], aK[n], scale, u, a_d,
                                                                  floor, dst, buf):
                     return
-                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, g_d, floor, dst, buf):
+                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf):
                     return
-                x, b = local_rules.scores(q, K[n], K2[n], aK[n], scale, g_d, r, worst_case)
+                x, b = local_rules.scores(q, K[n], K2[n], aK[n], scale, a_d, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
 
             each(scores)
             out[STAGE.scores] = finish(ref, sig, wor, (B, H, T, S))
-        g_s = r.gamma(S)
+        a_s = r.accumulation(S)
 
         def softmax_pass(scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst)."""
@@ -248,11 +248,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def weights(n: slice, rows: slice, buf: Scratch) -> None:
                 s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, g_s, floor, dst, buf):
+                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
                     return
-                if fast and inplace.local_weights(s_, vis, u, ua, g_s, floor, dst, buf):
+                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf):
                     return
-                ref[n, rows], sig[n, rows], wor[n, rows] = local_rules.weights(s_, vis, g_s, r, worst_case)
+                ref[n, rows], sig[n, rows], wor[n, rows] = local_rules.weights(s_, vis, a_s, r, worst_case)
 
             each(weights)
             return ref, sig, wor
@@ -273,12 +273,12 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def outputs(n: slice, rows: slice, buf: Scratch) -> None:
                 pc, dst = P[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, g_s, floor,
+                if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s, floor,
                                                                   dst, buf):
                     return
-                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, g_s, floor, dst, buf):
+                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf):
                     return
-                x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], g_s, r, worst_case)
+                x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
 
             each(outputs)

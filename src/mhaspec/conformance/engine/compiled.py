@@ -20,7 +20,7 @@ from ...fixtures import GoldenCase
 from .. import judging
 from ..compare import Scratch
 from ..model.forward import AttentionConstants
-from ..model.vocabulary import U32, U64, Bound, Error, Pair, gamma, stored, swap
+from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored, swap
 from . import inplace
 
 
@@ -105,7 +105,7 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
         np.matmul(lhs_in.astype(np.float32), KK.f32, out=m1)  # upper32's products, factors in c1, c2
         np.matmul(np.abs(Q).astype(np.float32), aK.f32, out=m2)
     c1 = c.scale**2 * u2 * (1 + 2 * float(gamma(lhs_in.shape[-1] + 2, U32)))
-    c2 = c.g_d * c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, U32)))
+    c2 = c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, U32)))  # m = scale·|Q||K|ᵀ, then γ_d·m, σ_d·m
     lhs, q, pk = buf("k_lhs", shape), buf("k_q", shape), buf("k_pk", shape[:-1])
     pp32, lhs32 = buf("k_pp32", shape, np.float32), buf("k_lhs32", shape, np.float32)
     # the reference errors: both arrays, or both values (the two arrays of a float64 golden are 0)
@@ -115,7 +115,8 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
         ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
     with np.errstate(over="ignore", invalid="ignore"):
         ok = run(
-            kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, u2, c.ua, c.g_s, c.floor, 1.0,
+            kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, c.a_d.worst, c.a_d.sigma, u2, c.ua,
+            c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
             bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
             lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
@@ -134,7 +135,7 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
 
 
 def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
-                 u: float, g_d: float, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 u: float, a_d: Acc, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
                  buf: Scratch) -> bool:
     """:func:`.inplace.local_scores` with its elementwise passes in one compiled sweep
     (:func:`.kernels.local_scores_chunk`)."""
@@ -146,22 +147,22 @@ def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair,
         np.matmul(np.abs(q).astype(np.float32), aK.f32, out=m_wor)
     f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, U32))  # inplace.product32's factor
     return run(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
-               2 * u * u + U64**2, g_d * scale * f32, floor, sig, wor)
+               2 * u * u + U64**2, a_d.worst * scale * f32, a_d.sigma * scale * f32, floor, sig, wor)
 
 
-def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
+def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                   out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`)."""
     ref, sig, wor = out
-    return run(kernels, "local_weights_chunk", s, vis, u**2, ua, g_s, floor, ref, sig, wor,
+    return run(kernels, "local_weights_chunk", s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor,
                buf("k_rows", (8, s.shape[-1])))
 
 
-def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g_s: float,
+def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
                   floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """:func:`.inplace.local_outputs` with the float32 operands p² and |p| of its bound products formed
     in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers."""
     sq, ab = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
     if not run(kernels, "local_outputs_operands", pc, sq, ab):
         return False
-    return inplace.local_outputs(pc, V, V2, aV, u, g_s, floor, out, buf, operands=(sq, ab))
+    return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab))

@@ -19,7 +19,7 @@ import numpy as np
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
-from ..model.vocabulary import LAMBDA, U32, U64, Pair, gamma, stored, swap, upper32
+from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
 
 
 def finite(*arrays: np.ndarray) -> bool:
@@ -137,7 +137,7 @@ class WeightsParts(NamedTuple):
 
 
 def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.ndarray | None, u: float,
-                  ua: float, g_s: float, floor: float, cap: bool, sig_out: np.ndarray, wor_out: np.ndarray,
+                  ua: float, a_s: Acc, floor: float, cap: bool, sig_out: np.ndarray, wor_out: np.ndarray,
                   buf: Scratch) -> WeightsParts:
     """Bound of the attention weights ``p`` whose scores have error variances ``ts2`` (any finite
     value where masked: p is 0 there): sigma and worst into ``sig_out`` and ``wor_out``, 0 where
@@ -149,7 +149,7 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
     np.multiply(p, p, out=pp)
     np.multiply(pp, ts2, out=q)
     pk = q.sum(axis=-1, keepdims=True)
-    # sigma = p·sqrt((1 − p)² t² + max(pk − p² t², 0) + u² + U64²)  (:func:`_softmax_rel2`)
+    # sigma = p·sqrt((1 − p)² t² + max(pk − p² t², 0) + u² + U64² + σ_S²)  (:func:`weights_sigma`)
     t, d = buf("w_t", shape), buf("w_d", shape)
     np.subtract(1.0, p, out=t)
     np.multiply(t, t, out=t)
@@ -157,15 +157,14 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
     np.subtract(pk, q, out=d)
     np.maximum(d, 0.0, out=d)
     t += d
-    t += u2
-    t += U64**2
+    t += u2 + U64**2 + a_s.sigma**2
     np.sqrt(t, out=t)
     np.multiply(p, t, out=sig_out)
-    # the softmax's own rounding: p (g_s + ua (|s| + max_visible |s|))
+    # the softmax's own rounding, worst-case: p (γ_S + ua (|s| + max_visible |s|))
     p_round = buf("w_round", shape)
     np.add(abs_s, row_max_visible(abs_s, visf, buf), out=p_round)
     p_round *= ua
-    p_round += g_s
+    p_round += a_s.worst
     p_round *= p
     # the second-order term, scores moving by up to LAMBDA·sqrt(t²)
     tau = buf("w_tau", shape)
@@ -182,6 +181,8 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
     wor_out += floor
     if visf is not None:
         wor_out *= visf
+    if a_s.sigma:  # all of the softmax's own rounding, for the head outputs
+        p_round += a_s.sigma * p
     return WeightsParts(pp, q, pk, p_round, second)
 
 
@@ -203,32 +204,41 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
     np.multiply(s, s, out=t)
     t *= 2 * u2 + U64**2  # stored(u, s, s)
     s2 += t
-    np.sqrt(s2, out=sig_s)
-    if not product32(np.abs(Q), aK, c.g_d * c.scale, ws):
+    # the score sums' accumulation, m = scale·|Q||K|ᵀ: σ_d·m in sigma, γ_d·m in worst (one of them is 0)
+    if not product32(np.abs(Q), aK, c.scale, ws):
         return False
+    ts2 = buf("a_ts2", shape)
+    if c.a_d.sigma:
+        np.multiply(ws, c.a_d.sigma, out=ts2)
+        ts2 *= ts2
+        s2 += ts2
+    np.sqrt(s2, out=sig_s)
+    ws *= c.a_d.worst
     np.add(ws, c.floor, out=wor_s)
     # 3. attention weights
-    ts2 = buf("a_ts2", shape)
     np.multiply(ws, ws, out=ts2)
     ts2 += s2
     abs_s = np.abs(s, out=t)
-    w = weights_into(p, ts2, abs_s, visf, u, c.ua, c.g_s, c.floor, True, sig_p, wor_p, buf)
+    w = weights_into(p, ts2, abs_s, visf, u, c.ua, c.a_s, c.floor, True, sig_p, wor_p, buf)
     # 4. head outputs (the model's head_outputs)
     lhs = buf("a_lhs", shape)
     np.multiply(w.pp, u2 + U64**2, out=lhs)
     np.add(w.q, lhs, out=lhs)
     np.multiply(w.p_round, w.p_round, out=t)
     lhs += t
+    if c.a_s.sigma:  # P·V's accumulation as a standard deviation: σ_S²·Σ_j p_j v_j²
+        np.multiply(p, c.a_s.sigma**2, out=t)
+        lhs += t
     var_v2 = lhs @ V2
     o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2) + stored(u, o, o))
-    np.multiply(p, c.g_s, out=lhs)
+    np.multiply(p, c.a_s.worst, out=lhs)
     np.add(w.second, lhs, out=lhs)
     o2_out[...] = o2
     wo_out[...] = upper32(lhs, aV)
     return finite(sig_s, wor_s, sig_p, wor_p, o2_out, wo_out)
 
 
-def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, u: float, g_d: float,
+def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, u: float, a_d: Acc,
                        floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
     sigma, worst); False where a value is not finite."""
@@ -241,14 +251,19 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
     np.multiply(ref, ref, out=t)
     t *= 2 * u * u + U64**2  # stored(u, x, x)
     sig += t
-    np.sqrt(sig, out=sig)
-    if not product32(np.abs(q), aK, g_d * scale, wor):
+    if not product32(np.abs(q), aK, scale, wor):
         return False
+    if a_d.sigma:
+        np.multiply(wor, a_d.sigma, out=t)
+        t *= t
+        sig += t
+    np.sqrt(sig, out=sig)
+    wor *= a_d.worst
     wor += floor
     return finite(ref, sig, wor)
 
 
-def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: float, floor: float,
+def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                         out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
     ref, sig, wor = out
@@ -271,11 +286,11 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, g_s: floa
     np.multiply(s, s, out=ts2)
     ts2 *= U64**2 + u * u  # stored(u, s)
     np.abs(s, out=abs_s)
-    weights_into(ref, ts2, abs_s, visf, u, ua, g_s, floor, False, sig, wor, buf)
+    weights_into(ref, ts2, abs_s, visf, u, ua, a_s, floor, False, sig, wor, buf)
     return finite(sig, wor)
 
 
-def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g_s: float,
+def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
                   floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
                   operands: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
     """The local head-outputs check of one chunk from the adapter's own weights ``pc``; ``operands``:
@@ -292,9 +307,12 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, g
     if not product32(sq, V2, 2 * u * u, sig):
         return False
     sig += stored(u, ref, ref)
-    np.sqrt(sig, out=sig)
-    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, g_s, wor):
+    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor):
         return False
+    if a_s.sigma:
+        sig += np.square(wor * a_s.sigma)
+    np.sqrt(sig, out=sig)
+    wor *= a_s.worst
     wor += floor
     return finite(ref, sig, wor)
 

@@ -188,19 +188,21 @@ def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
+def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor, cap,
                     want_bounds, sig_s, wor_s, sig_p, wor_p,
                     want_tol, ext_arrays, ext_s, ext_s_val, ext_p, ext_p_val, tol_s, tol_p,
                     lhs, q, pp32, lhs32, pk_out, work):
     """Steps 2 and 3 of the golden bounds, and the operands of step 4, for a (heads, rows, S) chunk.
 
     ``m1``, ``m2``: the float32 products of the score variances and of |Q||K|ᵀ, ``c1``, ``c2`` their
-    factors; ``vis`` the visibility.  Writes sigma and worst of the scores and weights into ``sig_s``
+    factors, ``w_d``/``s_d`` and ``w_s``/``s_s`` the score sums' and the softmax's and P·V's
+    accumulation coefficients, worst-case and standard deviation (model.vocabulary.Acc); ``vis``
+    the visibility.  Writes sigma and worst of the scores and weights into ``sig_s``
     … ``wor_p`` where ``want_bounds``, their tolerances ``LAMBDA·sigma + (worst + reference error)``
     into ``tol_s``, ``tol_p`` where ``want_tol`` (the errors from ``ext_s``, ``ext_p`` where
     ``ext_arrays``, otherwise the values ``ext_s_val``, ``ext_p_val``), and
     ``lhs`` = p²t² + (u² + U64²)p² + p_round², ``q`` = p²t², ``pk_out`` = Σ_S q, ``pp32`` = p² and
-    ``lhs32`` = second + γ_S·p for the head outputs.  ``work``: ten rows of S float64; ``cap``: the
+    ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of S float64; ``cap``: the
     largest worst part of a weight before its floor (1).
     Returns False where a value written is not finite."""
     n_heads, R, S = s.shape
@@ -219,8 +221,10 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
                 sj = sr[j]
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
-                s2 = c1 * mr1[j] + stored * (sj * sj)
-                ws = c2 * mr2[j]
+                m = c2 * mr2[j]
+                sa = s_d * m
+                s2 = c1 * mr1[j] + stored * (sj * sj) + sa * sa
+                ws = w_d * m
                 t2 = ws * ws + s2
                 ts2[j] = t2
                 qq = (pj * pj) * t2
@@ -243,29 +247,30 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, u2, ua, g_s, floor, cap,
             for j in range(S):  # 3. the weights' sigma; ℓ of the second-order term
                 pj = pr_[j]
                 d = max(pk - q[h, i, j], 0.0)
-                sigp[j] = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * ts2[j] + d + u2 + U64_2)
+                sigp[j] = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * ts2[j] + d + (u2 + U64_2 + s_s * s_s))
                 ell[j] = tau[j] + row - 2 * ptau[j]
             _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, sgs, S)
             for j in range(S):  # the weights' worst part; the head outputs' operands
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sec = ptau[j]
-                pr = pj * (g_s + ua * (abs(sr[j]) + rmax))
+                pr = pj * (w_s + ua * (abs(sr[j]) + rmax))
                 w = min(pr + sec, cap)
                 wr = (w + floor) * v
                 wrs[j] = wr
                 pp = pj * pj
-                lh = q[h, i, j] + (u2 + U64_2) * pp + pr * pr
+                pt = pr + s_s * pj  # all of the softmax's own rounding
+                lh = q[h, i, j] + (u2 + U64_2) * pp + pt * pt + (s_s * s_s) * pj
                 lhs[h, i, j] = lh
                 pp32[h, i, j] = pp
-                lhs32[h, i, j] = sec + g_s * pj
+                lhs32[h, i, j] = sec + w_s * pj
                 chk += wr + sigp[j] + lh
             _emit(h, i, S, sigp, wrs, want_bounds, sig_p, wor_p, want_tol, ext_arrays, ext_p, ext_p_val, tol_p)
     return math.isfinite(chk)
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
+def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
     """The local attention-weights check of a (heads, rows, S) chunk from the adapter's own scores ``s``
     (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
     no visible key: 0), the bound of its own rounding and of the scores' storage rounding into ``sig``
@@ -314,7 +319,7 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
                 pj = pr_[j]
                 t2 = ts2[j]
                 d = max(pk - (pj * pj) * t2, 0.0)
-                sg = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * t2 + d + u2 + U64_2)
+                sg = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * t2 + d + (u2 + U64_2 + s_s * s_s))
                 sig[h, i, j] = sg
                 chk += sg
                 ell[j] = tau[j] + row - 2 * ptau[j]
@@ -323,17 +328,17 @@ def local_weights_chunk(s, vis, u2, ua, g_s, floor, ref, sig, wor, work):
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
-                w = (pj * (g_s + ua * (abs(sj) + rmax)) + ptau[j] + floor) * v
+                w = (pj * (w_s + ua * (abs(sj) + rmax)) + ptau[j] + floor) * v
                 wor[h, i, j] = w
                 chk += w
     return math.isfinite(chk)
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, floor, sig, wor):
+def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor):
     """The local scores check of a (heads, rows, S) chunk once its products are formed
     (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
-    sqrt(c_sig·m_sig + stored·ref²), ``wor`` = c_wor·m_wor + floor, from the float32 products
+    sqrt(c_sig·m_sig + stored·ref² + (c_acc·m_wor)²), ``wor`` = c_wor·m_wor + floor, from the float32 products
     ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  False where a value is not finite."""
     n_heads, R, S = ref.shape
     chk = 0.0
@@ -343,7 +348,8 @@ def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, floor, si
             for j in range(S):
                 x = rr[j] * scale
                 rr[j] = x
-                sg = math.sqrt(c_sig * ms[j] + stored * (x * x))
+                a = c_acc * mw[j]
+                sg = math.sqrt(c_sig * ms[j] + stored * (x * x) + a * a)
                 wr = c_wor * mw[j] + floor
                 so[j] = sg
                 wo[j] = wr

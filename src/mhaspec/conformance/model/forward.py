@@ -2,9 +2,12 @@
 
 Each rule returns, per element, an :class:`~.vocabulary.Error`: ``var`` — the variance bound of
 everything that reached the stage from earlier stages (their storage roundings and their
-accumulation errors, propagated linearised) plus its own storage roundings — and ``acc`` — its
-own accumulation error, worst-case, which is not averaged within the element but enters later
-stages as one more independent term, ``T² = var + acc²`` (``Error.total_var``):
+accumulation errors, propagated linearised) plus its own storage roundings and, for a long sum,
+its own accumulation, a standard deviation σ_acc(n + k)·Σ|ab| (Higham & Mary) — and ``acc`` —
+what it counts worst-case (a short sum's accumulation γ_acc(n + k)·Σ|ab|, the softmax's second
+order), not averaged within the element but entering later stages as one more independent term,
+``T² = var + acc²`` (``Error.total_var``).  Which of the two counts a length-n sum is
+:meth:`~.vocabulary.Rounding.accumulation` (:class:`~.vocabulary.Acc`: σ where LAMBDA·σ < γ):
 
 1. :func:`projection`   y = x W + b                        (q_proj, k_proj, v_proj)
 2. :func:`scores`       s = scale · Q Kᵀ                   (per chunk of query rows)
@@ -30,35 +33,36 @@ from ...spec import STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from .softmax import (score_moves, second_order, softmax_rounding, softmax_worst, visible_row_max,
                       weights_sigma)
-from .vocabulary import (EXACT, LINEAR, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, product,
+from .vocabulary import (EXACT, LINEAR, U64, Acc, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, product,
                          stored, swap, upper32)
 
 
 def projection(golden: GoldenCase, letter: str, r: Rounding) -> Error:
     """1. y = x @ W + b (``letter``: q, k, v, :data:`~.vocabulary.LINEAR`): inputs and weights are
     exact; the product and the bias add may each be rounded to the dtype; the sum is accumulated in
-    the accumulator (:func:`~.vocabulary.product`):
+    the accumulator (:func:`~.vocabulary.product`, :meth:`~.vocabulary.Error.accumulated`):
 
-    var = u²·(|xW|² + |y|²) + U64²·y², acc = γ_acc(d_in + k)·(|x|@|W| + |b|)."""
+    var = u²·(|xW|² + |y|²) + U64²·y² + (σ·(|x|@|W| + |b|))², acc = γ·(|x|@|W| + |b|),
+    (γ, σ) = :meth:`~.vocabulary.Rounding.accumulation` (d_in)."""
     lin, w = LINEAR[letter], golden.weights
     x, wm, b, y = lin.input_of(golden), w[lin.weight], w.get(lin.bias), golden.stages[lin.y]
     xw = y if b is None else y - b
-    return product(x, EXACT, wm, EXACT, r.gamma(wm.shape[0]), r.u, stored_as=(xw, y), bias=b)
+    return product(x, EXACT, wm, EXACT, 1.0, r.u, stored_as=(xw, y), bias=b).accumulated(r.accumulation(wm.shape[0]))
 
 
 class AttentionConstants(NamedTuple):
     u: float  # the dtype's unit roundoff
     ua: float  # the accumulator's
     scale: float
-    g_d: float  # γ_acc(D_k + k): the score sums
-    g_s: float  # γ_acc(S + k): the softmax and P·V sums
+    a_d: Acc  # how the score sums' accumulation counts (length D_k)
+    a_s: Acc  # the softmax's and P·V's (length S)
     floor: float  # the dtype's absolute floor
 
     @classmethod
     def of(cls, golden: GoldenCase, r: Rounding) -> "AttentionConstants":
         cfg = golden.spec.config
-        return cls(u=r.u, ua=r.acc, scale=float(cfg.scale), g_d=r.gamma(cfg.D_k),  # type: ignore[arg-type]
-                   g_s=r.gamma(golden.visible.shape[-1]), floor=r.floor)
+        return cls(u=r.u, ua=r.acc, scale=float(cfg.scale), a_d=r.accumulation(cfg.D_k),  # type: ignore[arg-type]
+                   a_s=r.accumulation(golden.visible.shape[-1]), floor=r.floor)
 
 
 class KeySide(NamedTuple):
@@ -94,37 +98,37 @@ def key_side(golden: GoldenCase, r: Rounding) -> KeySide:
 def scores(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, s: np.ndarray) -> Error:
     """2. scores = scale · Q Kᵀ: δs = scale Σ_d (δQ_d K_d + Q_d δK_d), so
 
-    var = scale²·(T_Q² @ K²ᵀ + Q² @ T_K²ᵀ) + 2u²·s² + U64²·s², acc = γ_acc(D_k + k)·scale·|Q|@|K|ᵀ
-    (``tQ2`` = T_Q²; ``KK``, ``aK``: :class:`KeySide`)."""
+    var = scale²·(T_Q² @ K²ᵀ + Q² @ T_K²ᵀ) + 2u²·s² + U64²·s² + (σ_d·m)², acc = γ_d·m,
+    m = scale·|Q|@|K|ᵀ ((γ_d, σ_d) = ``c.a_d``; ``tQ2`` = T_Q²; ``KK``, ``aK``: :class:`KeySide`)."""
     u2 = c.u**2
     s2 = (c.scale**2 * u2) * upper32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK) + stored(c.u, s, s)
-    ws = (c.g_d * c.scale) * upper32(np.abs(Q), aK)
-    return Error(s2, ws)
+    return Error(s2, c.scale * upper32(np.abs(Q), aK)).accumulated(c.a_d)
 
 
 class Weights(NamedTuple):
     ts2: np.ndarray  # T_s² = var + acc² of the scores, 0 where masked
     sigma: np.ndarray
     worst: np.ndarray
-    p_round: np.ndarray  # the softmax's own rounding, worst-case
+    p_round: np.ndarray  # the softmax's own rounding, all of it (the head outputs take it as a variance)
     second: np.ndarray  # the second-order term
 
 
 def weights(c: AttentionConstants, s: np.ndarray, p: np.ndarray, vis: np.ndarray, e_s: Error) -> Weights:
-    """3. attention weights: the score errors through the softmax, linearised, and the storage
-    rounding of P (sigma); the float32 softmax's own rounding and the second-order term of exp
-    (worst), 0 where masked:
+    """3. attention weights: the score errors through the softmax, linearised, the storage
+    rounding of P and the row sum's accumulation where it is a standard deviation (sigma); the
+    rest of the float32 softmax's own rounding and the second-order term of exp (worst), 0 where
+    masked ((γ_S, σ_S) = ``c.a_s``):
 
-    sigma² = p_j²·((1 − p_j)²·T²_sj + Σ_{k≠j} p_k²·T²_sk) + (u² + U64²)·p_j² (:func:`~.softmax.weights_sigma`),
-    worst = min(p_j·(γ_acc(S + k) + u_acc·(|s_j| + max|s|)) + second order, 1) + floor
+    sigma² = p_j²·((1 − p_j)²·T²_sj + Σ_{k≠j} p_k²·T²_sk + u² + U64² + σ_S²) (:func:`~.softmax.weights_sigma`),
+    worst = min(p_j·(γ_S + u_acc·(|s_j| + max|s|)) + second order, 1) + floor
     (:func:`~.softmax.softmax_rounding`, :func:`~.softmax.second_order` with τ = LAMBDA·T_s)."""
     ts2 = np.where(vis, e_s.total_var, 0.0)
-    sigma = np.where(vis, weights_sigma(p, ts2, c.u), 0.0)
+    sigma = np.where(vis, weights_sigma(p, ts2, c.u, c.a_s.sigma), 0.0)
     abs_s = np.abs(s)
-    p_round = p * softmax_rounding(abs_s, visible_row_max(abs_s, vis), c.g_s, c.ua)
+    p_round = p * softmax_rounding(abs_s, visible_row_max(abs_s, vis), c.a_s.worst, c.ua)
     second = np.where(vis, second_order(p, score_moves(ts2, vis)), 0.0)
     worst = np.where(vis, inf_for_nan(np.minimum(p_round + second, 1.0)) + c.floor, 0.0)
-    return Weights(ts2, sigma, worst, p_round, second)
+    return Weights(ts2, sigma, worst, p_round + c.a_s.sigma * p, second)
 
 
 def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndarray, V2: np.ndarray,
@@ -132,17 +136,20 @@ def head_outputs(c: AttentionConstants, p: np.ndarray, o: np.ndarray, V: np.ndar
     """4. head outputs o = P V.  Score errors move o by Σ_j p_j δs_j (v_j − o) (the weights sum to 1),
     whose variance Σ_j q_j (v_j − o)², q = p² T_s², is expanded into products (in float64: it
     cancels); P's own storage rounding and softmax rounding add Σ_j c_j v_j², with
-    c = (u² + U64²) p² + p_round², folded into the same product; V's add Σ_j p_j² T²_{V,j}:
+    c = (u² + U64²) p² + p_round², folded into the same product; V's add Σ_j p_j² T²_{V,j}; the
+    sum's own accumulation, where it is a standard deviation, (σ_S·Σ_j p_j|v_j|)² ≤ σ_S²·Σ_j p_j v_j²
+    (Cauchy–Schwarz, Σ_j p_j ≤ 1), in the same product too ((γ_S, σ_S) = ``c.a_s``):
 
-    var = Σ_j q_j v_j² − 2o Σ_j q_j v_j + o² Σ_j q_j + Σ_j c_j v_j² + Σ_j p_j² T²_Vj + 2u²·o² + U64²·o²,
-    acc = (second order + γ_acc(S + k)·P) @ |V| (the second-order part of P taken worst-case)."""
+    var = Σ_j q_j v_j² − 2o Σ_j q_j v_j + o² Σ_j q_j + Σ_j (c_j + σ_S²·p_j) v_j² + Σ_j p_j² T²_Vj
+          + 2u²·o² + U64²·o²,
+    acc = (second order + γ_S·P) @ |V| (the second-order part of P taken worst-case)."""
     u2 = c.u**2
     pp = p * p
     q_ = pp * w.ts2
-    var_v2 = (q_ + (u2 + U64**2) * pp + w.p_round * w.p_round) @ V2
+    var_v2 = (q_ + (u2 + U64**2) * pp + w.p_round * w.p_round + c.a_s.sigma**2 * p) @ V2
     o2 = (np.maximum(var_v2 - 2 * o * (q_ @ V) + o * o * np.sum(q_, axis=-1, keepdims=True), 0.0)
           + u2 * upper32(pp, tV2) + stored(c.u, o, o))
-    wo = upper32(w.second + c.g_s * p, aV)
+    wo = upper32(w.second + c.a_s.worst * p, aV)
     return Error(o2, wo)
 
 
@@ -171,13 +178,14 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
 def output(golden: GoldenCase, e_o: Error, r: Rounding) -> dict[str, Error]:
     """5. concat relabels the heads' errors; output = concat @ W_o + b_o (:func:`~.vocabulary.product`):
 
-    var = T_c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y², acc = γ_acc(H·D_v + k)·(|c|@|W_o| + |b_o|)."""
+    var = T_c² @ W_o² + u²·(|cW_o|² + |y|²) + U64²·y² + (σ·(|c|@|W_o| + |b_o|))², acc = γ·(|c|@|W_o| + |b_o|),
+    (γ, σ) = :meth:`~.vocabulary.Rounding.accumulation` (H·D_v)."""
     e_c = e_o.map(merge)
     o, w = LINEAR["o"], golden.weights
     c, y, wo, bo = o.input_of(golden), golden.stages[o.y], w[o.weight], w.get(o.bias)
     cw = y if bo is None else y - bo
-    return {STAGE.concat: e_c, STAGE.output: product(c, e_c, wo, EXACT, r.gamma(wo.shape[0]), r.u, stored_as=(cw, y),
-                                                     bias=bo)}
+    return {STAGE.concat: e_c, STAGE.output: product(c, e_c, wo, EXACT, 1.0, r.u, stored_as=(cw, y),
+                                                     bias=bo).accumulated(r.accumulation(wo.shape[0]))}
 
 
 def worst_case_tolerances(golden: GoldenCase, dtype: str,

@@ -47,10 +47,11 @@ def softmax_sigma2(p: np.ndarray, sigma2_s: np.ndarray) -> np.ndarray:
     return p**2 * softmax_rel2(p, sigma2_s)
 
 
-def weights_sigma(p: np.ndarray, sigma2_s: np.ndarray, u: float) -> np.ndarray:
-    """sigma of the weights: the score noise through the softmax and P's own storage rounding,
-    ``p_j·sqrt(Var/p_j² + u² + U64²)`` (:func:`softmax_rel2`; +inf where it cannot be formed)."""
-    return inf_for_nan(p * np.sqrt(softmax_rel2(p, sigma2_s) + u**2 + U64**2))
+def weights_sigma(p: np.ndarray, sigma2_s: np.ndarray, u: float, sum_sigma: float = 0.0) -> np.ndarray:
+    """sigma of the weights: the score noise through the softmax, P's own storage rounding and the
+    row sum's accumulation where it is a standard deviation (``sum_sigma`` = σ_acc(S + k), relative),
+    ``p_j·sqrt(Var/p_j² + u² + U64² + sum_sigma²)`` (:func:`softmax_rel2`; +inf where it cannot be formed)."""
+    return inf_for_nan(p * np.sqrt(softmax_rel2(p, sigma2_s) + u**2 + U64**2 + sum_sigma**2))
 
 
 def visible_row_max(abs_s: np.ndarray, visible: np.ndarray) -> np.ndarray:
@@ -58,11 +59,12 @@ def visible_row_max(abs_s: np.ndarray, visible: np.ndarray) -> np.ndarray:
     return np.max(np.where(visible, abs_s, 0.0), axis=-1, keepdims=True)
 
 
-def softmax_rounding(abs_s: np.ndarray, row_max: np.ndarray, g_s: float, u_acc: float) -> np.ndarray:
+def softmax_rounding(abs_s: np.ndarray, row_max: np.ndarray, a_s: float, u_acc: float) -> np.ndarray:
     """The relative error of a correct softmax in the accumulator, worst-case:
-    ``γ_acc(S + k) + u_acc·(|s_j| + max_k |s_k|)`` (the row sum, and exp of the shifted score;
+    ``a_s + u_acc·(|s_j| + max_k |s_k|)`` (the row sum's accumulation, γ_acc(S + k), or 0 where it
+    is counted as a standard deviation, :func:`weights_sigma`; and exp of the shifted score;
     ``row_max``: :func:`visible_row_max`)."""
-    return g_s + u_acc * (abs_s + row_max)
+    return a_s + u_acc * (abs_s + row_max)
 
 
 def score_moves(sigma2_s: np.ndarray, visible: np.ndarray) -> np.ndarray:

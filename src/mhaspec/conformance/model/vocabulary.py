@@ -6,7 +6,8 @@
 * :func:`product` — the error of a matrix product of operands that carry errors;
 * :data:`LINEAR` — the layer's four linear maps by letter, with their stages;
 * :class:`Rounding` — the rounding facts of one dtype under one precision contract: u, u_acc,
-  γ_acc(n + k) (:func:`gamma`), the floor;
+  γ_acc(n + k) (:func:`gamma`, worst-case), σ_acc(n + k) = sqrt(n + k)·u_acc (probabilistic), which of
+  the two counts a sum (:class:`Acc`), the floor;
 * :func:`stored` — the variance of storing an intermediate result in the dtype;
 * :func:`upper32` — an upper bound of a product of non-negative operands, formed in float32;
 * :func:`heads`, :func:`merge`, :func:`grouped` — the relabellings between (B, L, H·D) and
@@ -73,8 +74,10 @@ class Error(NamedTuple):
 
     * ``var`` — rounding noise: the variance bound of the storage roundings that reached the element,
       propagated linearised (independent terms add);
-    * ``acc`` — the stage's own accumulation error, worst-case; a later stage takes it as one more
-      independent term of its variance (:attr:`total_var`);
+    * ``acc`` — the stage's own accumulation error where it is counted worst-case (γ·Σ|ab|: short
+      sums, and the worst-case contract; a long sum's is a standard deviation, in ``var``:
+      :meth:`accumulated`); a later stage takes it as one more independent term of its variance
+      (:attr:`total_var`);
     * ``lin`` — what is carried worst-case all the way: in the backward, the forward softmax's second
       order and P·V accumulation (0 in the forward rules).
 
@@ -92,6 +95,12 @@ class Error(NamedTuple):
     def map(self, fn: Any) -> "Error":
         """``fn`` (a relabelling: heads, merge, group, transpose, reshape) on every array part."""
         return Error(*(fn(v) if np.ndim(v) else v for v in self))
+
+    def accumulated(self, a: "Acc") -> "Error":
+        """This error, whose ``acc`` holds Σ|a_i b_i| (+ |bias|) of the stage's sums, with their
+        accumulation counted as ``a`` says: ``a.sigma``·Σ|ab| as a standard deviation, in ``var``, and
+        ``a.worst``·Σ|ab| worst-case, in ``acc`` (one of the two is 0: :meth:`Rounding.accumulation`)."""
+        return Error(self.var + np.square(a.sigma * self.acc), a.worst * self.acc, self.lin)
 
     def scaled(self, f: float) -> "Error":
         """The error of ``f·x`` (an exact scaling)."""
@@ -116,7 +125,7 @@ def product(a: np.ndarray, ea: Error, b: np.ndarray, eb: Error, g: float, u: flo
 
     var = T²_a @ b² + a² @ T²_b (+ the storage roundings of ``stored_as``, :func:`stored`),
     lin = lin_a @ |b| + |a| @ lin_b, acc = g·(|a|@|b| + |bias|) (``g`` = γ_acc(n + k) of its length-n
-    sums).  ``stored_as``: the values stored in the dtype (None: the caller stores the result)."""
+    sums; 1: Σ|ab| itself, for :meth:`Error.accumulated`).  ``stored_as``: the values stored in the dtype (None: the caller stores the result)."""
     A = np.abs
     var: Any = 0.0 if stored_as is None else stored(u, *stored_as)
     lin: Any = 0.0
@@ -168,6 +177,15 @@ def gamma(n: int | np.ndarray, u: float) -> np.ndarray:
         return np.where(nu < 1, nu / np.maximum(1 - nu, 0), np.inf)
 
 
+class Acc(NamedTuple):
+    """How a length-n sum's accumulation error is counted, as coefficients of Σ|a_i b_i|
+    (:meth:`Rounding.accumulation`): ``worst`` (γ_acc(n + k), added to the bound) or ``sigma``
+    (σ_acc(n + k), a standard deviation, LAMBDA times it in the bound); the other is 0."""
+
+    worst: float
+    sigma: float
+
+
 class Rounding(NamedTuple):
     """The rounding facts of one dtype under one precision contract (:func:`rounding`)."""
 
@@ -176,10 +194,29 @@ class Rounding(NamedTuple):
     store: float  # storage roundings a backward sum counts on top of its accumulation (3 standard, 0 worst-case)
     k: int  # extra roundings inside a sum (bias add, scale, storing, the golden's own)
     floor: float  # the dtype's absolute floor: its smallest normal number (flushed subnormals)
+    probabilistic: bool = False  # long sums' accumulation counted as noise (the standard contract's forward)
 
     def gamma(self, n: int) -> float:
         """γ_acc(n + k): the relative bound of a length-n sum in the accumulator."""
         return float(gamma(n + self.k, self.acc))
+
+    def sigma(self, n: int) -> float:
+        """σ_acc(n + k) = sqrt(n + k)·u_acc: the standard-deviation bound, relative to Σ|a_i b_i|, of a
+        length-n sum's accumulation (Higham & Mary's probabilistic bound): each of its n + k roundings
+        is an independent zero-mean term at most u_acc·Σ|a_i b_i| (every partial sum is at most that),
+        so their variance is at most (n + k)·u_acc²·(Σ|a_i b_i|)², whatever the summation order
+        (docs/tolerances.md "The accumulation")."""
+        return float(np.sqrt(n + self.k) * self.acc)
+
+    def accumulation(self, n: int) -> Acc:
+        """How a length-n sum's accumulation is counted: under the standard contract, as a standard
+        deviation σ_acc(n + k) wherever LAMBDA·σ_acc(n + k) < γ_acc(n + k) (n + k > LAMBDA² = 64: the
+        probabilistic bound is the smaller one), else worst-case, γ_acc(n + k); under the worst-case
+        contract always worst-case."""
+        g = self.gamma(n)
+        if self.probabilistic and LAMBDA * self.sigma(n) < g:
+            return Acc(0.0, self.sigma(n))
+        return Acc(g, 0.0)
 
     def rel(self, n: int | np.ndarray) -> np.ndarray:
         """ρ(n) = γ_acc(n + k) + store·u: a length-n sum of products with its storage, worst-case
@@ -196,7 +233,7 @@ def rounding(dtype: str, precision: str, table: ToleranceTable) -> Rounding:
     u = rule.unit_roundoff
     if precision == "worst-case":
         return Rounding(u, u, 0.0, table.extra_ops, rule.floor)
-    return Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops, rule.floor)
+    return Rounding(u, min(u, table.dtypes["float32"].unit_roundoff), 3.0, table.extra_ops, rule.floor, True)
 
 
 def stored(u: float, *values: np.ndarray) -> np.ndarray:
