@@ -56,6 +56,27 @@ def test_fast_reference_bound_holds_on_data_that_is_not_exact():
     assert all(0 < r <= 1 for r in ratios.values())  # every bound is exercised, none is violated
 
 
+def test_fast_reference_probabilistic_bound_holds_on_long_sums():
+    """Sums longer than 64 terms (projections over d_model = 160, softmax and P·V over S = 150) take the
+    probabilistic LAMBDA·√n·u bound, smaller than γ(n): it holds on non-dyadic data against the exact
+    reference, and the fast reference's LAMBDA is the tolerance model's."""
+    from mhaspec.conformance.model.vocabulary import LAMBDA
+    from mhaspec.reference import fast
+
+    assert fast.LAMBDA == LAMBDA
+    assert fast.sum_bound(60) == fast.gamma(60) and fast.sum_bound(162) < fast.gamma(162)
+    rng = np.random.default_rng(5)
+    cfg = MHAConfig(d_model=160, num_heads=2, causal=True)
+    B, T, S = 1, 12, 150
+    inputs = {"query": rng.standard_normal((B, T, 160)), "key": rng.standard_normal((B, S, 160)),
+              "value": rng.standard_normal((B, S, 160)), "mask": None}
+    weights = {n: rng.standard_normal(s) / np.sqrt(160) for n, s in cfg.weight_shapes().items()}
+    f = forward_fast(cfg, inputs, weights)
+    assert not any(f.exact.values())
+    ratios = _within(f, forward(cfg, inputs, weights))
+    assert all(0 < r <= 1 for r in ratios.values())
+
+
 def test_exactness_proof():
     a = np.array([[3.0, -5.0]]) * 2.0**-5
     assert grid_exponent(a) == -5 and grid_exponent(np.zeros(3)) is None

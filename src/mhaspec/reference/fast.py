@@ -24,14 +24,16 @@ Where the bound is zero and why:
   the same proof, and both references round ``scale · dot`` once: the fast
   scores are *bit-identical* to the exact ones.
 * Where a proof fails (huge sizes or non-dyadic data), the stage gets the
-  worst-case bound of recursive summation, γ(n)·Σ|aᵢbᵢ| (Higham §3.1), with
-  the score magnitudes bounded by Cauchy–Schwarz ‖q_i‖·‖k_j‖.
+  bound of recursive summation, γ(n)·Σ|aᵢbᵢ| (Higham §3.1) or, for sums longer
+  than 64 terms, the smaller probabilistic LAMBDA·√n·u·Σ|aᵢbᵢ| (Higham & Mary,
+  the tolerance model's own: :func:`sum_bound`), with the score magnitudes
+  bounded by Cauchy–Schwarz ‖q_i‖·‖k_j‖.
 
 ``attn_weights`` always carries a relative bound: numpy's ``exp`` is assumed
 within :data:`EXP_ULPS` ulps of the correctly rounded value (measured: 1 ulp
 on numpy 2.4, tests/test_fast_reference.py checks it), the row sum is any-order
-(γ(S − 1)) and the division rounds once.  ``head_outputs`` and ``output`` carry
-γ(n + 2)-bounds of their BLAS dot products plus the propagated error.  Every
+(:func:`sum_bound` (S)) and the division rounds once.  ``head_outputs`` and ``output`` carry
+:func:`sum_bound` (n + 2)-bounds of their BLAS dot products plus the propagated error.  Every
 bound is multiplied by :data:`SAFETY` to cover the float64 rounding of the
 bound's own arithmetic (valid while n·u < 2^-21, i.e. n < 2^32).
 """
@@ -60,6 +62,18 @@ def gamma(n: float) -> float:
     if nu >= 0.5:
         raise ValueError(f"a length-{n} sum is too long for a float64 error bound")
     return nu / (1.0 - nu)
+
+
+#: Higham & Mary's probabilistic bound of a length-n sum, LAMBDA·√n·u·Σ|aᵢbᵢ|: exceeded with probability
+#: at most 2·exp(−LAMBDA²/2) = 2.5e-14 per element under the model of independent zero-mean roundings,
+#: the tolerance model's own (its LAMBDA: mhaspec.conformance.model.vocabulary, tests/test_fast_reference.py).
+LAMBDA = 8.0
+
+
+def sum_bound(n: float) -> float:
+    """The relative error bound of a length-n float64 sum: the smaller of the worst-case γ(n) and the
+    probabilistic LAMBDA·√n·u (Higham & Mary), which is the smaller for n > LAMBDA² = 64."""
+    return min(gamma(n), LAMBDA * float(np.sqrt(n)) * U)
 
 
 def grid_exponent(a: np.ndarray) -> int | None:
@@ -127,7 +141,7 @@ def _project(
     if exact:
         return y, 0.0, True, grid
     magnitude = np.abs(x) @ np.abs(w) + (0.0 if b is None else np.abs(b))
-    return y, gamma(w.shape[0] + 2) * SAFETY * magnitude, False, None
+    return y, sum_bound(w.shape[0] + 2) * SAFETY * magnitude, False, None
 
 
 def _heads(x: np.ndarray | float, heads: int) -> np.ndarray | float:
@@ -175,8 +189,8 @@ def forward_fast(
     e_p_all = np.empty((B, H, T, S))
     o_all = np.empty((B, H, T, E))
     e_o_all = np.empty((B, H, T, E))
-    rel_round = gamma(S + 4 * EXP_ULPS + 2)  # exp (both references), sums, divisions
-    out_round = gamma(S + 1)  # the length-S dot of P V and the exact reference's one rounding
+    rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S)  # exp (both references), divisions; the row sum
+    out_round = sum_bound(S + 1)  # the length-S dot of P V and the exact reference's one rounding
 
     # 2. attend, one (batch entry, head) at a time: memory O(T·S)
     everything_visible = not config.causal and inputs.get("mask") is None
@@ -195,7 +209,7 @@ def forward_fast(
                 eq = _row_norms(EQ if isinstance(EQ, float) else EQ[b, h], Qh)
                 ek = _row_norms(EK if isinstance(EK, float) else EK[b, g], Kg)
                 hi = np.outer(nq + eq, nk + ek)
-                e_s = scale * SAFETY * ((hi - np.outer(nq, nk)) + gamma(D + 2) * hi) + U * np.abs(s)
+                e_s = scale * SAFETY * ((hi - np.outer(nq, nk)) + sum_bound(D + 2) * hi) + U * np.abs(s)
                 assert e_s_all is not None
                 e_s_all[b, h] = e_s
             # softmax over the visible keys; a row with none is all zeros
@@ -244,7 +258,7 @@ def forward_fast(
     y = c @ w_o
     if b_o is not None:
         y += b_o
-    local = gamma(w_o.shape[0] + 2)
+    local = sum_bound(w_o.shape[0] + 2)
     e_y = (e_c + local * np.abs(c)) @ np.abs(w_o)
     if b_o is not None:
         e_y += local * np.abs(b_o)
