@@ -310,7 +310,9 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
     if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor):
         return False
     if a_s.sigma:
-        sig += np.square(wor * a_s.sigma)
+        t = np.multiply(wor, a_s.sigma, out=buf("lo_acc", wor.shape))
+        t *= t
+        sig += t
     np.sqrt(sig, out=sig)
     wor *= a_s.worst
     wor += floor

@@ -202,8 +202,8 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     into ``tol_s``, ``tol_p`` where ``want_tol`` (the errors from ``ext_s``, ``ext_p`` where
     ``ext_arrays``, otherwise the values ``ext_s_val``, ``ext_p_val``), and
     ``lhs`` = p²t² + (u² + U64²)p² + p_round², ``q`` = p²t², ``pk_out`` = Σ_S q, ``pp32`` = p² and
-    ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of S float64; ``cap``: the
-    largest worst part of a weight before its floor (1).
+    ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of
+    S float64; ``cap``: the largest worst part of a weight before its floor (1).
     Returns False where a value written is not finite."""
     n_heads, R, S = s.shape
     ts2, tau, ptau, ell = work[0], work[1], work[2], work[3]
@@ -259,8 +259,8 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
                 wr = (w + floor) * v
                 wrs[j] = wr
                 pp = pj * pj
-                pt = pr + s_s * pj  # all of the softmax's own rounding
-                lh = q[h, i, j] + (u2 + U64_2) * pp + pt * pt + (s_s * s_s) * pj
+                p_all = pr + s_s * pj  # all of the softmax's own rounding
+                lh = q[h, i, j] + (u2 + U64_2) * pp + p_all * p_all + (s_s * s_s) * pj
                 lhs[h, i, j] = lh
                 pp32[h, i, j] = pp
                 lhs32[h, i, j] = sec + w_s * pj

@@ -205,7 +205,7 @@ class Rounding(NamedTuple):
         length-n sum's accumulation (Higham & Mary's probabilistic bound): each of its n + k roundings
         is an independent zero-mean term at most u_acc·Σ|a_i b_i| (every partial sum is at most that),
         so their variance is at most (n + k)·u_acc²·(Σ|a_i b_i|)², whatever the summation order
-        (docs/tolerances.md "The accumulation")."""
+        (docs/tolerances.md "The bound", "This stage's own accumulation error")."""
         return float(np.sqrt(n + self.k) * self.acc)
 
     def accumulation(self, n: int) -> Acc:
