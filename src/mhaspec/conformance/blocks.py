@@ -26,6 +26,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
+from .engine.chunks import one_blas_thread
 from .judging import judging_block
 
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
@@ -154,14 +155,15 @@ def judge_in_blocks(
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
     memos: dict[int, dict[Any, Any]] = {}  # of the batch entry being judged: its keys' and values' side
     # (judging.memoised: what every block of the entry shares)
-    for b, t0, t1 in blocks:
-        if b not in memos:
-            memos = {b: {}}
-        sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
-        with judging_block(block_case(golden, b, t0, t1), golden, memos[b]) as block:
-            results = judge(block, sub)
-        for res in results:
-            if ROW_AXIS[res.stage] is None and t0 > 0:
-                continue  # key/value projections: judged once per batch entry
-            per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))
+    with one_blas_thread():  # a block's products are small: a threaded BLAS spends more CPU than it saves
+        for b, t0, t1 in blocks:
+            if b not in memos:
+                memos = {b: {}}
+            sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
+            with judging_block(block_case(golden, b, t0, t1), golden, memos[b]) as block:
+                results = judge(block, sub)
+            for res in results:
+                if ROW_AXIS[res.stage] is None and t0 > 0:
+                    continue  # key/value projections: judged once per batch entry
+                per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))
     return [merge(parts) for parts in per_stage.values()]
