@@ -232,3 +232,31 @@ def test_a_case_made_one_block_at_a_time_is_judged_as_the_whole_case(monkeypatch
     want = {name: figures(adapter, whole) for name, adapter in (("numpy", "numpy"), ("bug", bug))}
     assert got == want
     assert {v for _, v, *_ in got["numpy"]} == {"pass"} and "fail" in {v for _, v, *_ in got["bug"]}
+
+
+def test_a_case_made_one_block_at_a_time_with_a_misshapen_stage_is_judged_whole(monkeypatch):
+    """A returned stage of the wrong shape: the RowBlocks case is judged whole (its stages then
+    computed whole), and the stage fails with the shapes in its message."""
+    import mhaspec
+    from mhaspec.adapters.numpy_mha import NumpyMHA
+    from mhaspec.fixtures import RowBlocks
+    from mhaspec.reference import onthefly
+    from mhaspec.spec import Catalog, CaseSpec
+
+    class Misshapen(NumpyMHA):
+        name = "misshapen"
+
+        def run(self, case):
+            out = super().run(case)
+            out["scores"] = out["scores"][..., :-1]
+            return out
+
+    monkeypatch.setattr(onthefly, "ROW_BLOCKS_ABOVE", 0)
+    spec = CaseSpec(id="rows", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1,
+                    tgt_len=70, src_len=70, inputs="self", seed=2)
+    golden = onthefly.OnTheFlyGolden(Catalog([spec]))
+    assert isinstance(golden.load("rows"), RowBlocks)
+    result = mhaspec.check(Misshapen(), ["float32"], golden=golden, isolate=False).results[0]
+    scores = next(s for s in result.stages if s.stage == "scores")
+    assert result.verdict == "fail" and scores.verdict == "fail" and "shape" in scores.message
+    assert {s.verdict for s in result.stages if s.stage != "scores"} == {"pass"}
