@@ -164,3 +164,99 @@ def test_run_catalog_says_what_it_does_not_judge(tmp_path):
     report = mhaspec.check(Declared(name="declared"), dtypes=["float32"], golden=golden, timeout=None)
     assert [w for w in report.warnings if "matches no case" in w] == [
         "known deviation custom_msak/*/output matches no case in the golden folder or the catalog"]
+
+
+def test_fast_rows_are_bit_identical_to_the_rows_of_the_whole_case():
+    """FastRows.rows(b, t0, t1) (a block starting at a multiple of FAST_ROWS, any end) gives exactly
+    those rows of the whole case, stages and error bounds, on exact and on non-exact data."""
+    from mhaspec.reference.fast import FAST_ROWS, FastRows
+
+    rng = np.random.default_rng(7)
+    cfg = MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, head_dim=8, causal=True)
+    B, T, S = 2, 2 * FAST_ROWS + 9, 50
+    inputs = {"query": rng.standard_normal((B, T, 24)), "key": rng.standard_normal((B, S, 24)),
+              "value": rng.standard_normal((B, S, 24)), "mask": rng.random((B, 1, T, S)) < 0.8}
+    weights = {n: rng.standard_normal(s) for n, s in cfg.weight_shapes().items()}
+    dyadic = {k: None if v is None else np.round(v * 8) / 8 if v.dtype != bool else v for k, v in inputs.items()}
+    for data, exact in ((inputs, False), (dyadic, True)):
+        fast = FastRows(cfg, data, {k: np.round(v * 8) / 8 for k, v in weights.items()} if exact else weights)
+        whole = fast.whole()
+        assert whole.exact["scores"] is exact
+        for b in range(B):
+            for t0, t1 in ((0, FAST_ROWS), (FAST_ROWS, T), (2 * FAST_ROWS, T), (0, T)):
+                rows = fast.rows(b, t0, t1)
+                for stage in STAGES:
+                    for got, want in ((rows.stages[stage], whole.stages[stage]), (rows.error[stage], whole.error[stage])):
+                        if isinstance(want, float):
+                            assert got == want
+                            continue
+                        part = want[b : b + 1] if stage in ("k_proj", "v_proj") else (
+                            want[b : b + 1, :, t0:t1] if want.ndim == 4 else want[b : b + 1, t0:t1])
+                        assert np.array_equal(got, part), (exact, b, t0, t1, stage)
+        with pytest.raises(ValueError, match="multiple"):
+            fast.rows(0, 1, T)
+
+
+def test_a_case_made_one_block_at_a_time_is_judged_as_the_whole_case(monkeypatch):
+    """OnTheFlyGolden makes a large case a RowBlocks (threshold lowered here): the golden blocks are
+    computed as the judge asks and the verdicts and figures are those of the whole golden judged in
+    the same blocks, for a correct adapter and a buggy one."""
+    import mhaspec
+    from mhaspec.conformance import blocks
+    from mhaspec.fixtures import RowBlocks
+    from mhaspec.reference import fast, onthefly
+    from mhaspec.spec import Catalog, CaseSpec
+
+    spec = CaseSpec(id="rows", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=2,
+                    tgt_len=100, src_len=100, inputs="self", seed=2)
+    catalog = Catalog([spec])
+    rows = 40  # blocks of 40 rows: 2 * 40 * 100 elements per block
+
+    def figures(adapter, golden):
+        report = mhaspec.check(adapter, ["float32"], golden=golden, isolate=False)
+        return [(s.stage, s.verdict, s.worst_ratio, s.worst_index, s.local_worst_ratio, s.compared)
+                for s in report.results[0].stages]
+
+    monkeypatch.setattr(onthefly, "ROW_BLOCKS_ABOVE", 0)
+    monkeypatch.setattr(onthefly, "ROW_BLOCK_ELEMENTS", 2 * rows * 100)
+    monkeypatch.setattr(onthefly, "FAST_ROWS", 8)
+    monkeypatch.setattr(fast, "FAST_ROWS", 8)  # (both references below: the same sub-blocks)
+    lazy = onthefly.OnTheFlyGolden(catalog)
+    assert isinstance(lazy.load("rows"), RowBlocks) and lazy.load("rows").block_rows == rows
+    bug, _ = BUGS["missing_scale"]
+    got = {name: figures(adapter, lazy) for name, adapter in (("numpy", "numpy"), ("bug", bug))}
+    monkeypatch.setattr(onthefly, "ROW_BLOCKS_ABOVE", 1 << 40)
+    monkeypatch.setattr(blocks, "MAX_BLOCK_ELEMENTS", 2 * rows * 100)
+    whole = onthefly.OnTheFlyGolden(catalog)
+    assert not isinstance(whole.load("rows"), RowBlocks)
+    want = {name: figures(adapter, whole) for name, adapter in (("numpy", "numpy"), ("bug", bug))}
+    assert got == want
+    assert {v for _, v, *_ in got["numpy"]} == {"pass"} and "fail" in {v for _, v, *_ in got["bug"]}
+
+
+def test_a_case_made_one_block_at_a_time_with_a_misshapen_stage_is_judged_whole(monkeypatch):
+    """A returned stage of the wrong shape: the RowBlocks case is judged whole (its stages then
+    computed whole), and the stage fails with the shapes in its message."""
+    import mhaspec
+    from mhaspec.adapters.numpy_mha import NumpyMHA
+    from mhaspec.fixtures import RowBlocks
+    from mhaspec.reference import onthefly
+    from mhaspec.spec import Catalog, CaseSpec
+
+    class Misshapen(NumpyMHA):
+        name = "misshapen"
+
+        def run(self, case):
+            out = super().run(case)
+            out["scores"] = out["scores"][..., :-1]
+            return out
+
+    monkeypatch.setattr(onthefly, "ROW_BLOCKS_ABOVE", 0)
+    spec = CaseSpec(id="rows", config=MHAConfig(d_model=16, num_heads=2, causal=True), batch=1,
+                    tgt_len=70, src_len=70, inputs="self", seed=2)
+    golden = onthefly.OnTheFlyGolden(Catalog([spec]))
+    assert isinstance(golden.load("rows"), RowBlocks)
+    result = mhaspec.check(Misshapen(), ["float32"], golden=golden, isolate=False).results[0]
+    scores = next(s for s in result.stages if s.stage == "scores")
+    assert result.verdict == "fail" and scores.verdict == "fail" and "shape" in scores.message
+    assert {s.verdict for s in result.stages if s.stage != "scores"} == {"pass"}

@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,51 @@ class GoldenCase:
         if dtype not in self._cases:
             self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights, self.d_output)
         return self._cases[dtype]
+
+
+class LazyStages(Mapping[str, Any]):
+    """The stages (or reference errors) of a :class:`RowBlocks` case: their names and shapes are
+    known; their values are computed whole only when someone reads one (``compute()``: every value
+    by name, asked once and shared by the mappings made with the same ``compute``)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], compute: Callable[[], Mapping[str, Any]]) -> None:
+        self._shapes = dict(shapes)
+        self._compute = compute
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._shapes:
+            raise KeyError(name)
+        return self._compute()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+@dataclass(frozen=True)
+class RowBlocks(GoldenCase):
+    """A large golden case computed on the fly whose stages are made one block of query rows at a
+    time (:meth:`block`, called by :mod:`mhaspec.conformance.blocks`) instead of being held whole.
+
+    ``stages`` and ``reference_error`` are :class:`LazyStages`: the names and shapes are there, and
+    reading a value computes the whole case (a failing case's diagnosis does; judging does not).
+    ``make_block(b, t0, t1)`` gives batch entry b's rows [t0, t1) as a case of its own (B = 1), the
+    same numbers as those rows of the whole case; blocks start at multiples of ``block_rows``."""
+
+    block_rows: int = 0
+    make_block: Callable[[int, int, int], GoldenCase] | None = field(default=None, repr=False, compare=False)
+
+    def block(self, b: int, t0: int, t1: int) -> GoldenCase:
+        assert self.make_block is not None
+        return self.make_block(b, t0, t1)
 
 
 def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:

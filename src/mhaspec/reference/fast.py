@@ -40,7 +40,9 @@ bound's own arithmetic (valid while n·u < 2^-21, i.e. n < 2^32).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -159,117 +161,216 @@ def _row_norms(x: np.ndarray | float, like: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ld,ld->l", x, x))
 
 
+#: The fast reference computes the (B, H, T, S) stages, the head outputs and the output projection
+#: in sub-blocks of this many query rows (aligned to multiples of it), for the whole case and for a
+#: block of rows alike (:class:`FastRows`): a block starting at a multiple of it is bit-identical to
+#: the same rows of the whole case, whatever BLAS does with the number of rows of a product.
+FAST_ROWS = 32
+
+
+def _one_blas_thread() -> Any:
+    """BLAS on one thread (threadpoolctl) while the fast reference runs: its products are small
+    ((FAST_ROWS × D) @ (D × S)), and a multi-threaded BLAS spends more CPU on waking and syncing its
+    threads than on the arithmetic (measured at T = S = 1024: 1.45 s of CPU against 0.40 s)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+class FastRows:
+    """The fast reference of one case, prepared once (projections, their bounds, the visibility),
+    computed for any block of query rows on demand (:meth:`rows`) or whole (:meth:`whole`).
+
+    The projections (small: (B, L, features)) are computed whole here; every (B, H, T, ·) stage,
+    the concat and the output are computed in sub-blocks of :data:`FAST_ROWS` query rows, so that
+    the rows [t0, t1) of batch entry b (t0 a multiple of :data:`FAST_ROWS`) are bit-identical to
+    those rows of :meth:`whole`, and a block holds O(H · rows · S) memory."""
+
+    def __init__(self, config: MHAConfig, inputs: dict[str, np.ndarray | None],
+                 weights: dict[str, np.ndarray]) -> None:
+        query, key, value = inputs["query"], inputs["key"], inputs["value"]
+        assert query is not None and key is not None and value is not None
+        (B, T, _), S = query.shape, key.shape[1]
+        self.config, self.B, self.T, self.S = config, B, T, S
+        self.H, self.group, self.E = config.H, config.group_size, config.D_v
+        self.D = config.D_k
+        self.scale = float(config.scale)  # type: ignore[arg-type]
+        H, G = config.H, config.H_kv
+
+        # 1. project and split
+        grids: dict[int, int | None] = {}  # self-attention: one input, one grid computation
+        for x in (query, key, value):
+            if id(x) not in grids:
+                grids[id(x)] = grid_exponent(x)
+        with _one_blas_thread():
+            q, e_q, exact_q, grid_q = _project(query, weights["w_q"], weights.get("b_q"), grids[id(query)])
+            k, e_k, exact_k, grid_k = _project(key, weights["w_k"], weights.get("b_k"), grids[id(key)])
+            v, e_v, exact_v, _ = _project(value, weights["w_v"], weights.get("b_v"), grids[id(value)])
+        self.q, self.k, self.v, self.e_q, self.e_k, self.e_v = q, k, v, e_q, e_k, e_v
+        self.Q, self.K, self.V = _heads(q, H), _heads(k, G), _heads(v, G)
+        self.EQ, self.EK, self.EV = _heads(e_q, H), _heads(e_k, G), _heads(e_v, G)
+        self.exact_s = (exact_q and exact_k
+                        and exact_product(self.Q, np.swapaxes(self.K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
+        self.exact = {"q_proj": exact_q, "k_proj": exact_k, "v_proj": exact_v, "scores": self.exact_s}
+        self.exact.update({s: False for s in STAGES if s not in self.exact})
+        self.visible = visibility(config, inputs.get("mask"), B, T, S)
+        self.everything_visible = not config.causal and inputs.get("mask") is None
+        self.rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S)  # exp (both references), divisions; the row sum
+        self.out_round = sum_bound(S + 1)  # the length-S dot of P V and the exact reference's one rounding
+        self.w_o, self.b_o = weights["w_o"], weights.get("b_o")
+        self.local = sum_bound(self.w_o.shape[0] + 2)
+        self.abs_w_o = np.abs(self.w_o)
+
+    def _outputs(self, b: int, t0: int, t1: int) -> dict[str, np.ndarray | None]:
+        """Fresh arrays for the stages of rows [t0, t1) of batch entry b (batch axis of 1)."""
+        H, n, S, E = self.H, t1 - t0, self.S, self.E
+        d_out = self.w_o.shape[1]
+        return {"s": np.empty((1, H, n, S)), "p": np.empty((1, H, n, S)),
+                "e_s": None if self.exact_s else np.empty((1, H, n, S)), "e_p": np.empty((1, H, n, S)),
+                "o": np.empty((1, H, n, E)), "e_o": np.empty((1, H, n, E)),
+                "c": np.empty((1, n, H * E)), "e_c": np.empty((1, n, H * E)),
+                "y": np.empty((1, n, d_out)), "e_y": np.empty((1, n, d_out))}
+
+    def _fill(self, b: int, t0: int, t1: int, dst: dict[str, np.ndarray | None]) -> None:
+        """Rows [t0, t1) of batch entry b into ``dst`` (views with a batch axis of 1, rows t0..t1)."""
+        if t0 % FAST_ROWS:
+            raise ValueError(f"a block of query rows starts at a multiple of {FAST_ROWS}, not at {t0}")
+        for r0 in range(t0, t1, FAST_ROWS):
+            r1 = min(t1, r0 + FAST_ROWS)
+            i0, i1 = r0 - t0, r1 - t0
+            for h in range(self.H):
+                self._attend(b, h, r0, r1, {name: None if a is None else a[0, h, i0:i1]
+                                            for name, a in dst.items() if name in ("s", "p", "e_s", "e_p", "o", "e_o")})
+            # 3. concat and project
+            H, E = self.H, self.E
+            o, e_o = dst["o"], dst["e_o"]
+            c, e_c, y, e_y = dst["c"], dst["e_c"], dst["y"], dst["e_y"]
+            assert o is not None and e_o is not None and c is not None and e_c is not None
+            assert y is not None and e_y is not None
+            cc, ec = c[0, i0:i1], e_c[0, i0:i1]
+            cc.reshape(i1 - i0, H, E)[...] = o[0, :, i0:i1].transpose(1, 0, 2)
+            ec.reshape(i1 - i0, H, E)[...] = e_o[0, :, i0:i1].transpose(1, 0, 2)
+            yy = y[0, i0:i1]
+            np.matmul(cc, self.w_o, out=yy)
+            if self.b_o is not None:
+                yy += self.b_o
+            ey = (ec + self.local * np.abs(cc)) @ self.abs_w_o
+            if self.b_o is not None:
+                ey += self.local * np.abs(self.b_o)
+            ey *= SAFETY
+            e_y[0, i0:i1] = ey
+
+    def _attend(self, b: int, h: int, r0: int, r1: int, dst: dict[str, np.ndarray | None]) -> None:
+        """Scores, weights and head outputs of rows [r0, r1) of (b, h), with their bounds, into ``dst``."""
+        g = h // self.group
+        Qh, Kg, Vg = self.Q[b, h, r0:r1], self.K[b, g], self.V[b, g]  # (n, D), (S, D), (S, E)
+        vis = self.visible[b, h, r0:r1]  # (n, S)
+        all_vis = self.everything_visible or bool(vis.all())
+        scale, EQ, EK, EV = self.scale, self.EQ, self.EK, self.EV
+        exact_s, rel_round, out_round = self.exact_s, self.rel_round, self.out_round
+        s = dst["s"]
+        assert s is not None
+        np.matmul(Qh, Kg.T, out=s)
+        s *= scale
+        # Bound on |s - exact s| (none when bit-identical).
+        if not exact_s:
+            nq, nk = np.sqrt(np.einsum("td,td->t", Qh, Qh)), np.sqrt(np.einsum("sd,sd->s", Kg, Kg))
+            eq = _row_norms(EQ if isinstance(EQ, float) else EQ[b, h, r0:r1], Qh)
+            ek = _row_norms(EK if isinstance(EK, float) else EK[b, g], Kg)
+            hi = np.outer(nq + eq, nk + ek)
+            e_s = scale * SAFETY * ((hi - np.outer(nq, nk)) + sum_bound(self.D + 2) * hi) + U * np.abs(s)
+            assert dst["e_s"] is not None
+            dst["e_s"][...] = e_s
+        # softmax over the visible keys; a row with none is all zeros
+        p = dst["p"]
+        assert p is not None
+        if all_vis:
+            row_max = s.max(axis=-1, keepdims=True)  # (n, 1)
+            np.subtract(s, row_max, out=p)
+        else:
+            row_max = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)
+            row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+            np.subtract(s, row_max, out=p)
+            np.copyto(p, -np.inf, where=~vis)
+        np.exp(p, out=p)
+        total = p.sum(axis=-1, keepdims=True)
+        p /= np.where(total > 0, total, 1.0)  # a row that sees no key is already all zeros
+        e_p = dst["e_p"]
+        assert e_p is not None
+        if exact_s:  # the arguments of exp are bit-identical to the exact reference's
+            c_rel = rel_round * SAFETY
+            np.multiply(p, c_rel, out=e_p)
+            np.add(e_p, SUBNORMAL, out=e_p, where=vis)
+        else:
+            t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(row_max)), 0.0)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a row that sees no key
+                et = np.exp(np.minimum(t, 700.0))
+                up = np.sum(p * et, axis=-1, keepdims=True)
+                down = np.sum(p / et, axis=-1, keepdims=True)
+                pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
+            rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
+            e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
+        # head outputs: the propagated weight error plus the dot's own rounding
+        o, e_o_dst = dst["o"], dst["e_o"]
+        assert o is not None and e_o_dst is not None
+        np.matmul(p, Vg, out=o)
+        v_abs = np.abs(Vg) if isinstance(EV, float) else np.abs(Vg) + EV[b, g]
+        if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V|
+            e_o = (c_rel + out_round * (1.0 + c_rel)) * (p @ v_abs)
+            e_o += (1.0 + out_round) * SUBNORMAL * v_abs.sum(axis=0)
+        else:
+            e_o = (e_p + out_round * (p + e_p)) @ v_abs
+        if not isinstance(EV, float):
+            e_o += p @ EV[b, g]
+        np.multiply(e_o, SAFETY, out=e_o_dst)
+
+    def _assemble(self, q: Any, e_q: Any, k: Any, e_k: Any, v: Any, e_v: Any,
+                  out: dict[str, np.ndarray | None], visible: np.ndarray) -> FastForward:
+        stages = {"q_proj": q, "k_proj": k, "v_proj": v, "scores": out["s"], "attn_weights": out["p"],
+                  "head_outputs": out["o"], "concat": out["c"], "output": out["y"]}
+        error: dict[str, np.ndarray | float] = {
+            "q_proj": e_q, "k_proj": e_k, "v_proj": e_v, "scores": 0.0 if out["e_s"] is None else out["e_s"],
+            "attn_weights": out["e_p"], "head_outputs": out["e_o"], "concat": out["e_c"], "output": out["e_y"],
+        }
+        return FastForward(stages, visible, error, dict(self.exact))  # type: ignore[arg-type]
+
+    def rows(self, b: int, t0: int, t1: int) -> FastForward:
+        """Every stage of batch entry b's query rows [t0, t1) (a case of its own: B = 1, T = t1 - t0,
+        every key), bit-identical to those rows of :meth:`whole`; t0 a multiple of :data:`FAST_ROWS`."""
+        out = self._outputs(b, t0, t1)
+        with _one_blas_thread():
+            self._fill(b, t0, t1, out)
+
+        def rows_of(x: np.ndarray | float) -> np.ndarray | float:
+            return x if isinstance(x, float) else x[b : b + 1, t0:t1]
+
+        def entry(x: np.ndarray | float) -> np.ndarray | float:
+            return x if isinstance(x, float) else x[b : b + 1]
+
+        return self._assemble(rows_of(self.q), rows_of(self.e_q), entry(self.k), entry(self.e_k),
+                              entry(self.v), entry(self.e_v), out, self.visible[b : b + 1, :, t0:t1])
+
+    def whole(self) -> FastForward:
+        """Every stage of the whole case."""
+        B, H, T, S, E = self.B, self.H, self.T, self.S, self.E
+        d_out = self.w_o.shape[1]
+        out: dict[str, np.ndarray | None] = {
+            "s": np.empty((B, H, T, S)), "p": np.empty((B, H, T, S)),
+            "e_s": None if self.exact_s else np.empty((B, H, T, S)), "e_p": np.empty((B, H, T, S)),
+            "o": np.empty((B, H, T, E)), "e_o": np.empty((B, H, T, E)),
+            "c": np.empty((B, T, H * E)), "e_c": np.empty((B, T, H * E)),
+            "y": np.empty((B, T, d_out)), "e_y": np.empty((B, T, d_out))}
+        with _one_blas_thread():
+            for b in range(B):
+                self._fill(b, 0, T, {name: None if a is None else a[b : b + 1] for name, a in out.items()})
+        return self._assemble(self.q, self.e_q, self.k, self.e_k, self.v, self.e_v, out, self.visible)
+
+
 def forward_fast(
     config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray]
 ) -> FastForward:
-    """Every stage of docs/spec.md §2 in float64 BLAS, with the bound of its own error."""
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    assert query is not None and key is not None and value is not None
-    (B, T, _), S = query.shape, key.shape[1]
-    H, G, group, D, E = config.H, config.H_kv, config.group_size, config.D_k, config.D_v
-    scale = float(config.scale)  # type: ignore[arg-type]
-
-    # 1. project and split
-    grids: dict[int, int | None] = {}  # self-attention: one input, one grid computation
-    for x in (query, key, value):
-        if id(x) not in grids:
-            grids[id(x)] = grid_exponent(x)
-    q, e_q, exact_q, grid_q = _project(query, weights["w_q"], weights.get("b_q"), grids[id(query)])
-    k, e_k, exact_k, grid_k = _project(key, weights["w_k"], weights.get("b_k"), grids[id(key)])
-    v, e_v, exact_v, _ = _project(value, weights["w_v"], weights.get("b_v"), grids[id(value)])
-    Q, K, V = _heads(q, H), _heads(k, G), _heads(v, G)
-    EQ, EK, EV = _heads(e_q, H), _heads(e_k, G), _heads(e_v, G)
-    exact_s = (exact_q and exact_k
-               and exact_product(Q, np.swapaxes(K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
-
-    visible = visibility(config, inputs.get("mask"), B, T, S)
-    s_all = np.empty((B, H, T, S))
-    p_all = np.empty((B, H, T, S))
-    e_s_all = None if exact_s else np.empty((B, H, T, S))
-    e_p_all = np.empty((B, H, T, S))
-    o_all = np.empty((B, H, T, E))
-    e_o_all = np.empty((B, H, T, E))
-    rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S)  # exp (both references), divisions; the row sum
-    out_round = sum_bound(S + 1)  # the length-S dot of P V and the exact reference's one rounding
-
-    # 2. attend, one (batch entry, head) at a time: memory O(T·S)
-    everything_visible = not config.causal and inputs.get("mask") is None
-    for b in range(B):
-        for h in range(H):
-            g = h // group
-            Qh, Kg, Vg = Q[b, h], K[b, g], V[b, g]  # (T, D), (S, D), (S, E)
-            vis = visible[b, h]  # (T, S)
-            all_vis = everything_visible or bool(vis.all())
-            s = s_all[b, h]  # written in place: memory O(T·S) beyond the stages themselves
-            np.matmul(Qh, Kg.T, out=s)
-            s *= scale
-            # Bound on |s - exact s| (none when bit-identical).
-            if not exact_s:
-                nq, nk = np.sqrt(np.einsum("td,td->t", Qh, Qh)), np.sqrt(np.einsum("sd,sd->s", Kg, Kg))
-                eq = _row_norms(EQ if isinstance(EQ, float) else EQ[b, h], Qh)
-                ek = _row_norms(EK if isinstance(EK, float) else EK[b, g], Kg)
-                hi = np.outer(nq + eq, nk + ek)
-                e_s = scale * SAFETY * ((hi - np.outer(nq, nk)) + sum_bound(D + 2) * hi) + U * np.abs(s)
-                assert e_s_all is not None
-                e_s_all[b, h] = e_s
-            # softmax over the visible keys; a row with none is all zeros
-            p = p_all[b, h]
-            if all_vis:
-                row_max = s.max(axis=-1, keepdims=True)  # (T, 1)
-                np.subtract(s, row_max, out=p)
-            else:
-                row_max = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)
-                row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-                np.subtract(s, row_max, out=p)
-                np.copyto(p, -np.inf, where=~vis)
-            np.exp(p, out=p)
-            total = p.sum(axis=-1, keepdims=True)
-            p /= np.where(total > 0, total, 1.0)  # a row that sees no key is already all zeros
-            e_p = e_p_all[b, h]
-            if exact_s:  # the arguments of exp are bit-identical to the exact reference's
-                c_rel = rel_round * SAFETY
-                np.multiply(p, c_rel, out=e_p)
-                np.add(e_p, SUBNORMAL, out=e_p, where=vis)
-            else:
-                t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(row_max)), 0.0)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    et = np.exp(np.minimum(t, 700.0))
-                    up = np.sum(p * et, axis=-1, keepdims=True)
-                    down = np.sum(p / et, axis=-1, keepdims=True)
-                    pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
-                rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
-                e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
-            # head outputs: the propagated weight error plus the dot's own rounding
-            np.matmul(p, Vg, out=o_all[b, h])
-            v_abs = np.abs(Vg) if isinstance(EV, float) else np.abs(Vg) + EV[b, g]
-            if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V|
-                e_o = (c_rel + out_round * (1.0 + c_rel)) * (p @ v_abs)
-                e_o += (1.0 + out_round) * SUBNORMAL * v_abs.sum(axis=0)
-            else:
-                e_o = (e_p + out_round * (p + e_p)) @ v_abs
-            if not isinstance(EV, float):
-                e_o += p @ EV[b, g]
-            e_o_all[b, h] = e_o * SAFETY
-
-    # 3. concat and project
-    c = o_all.transpose(0, 2, 1, 3).reshape(B, T, H * E)
-    e_c = e_o_all.transpose(0, 2, 1, 3).reshape(B, T, H * E)
-    w_o, b_o = weights["w_o"], weights.get("b_o")
-    y = c @ w_o
-    if b_o is not None:
-        y += b_o
-    local = sum_bound(w_o.shape[0] + 2)
-    e_y = (e_c + local * np.abs(c)) @ np.abs(w_o)
-    if b_o is not None:
-        e_y += local * np.abs(b_o)
-    stages = {
-        "q_proj": q, "k_proj": k, "v_proj": v, "scores": s_all,
-        "attn_weights": p_all, "head_outputs": o_all, "concat": c, "output": y,
-    }
-    error: dict[str, np.ndarray | float] = {
-        "q_proj": e_q, "k_proj": e_k, "v_proj": e_v, "scores": 0.0 if e_s_all is None else e_s_all,
-        "attn_weights": e_p_all, "head_outputs": e_o_all, "concat": e_c, "output": e_y * SAFETY,
-    }
-    exact = {"q_proj": exact_q, "k_proj": exact_k, "v_proj": exact_v, "scores": exact_s}
-    exact.update({s: False for s in STAGES if s not in exact})
-    return FastForward(stages, visible, error, exact)
+    """Every stage of docs/spec.md §2 in float64 BLAS, with the bound of its own error
+    (:meth:`FastRows.whole`)."""
+    return FastRows(config, inputs, weights).whole()

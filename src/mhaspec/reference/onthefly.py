@@ -5,7 +5,10 @@ the same :class:`~mhaspec.conformance.Session` as the committed fixtures: an
 :class:`OnTheFlyGolden` is a :class:`~mhaspec.fixtures.GoldenSet` whose cases
 come from :func:`~mhaspec.reference.fast.forward_fast`, each carrying the
 bound of its own error (:attr:`GoldenCase.reference_error`), which the judge
-adds to the tolerance.  One case is kept in memory at a time.
+adds to the tolerance.  One case is kept in memory at a time; a large one
+(:data:`ROW_BLOCKS_ABOVE`) as a :class:`~mhaspec.fixtures.RowBlocks`, whose
+(B, H, T, S) stages are computed one block of query rows at a time while the
+judge judges that block, never whole.
 """
 
 from __future__ import annotations
@@ -13,10 +16,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import FixtureError
-from ..fixtures import GoldenCase, GoldenSet
-from ..spec import Catalog, CaseSpec, resolve_catalog
-from .fast import forward_fast
+from ..fixtures import GoldenCase, GoldenSet, LazyStages, RowBlocks
+from ..spec import STAGES, Catalog, CaseSpec, resolve_catalog
+from .fast import FAST_ROWS, FastForward, FastRows, forward_fast
+
+#: A case of more than this many elements per (B, H, T, S) stage is made one block of query rows
+#: at a time (:func:`row_blocks`): the size above which the judge splits a case into blocks anyway
+#: (mhaspec.conformance.blocks.MAX_BLOCK_ELEMENTS).
+ROW_BLOCKS_ABOVE = 1 << 22
+#: Elements per (B, H, T, S) stage of one block of a :class:`~mhaspec.fixtures.RowBlocks` case
+#: (2^20: 8 MiB per float64 array; T = S = 1024 with H = 8: 128 rows, 4096: 32 rows).
+ROW_BLOCK_ELEMENTS = 1 << 20
 
 
 def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
@@ -25,6 +38,53 @@ def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
     weights = spec.make_weights()
     fast = forward_fast(spec.config, inputs, weights)
     return GoldenCase(spec, inputs, weights, fast.stages, fast.visible, Path(source), reference_error=fast.error)
+
+
+def _input_rows(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray:
+    """The part of input ``name`` that batch entry b's query rows [t0, t1) read."""
+    if name == "query":
+        return x[b : b + 1, t0:t1]
+    if name == "mask":  # (B|1, 1, T|1, S)
+        rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
+        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
+    return x[b : b + 1]  # key, value: every key
+
+
+def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
+    """The golden case of ``spec`` as a :class:`~mhaspec.fixtures.RowBlocks`: the projections and the
+    visibility now, every other stage one block of query rows at a time when the judge asks
+    (:meth:`FastRows.rows`, the same numbers as :func:`golden_case`'s)."""
+    inputs = spec.make_inputs()
+    weights = spec.make_weights()
+    fast = FastRows(spec.config, inputs, weights)
+    cfg = spec.config
+    whole: list[FastForward] = []
+
+    def computed() -> FastForward:  # read only where a value of the whole case is asked (a diagnosis)
+        if not whole:
+            whole.append(fast.whole())
+        return whole[0]
+
+    def block(b: int, t0: int, t1: int) -> GoldenCase:
+        rows = fast.rows(b, t0, t1)
+        return GoldenCase(spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
+                          {k: _input_rows(k, v, b, t0, t1) for k, v in inputs.items() if v is not None},
+                          weights, rows.stages, rows.visible, Path(source), reference_error=rows.error)
+
+    shapes = cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len)
+    shapes = {name: tuple(shapes[name]) for name in STAGES}
+    per_block = max(1, ROW_BLOCK_ELEMENTS // (cfg.H * spec.src_len) // FAST_ROWS) * FAST_ROWS
+    return RowBlocks(spec, inputs, weights, LazyStages(shapes, lambda: computed().stages),  # type: ignore[arg-type]
+                     fast.visible, Path(source),
+                     reference_error=LazyStages(shapes, lambda: computed().error),
+                     block_rows=per_block, make_block=block)
+
+
+def on_the_fly(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
+    """:func:`row_blocks` for a case above :data:`ROW_BLOCKS_ABOVE` elements per (B, H, T, S) stage,
+    :func:`golden_case` for the others."""
+    cells = spec.batch * spec.config.H * spec.tgt_len * spec.src_len
+    return row_blocks(spec, source) if cells > ROW_BLOCKS_ABOVE else golden_case(spec, source)
 
 
 class OnTheFlyGolden(GoldenSet):
@@ -57,11 +117,12 @@ class OnTheFlyGolden(GoldenSet):
             self._loaded.clear()  # free the previous case before computing the next
             spec = self.catalog[case_id]
             try:
-                self._loaded[case_id] = golden_case(spec, self.folder)
+                self._loaded[case_id] = on_the_fly(spec, self.folder)
             except MemoryError:
                 cells = spec.batch * spec.config.H * spec.tgt_len * spec.src_len
                 raise FixtureError(
-                    f"{self.folder}: case {case_id}: not enough memory for the fast reference (it holds three "
-                    f"(B, H, T, S) float64 arrays: {3 * 8 * cells / 2**30:.1f} GiB)"
+                    f"{self.folder}: case {case_id}: not enough memory for the fast reference (it holds the "
+                    f"visibility, one (B, H, T, S) bool array: {cells / 2**30:.1f} GiB, and one block of query "
+                    f"rows at a time)"
                 ) from None
         return self._loaded[case_id]

@@ -1,0 +1,156 @@
+"""Benchmark: the judge's cost against the naive float64 check, side by side (issue 36, item 5).
+
+Target: at T = S = 1024 and 4096 (d_model = 512, H = 8, causal self-attention), a whole
+``mhaspec run numpy --catalog FILE --dtype float32`` costs at most 3x the CPU seconds and
+2x the peak memory of the naive check users write instead: one Python process that builds
+the same inputs and weights, runs a plain float64 numpy forward and the float32
+implementation (the numpy adapter), and compares every stage with
+``np.testing.assert_allclose``.
+
+Each side runs as a fresh process per size, one after the other.  CPU seconds: user + sys
+of the whole process tree (the runner and its worker).  Peak memory: the sum of the peak
+resident sets of the runner and of its worker (each process's own peak, read from
+``getrusage`` in the runner when it leaves: its own, and its reaped children's).  The load
+average is printed beside each figure.
+
+    python benchmarks/bench_cost.py [--sizes 1024,4096] [--adapter numpy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CPU_TARGET, MEMORY_TARGET = 3.0, 2.0
+
+#: The naive check: what a user writes instead of mhaspec (run as ``python -c NAIVE CATALOG``).
+NAIVE = r"""
+import sys
+import numpy as np
+from mhaspec.spec import Case, resolve_catalog
+from mhaspec.adapters.numpy_mha import NumpyMHA
+
+catalog, _ = resolve_catalog(sys.argv[1])
+spec = catalog[catalog.ids()[0]]
+inputs, weights = spec.make_inputs(), spec.make_weights()
+cfg = spec.config
+B, T, S, H, D = spec.batch, spec.tgt_len, spec.src_len, cfg.H, cfg.D_k
+
+def forward(x, w):  # plain float64 multi-head attention, causal
+    q = x @ w["w_q"] + w["b_q"]
+    k = x @ w["w_k"] + w["b_k"]
+    v = x @ w["w_v"] + w["b_v"]
+    Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    K = k.reshape(B, S, H, D).transpose(0, 2, 1, 3)
+    V = v.reshape(B, S, H, D).transpose(0, 2, 1, 3)
+    s = (Q @ K.transpose(0, 1, 3, 2)) * float(cfg.scale)
+    keep = np.tril(np.ones((T, S), dtype=bool))
+    logits = np.where(keep, s, -np.inf)
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits, out=logits)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ V
+    c = o.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    y = c @ w["w_o"] + w["b_o"]
+    return {"q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
+            "head_outputs": o, "concat": c, "output": y}
+
+expected = forward(inputs["query"], weights)
+got = NumpyMHA().run(Case.from_spec(spec, "float32", inputs, weights))
+failed = []
+for stage, value in expected.items():
+    try:
+        np.testing.assert_allclose(got[stage], value, rtol=1e-3, atol=1e-5)
+    except AssertionError:
+        failed.append(stage)
+import resource
+print("failed " + ", ".join(failed) if failed else "every stage close")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+#: Runs ``python -m mhaspec ARGS`` and, as it leaves, writes its own peak RSS and its (reaped)
+#: worker's to the file named by the first argument.
+WRAPPED = r"""
+import atexit, json, resource, runpy, sys
+out = sys.argv.pop(1)
+def peaks():
+    with open(out, "w") as fh:
+        json.dump({"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                   "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}, fh)
+atexit.register(peaks)
+sys.argv[0] = "mhaspec"
+runpy.run_module("mhaspec", run_name="__main__", alter_sys=True)
+"""
+
+
+def measure(argv: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """(the finished process, its tree's CPU seconds, wall seconds)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, cpu, wall
+
+
+def load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1024,4096", help="T = S values, comma-separated")
+    parser.add_argument("--adapter", default="numpy")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    args = parser.parse_args()
+
+    print(f"{os.cpu_count()} CPUs; targets: mhaspec <= {CPU_TARGET:g}x the CPU and <= {MEMORY_TARGET:g}x the "
+          f"peak memory of the naive float64 check")
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (int(x) for x in args.sizes.split(",")):
+            case_id = f"d{args.d_model}_h{args.heads}_t{size}_causal"
+            catalog = Path(tmp) / f"{case_id}.json"
+            report = Path(tmp) / f"{case_id}.report.json"
+            peaks = Path(tmp) / f"{case_id}.peaks.json"
+            catalog.write_text(json.dumps([{
+                "id": case_id, "config": {"d_model": args.d_model, "num_heads": args.heads, "causal": True},
+                "batch": 1, "tgt_len": size, "src_len": size, "inputs": "self", "seed": 1,
+            }]))
+
+            print(f"{case_id}, float32 ({load()} before the naive check)")
+            proc, n_cpu, n_wall = measure([sys.executable, "-c", NAIVE, str(catalog)])
+            if proc.returncode != 0:
+                sys.exit(f"naive check exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            outcome, n_peak_text = proc.stdout.strip().rsplit("\n", 1)
+            n_peak = int(n_peak_text)  # KiB (Linux), its own peak resident set
+            print(f"  naive check:  cpu {n_cpu:7.2f} s, wall {n_wall:7.2f} s, peak memory {n_peak / 2**20:6.2f} GB  "
+                  f"({outcome}; {load()})")
+
+            proc, m_cpu, m_wall = measure([sys.executable, "-c", WRAPPED, str(peaks), "run", args.adapter,
+                                           "--catalog", str(catalog), "--dtype", "float32", "--report", str(report)])
+            if proc.returncode not in (0, 1) or not report.exists() or not peaks.exists():
+                sys.exit(f"mhaspec run exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            p = json.loads(peaks.read_text())
+            m_peak = p["self"] + p["children"]
+            result = json.loads(report.read_text())["results"][0]
+            print(f"  mhaspec run:  cpu {m_cpu:7.2f} s, wall {m_wall:7.2f} s, peak memory {m_peak / 2**20:6.2f} GB "
+                  f"(runner {p['self'] / 2**20:.2f} + worker {p['children'] / 2**20:.2f})  (verdict "
+                  f"{result['verdict']}, worst ratio {result.get('worst_ratio')}, adapter "
+                  f"{result.get('adapter_seconds') or 0:.1f} s; {load()})")
+            cpu_ratio, mem_ratio = m_cpu / n_cpu, m_peak / n_peak
+            print(f"  ratio:        cpu {cpu_ratio:5.2f}x {'ok' if cpu_ratio <= CPU_TARGET else 'NOT MET'} "
+                  f"(<= {CPU_TARGET:g}x), peak memory {mem_ratio:5.2f}x "
+                  f"{'ok' if mem_ratio <= MEMORY_TARGET else 'NOT MET'} (<= {MEMORY_TARGET:g}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
