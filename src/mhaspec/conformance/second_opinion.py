@@ -1,0 +1,332 @@
+"""The same-precision second opinion: an adapter's error against plain implementations' error.
+
+FlashAttention's rule ("no worse than a plain implementation in the same precision"), made
+precise.  For every stage an adapter returns, the judge also computes plain implementations of
+the standard contract (docs/spec.md) in the dtype under test, from the case's own inputs: every
+stage rounded to the dtype, 16-bit dtypes summing in float32.  The stage fails the second
+opinion when::
+
+    RMS(adapter − golden) > C · max(RMS(plain − golden) over the plain orders, e_min)
+
+over the stage's compared, finite elements (the scores' masked entries are not compared, as in
+the element-wise check), with at least :data:`MIN_ELEMENTS` of them.  ``e_min`` is the RMS of
+``sqrt(u²·golden² + R²)`` (u the dtype's unit roundoff, R the golden's own error bound): one
+rounding of the exact result, the least error any implementation that stores the stage in the
+dtype has.  Only under the standard contract.
+
+The plain orders are the correct places for the scale that frameworks use (each is a correct
+implementation in the dtype, so the rule holds for the largest of their errors):
+
+* ``scale-after`` — ``scale · (Q Kᵀ)``, then ``e / Σ e`` (the spec's order; mhaspec's numpy);
+* ``log-sum-exp`` — the same scores, then ``exp(s − LSE)`` (FlashAttention's exposed P);
+* ``query-prescaled`` — ``(scale · Q) Kᵀ`` (Keras MultiHeadAttention, FlashAttention's
+  reference, torch.nn.MultiheadAttention);
+* ``sqrt-both`` — ``(√scale · Q)(√scale · K)ᵀ`` (the ONNX Attention function body, torch's
+  math SDPA).
+
+Where the inputs make a stage's plain result nearly exact (|scores| in the hundreds built from
+dyadic values, ``large_logits``), where the scale is rounded matters: one rounding of an
+irrational scale in float32 moves every score by up to ``u·|s|``, and the softmax turns that
+into a relative error of the weights of the order of ``u·|s|`` — the scale-after order has one
+such rounding, the pre-scaled ones two or three.
+
+Cost: the plain stages are computed once per case × dtype (per block of query rows for a large
+case, :mod:`mhaspec.conformance.blocks`), in the dtype's working precision (float32 matmuls for
+every dtype but float64), and only their sums of squared error are kept; blocks merge them
+exactly (sums and counts), so the verdict does not depend on the block size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..fixtures import GoldenCase
+from ..spec import STAGE, compared_entries
+
+#: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
+C = 4.0
+#: Fewer compared finite elements than this: no second opinion (an RMS of a few elements is not one).
+MIN_ELEMENTS = 16
+#: The plain orders of the scale and softmax (module docstring).
+ORDERS = ("scale-after", "log-sum-exp", "query-prescaled", "sqrt-both")
+#: Unit roundoff of each dtype's storage.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+@dataclass
+class SecondOpinion:
+    """One stage's second opinion: sums of squared error over ``compared`` elements (so that
+    blocks of query rows merge exactly: :meth:`merged`)."""
+
+    compared: int
+    adapter_ss: float  # Σ (adapter − golden)²
+    plain_ss: dict[str, float]  # per plain order: Σ (plain − golden)²
+    floor_ss: float  # Σ (u²·golden² + R²): e_min²·compared
+    limit: float = C
+    #: False when a declared deviation covers the stage (reported, not folded into the verdict)
+    applies: bool = True
+    excused: str = field(default="")
+
+    def _rms(self, ss: float) -> float:
+        return math.sqrt(ss / self.compared) if self.compared else 0.0
+
+    @property
+    def adapter_rms(self) -> float:
+        return self._rms(self.adapter_ss)
+
+    @property
+    def order(self) -> str:
+        """The plain order with the largest error (the reference)."""
+        return max(self.plain_ss, key=lambda k: self.plain_ss[k])
+
+    @property
+    def plain_rms(self) -> float:
+        return self._rms(max(self.plain_ss.values()))
+
+    @property
+    def floor_rms(self) -> float:
+        return self._rms(self.floor_ss)
+
+    @property
+    def reference_rms(self) -> float:
+        return max(self.plain_rms, self.floor_rms)
+
+    @property
+    def ratio(self) -> float:
+        """RMS(adapter − golden) / max(plain RMS, e_min): fails above :attr:`limit`."""
+        ref = self.reference_rms
+        if ref > 0:
+            return self.adapter_rms / ref
+        return 0.0 if self.adapter_rms == 0 else math.inf
+
+    @property
+    def judged(self) -> bool:
+        return self.compared >= MIN_ELEMENTS
+
+    @property
+    def fails(self) -> bool:
+        return self.judged and self.ratio > self.limit
+
+    def message(self) -> str:
+        return (f"second opinion: RMS error {self.adapter_rms:.3g} over {self.compared} elements is "
+                f"{self.ratio:.3g} times that of a plain {self._dtype_words()}implementation "
+                f"({self.reference_rms:.3g}, order {self.order if self.plain_rms >= self.floor_rms else 'e_min'}), "
+                f"more than the {self.limit:g} allowed: not rounding error of a correct algorithm")
+
+    def _dtype_words(self) -> str:
+        return "same-precision "
+
+    def to_json(self) -> dict[str, Any]:
+        def num(x: float) -> float | str:
+            return x if math.isfinite(x) else ("inf" if x > 0 else "nan")
+
+        return {
+            "ratio": num(self.ratio) if self.judged else None,
+            "adapter_rms": num(self.adapter_rms),
+            "plain_rms": num(self.plain_rms),
+            "e_min": num(self.floor_rms),
+            "order": self.order,
+            "C": self.limit,
+            "compared": self.compared,
+            "applies": self.applies,
+            "excused": self.excused or None,
+        }
+
+    @classmethod
+    def merged(cls, parts: Iterable[SecondOpinion]) -> SecondOpinion | None:
+        """The whole case's second opinion from its blocks' (exact: sums and counts add)."""
+        parts = list(parts)
+        if not parts:
+            return None
+        plain: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.plain_ss.items():
+                plain[k] = plain.get(k, 0.0) + v
+        return cls(sum(p.compared for p in parts), sum(p.adapter_ss for p in parts), plain,
+                   sum(p.floor_ss for p in parts), parts[0].limit, all(p.applies for p in parts),
+                   next((p.excused for p in parts if p.excused), ""))
+
+
+# --- plain implementations in the dtype ------------------------------------------------------------
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (ties to even), as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return np.where(np.isfinite(x), rounded.view(np.float32), x)
+
+
+def _precision(dtype: str) -> tuple[type, Any]:
+    """(the working float type, the rounding of a stage to ``dtype`` in it)."""
+    if dtype == "float64":
+        return np.float64, lambda x: x
+    if dtype == "float32":
+        return np.float32, lambda x: x
+    if dtype == "float16":
+        return np.float32, lambda x: np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return np.float32, _bf16
+    raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(UNIT_ROUNDOFF)}")
+
+
+def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
+    """(order, {stage: values}) of each plain implementation of ``golden`` in ``dtype``, one at a
+    time (values in the working precision, each rounded to ``dtype``).  The projections are the
+    same arrays in every order."""
+    work, rnd = _precision(dtype)
+    cfg = golden.spec.config
+    w = golden.weights
+
+    def cast(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else rnd(np.asarray(x, dtype=work))
+
+    def linear(x: np.ndarray, name: str) -> np.ndarray:
+        y = cast(x) @ cast(w[f"w_{name}"])
+        b = w.get(f"b_{name}")
+        if b is not None:
+            y = y + cast(b)
+        return rnd(y)
+
+    query, key, value = golden.inputs["query"], golden.inputs["key"], golden.inputs["value"]
+    B, T, _ = query.shape
+    S = key.shape[1]
+    H, G, D, E = cfg.H, cfg.H_kv, cfg.D_k, cfg.D_v
+    q, k, v = linear(query, "q"), linear(key, "k"), linear(value, "v")
+    Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
+    V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
+    visible = golden.visible
+    scale = float(cfg.scale)
+    scale_d = rnd(np.asarray(scale, dtype=work))
+    root_d = rnd(np.asarray(math.sqrt(scale), dtype=work))
+    projections = {STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}
+
+    def scores(order: str) -> np.ndarray:
+        if order == "query-prescaled":
+            return rnd(rnd(Q * scale_d) @ np.swapaxes(K, -1, -2))
+        if order == "sqrt-both":
+            return rnd(rnd(Q * root_d) @ np.swapaxes(rnd(K * root_d), -1, -2))
+        return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)  # (B, H, T, S)
+
+    def softmax(s: np.ndarray, lse: bool) -> np.ndarray:
+        logits = np.where(visible, s, -np.inf)
+        peak = logits.max(axis=-1, keepdims=True)
+        peak = np.where(np.isfinite(peak), peak, 0).astype(work)
+        with np.errstate(divide="ignore"):
+            e = np.exp(logits - peak)
+            total = e.sum(axis=-1, keepdims=True)
+            if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
+                log_total = np.log(np.where(total > 0, total, 1).astype(work))
+                p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
+            else:
+                p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+        return rnd(p.astype(work))
+
+    scores_after = None
+    for order in orders:
+        if order in ("scale-after", "log-sum-exp"):
+            if scores_after is None:
+                scores_after = scores("scale-after")
+            s = scores_after
+        else:
+            s = scores(order)
+        p = softmax(s, order == "log-sum-exp")
+        o = rnd(p @ V)  # (B, H, T, E)
+        c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
+        y = linear(c, "o")
+        yield order, {**projections, STAGE.scores: s, STAGE.attn_weights: p, STAGE.head_outputs: o,
+                      STAGE.concat: c, STAGE.output: y}
+
+
+def _sum_squares(values: np.ndarray, golden: np.ndarray, selected: np.ndarray | None) -> float:
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.subtract(values, golden, dtype=np.float64)
+        if selected is not None:
+            d = d[selected]
+        d = d.reshape(-1)
+        return float(np.dot(d, d)) if d.size else 0.0
+
+
+def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray]) -> dict[str, SecondOpinion]:
+    """The second opinion of each stage in ``own`` (the adapter's stages, float64, canonical
+    shapes): its sums over the stage's compared elements where the adapter's value and the golden
+    are finite."""
+    if not own:
+        return {}
+    u = UNIT_ROUNDOFF[dtype]
+    selections: dict[str, np.ndarray | None] = {}
+    out: dict[str, SecondOpinion] = {}
+    for stage, got in own.items():
+        g = golden.stages[stage]
+        sel = compared_entries(stage, golden.visible)
+        sel = None if sel is None else np.broadcast_to(sel, g.shape)
+        finite = np.isfinite(got) & np.isfinite(g)
+        if not finite.all():
+            sel = finite if sel is None else sel & finite
+        elif sel is not None and sel.all():
+            sel = None
+        selections[stage] = sel
+        n = g.size if sel is None else int(np.count_nonzero(sel))
+        R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
+        floor = np.square(u * g) + np.square(np.broadcast_to(R, g.shape))
+        out[stage] = SecondOpinion(n, _sum_squares(got, g, sel), {},
+                                   float(floor.sum() if sel is None else floor[sel].sum()))
+    for order, plain in plain_forward(golden, dtype):
+        for stage, res in out.items():
+            ss = _sum_squares(plain[stage], golden.stages[stage], selections[stage])
+            res.plain_ss[order] = ss if math.isfinite(ss) else math.inf
+    return out
+
+
+def fold(res: Any) -> None:
+    """Fold ``res.second_opinion`` (a :class:`~mhaspec.conformance.compare.StageResult`'s, of the
+    whole case) into its verdict, in place: a stage that fails it fails (unless a declared
+    deviation excuses it: :func:`judge`)."""
+    from .compare import FAIL, PASS, UNINFORMATIVE
+
+    so = res.second_opinion
+    if so is None or not so.applies:
+        return
+    if not so.fails or res.verdict not in (PASS, FAIL, UNINFORMATIVE):
+        return
+    text = so.message()
+    if res.verdict == FAIL:
+        res.message = f"{res.message}; {text}" if res.message else text
+        res.failed_check = "+".join(c for c in (res.failed_check, "second_opinion") if c)
+    else:
+        res.verdict, res.message = FAIL, text
+        res.failed_check = "second_opinion"
+
+
+
+def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
+          deviations: Iterable[Any] = ()) -> dict[str, SecondOpinion]:
+    """The second opinion of each stage of ``own`` in ``dtype``, where a declared deviation covers
+    a stage following the rule its element-wise check follows: bounded by another dtype's
+    tolerances (``within="float32"``), the plain implementations are computed in that dtype; any
+    other declaration (unbounded, row-scoped, ``within="worst-case"`` or an absolute bound)
+    excuses the stage — its second opinion is reported, not folded into the verdict."""
+    by_dtype: dict[str, dict[str, np.ndarray]] = {}
+    excused: dict[str, str] = {}
+    deviations = list(deviations)
+    for stage, values in own.items():
+        dev = next((d for d in deviations if d.matches(golden.id, dtype, stage)), None)
+        plain_dtype = dtype
+        if dev is not None:
+            if isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF and dev.rows is None:
+                plain_dtype = dev.within
+            else:
+                excused[stage] = dev.pattern
+        by_dtype.setdefault(plain_dtype, {})[stage] = values
+    out: dict[str, SecondOpinion] = {}
+    for plain_dtype, stages in by_dtype.items():
+        out.update(second_opinions(golden, plain_dtype, stages))
+    for stage, pattern in excused.items():
+        out[stage].applies, out[stage].excused = False, pattern
+    return out
