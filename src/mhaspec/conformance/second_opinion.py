@@ -53,7 +53,9 @@ C = 4.0
 #: Fewer compared finite elements than this: no second opinion (an RMS of a few elements is not one).
 MIN_ELEMENTS = 16
 #: The plain orders of the scale and softmax (module docstring).
-ORDERS = ("scale-after", "log-sum-exp", "query-prescaled", "sqrt-both")
+ORDERS = ("scale-after", "log-sum-exp", "scores-stored", "query-prescaled", "sqrt-both")
+#: The orders whose projections add the bias to the stored product (Keras's Dense, ONNX's MatMul then Add).
+SEPARATE_BIAS = frozenset({"scores-stored", "query-prescaled", "sqrt-both"})
 #: Unit roundoff of each dtype's storage.
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
@@ -177,42 +179,50 @@ def _precision(dtype: str) -> tuple[type, Any]:
 
 def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
     """(order, {stage: values}) of each plain implementation of ``golden`` in ``dtype``, one at a
-    time (values in the working precision, each rounded to ``dtype``).  The projections are the
-    same arrays in every order."""
+    time (values in the working precision, each rounded to ``dtype``).  Orders that share their
+    projections share the same arrays."""
     work, rnd = _precision(dtype)
     cfg = golden.spec.config
     w = golden.weights
 
-    def cast(x: np.ndarray | None) -> np.ndarray | None:
-        return None if x is None else rnd(np.asarray(x, dtype=work))
+    def cast(x: np.ndarray) -> np.ndarray:
+        return rnd(np.asarray(x, dtype=work))
 
-    def linear(x: np.ndarray, name: str) -> np.ndarray:
+    def linear(x: np.ndarray, name: str, separate: bool) -> np.ndarray:
+        """x @ w + b: the bias added in the sum (one rounding), or to the stored product (two)."""
         y = cast(x) @ cast(w[f"w_{name}"])
         b = w.get(f"b_{name}")
         if b is not None:
-            y = y + cast(b)
+            y = (rnd(y) if separate else y) + cast(b)
         return rnd(y)
 
     query, key, value = golden.inputs["query"], golden.inputs["key"], golden.inputs["value"]
     B, T, _ = query.shape
     S = key.shape[1]
     H, G, D, E = cfg.H, cfg.H_kv, cfg.D_k, cfg.D_v
-    q, k, v = linear(query, "q"), linear(key, "k"), linear(value, "v")
-    Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-    K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
-    V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
     visible = golden.visible
     scale = float(cfg.scale)
     scale_d = rnd(np.asarray(scale, dtype=work))
     root_d = rnd(np.asarray(math.sqrt(scale), dtype=work))
-    projections = {STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}
+    heads: dict[bool, tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def scores(order: str) -> np.ndarray:
+    def projected(separate: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        if separate not in heads:
+            q, k, v = (linear(golden.inputs[x], x[0], separate) for x in ("query", "key", "value"))
+            Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+            K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
+            V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
+            heads[separate] = ({STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}, Q, K, V)
+        return heads[separate]
+
+    def scores(order: str, Q: np.ndarray, K: np.ndarray) -> np.ndarray:  # (B, H, T, S)
         if order == "query-prescaled":
             return rnd(rnd(Q * scale_d) @ np.swapaxes(K, -1, -2))
         if order == "sqrt-both":
             return rnd(rnd(Q * root_d) @ np.swapaxes(rnd(K * root_d), -1, -2))
-        return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)  # (B, H, T, S)
+        if order == "scores-stored":
+            return rnd(rnd(Q @ np.swapaxes(K, -1, -2)) * scale_d)
+        return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)
 
     def softmax(s: np.ndarray, lse: bool) -> np.ndarray:
         logits = np.where(visible, s, -np.inf)
@@ -228,18 +238,14 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
                 p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
         return rnd(p.astype(work))
 
-    scores_after = None
     for order in orders:
-        if order in ("scale-after", "log-sum-exp"):
-            if scores_after is None:
-                scores_after = scores("scale-after")
-            s = scores_after
-        else:
-            s = scores(order)
+        separate = order in SEPARATE_BIAS
+        projections, Q, K, V = projected(separate)
+        s = scores(order, Q, K)
         p = softmax(s, order == "log-sum-exp")
         o = rnd(p @ V)  # (B, H, T, E)
         c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
-        y = linear(c, "o")
+        y = linear(c, "o", separate)
         yield order, {**projections, STAGE.scores: s, STAGE.attn_weights: p, STAGE.head_outputs: o,
                       STAGE.concat: c, STAGE.output: y}
 
