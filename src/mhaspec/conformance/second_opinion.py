@@ -255,14 +255,14 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray, selected: np.ndarray | 
         d = np.subtract(values, golden, dtype=np.float64)
         if selected is not None:
             d = d[selected]
-        d = d.reshape(-1)
-        return float(np.dot(d, d)) if d.size else 0.0
+        return float(np.square(d, out=d).sum()) if d.size else 0.0  # not np.dot: BLAS would wake its threads
 
 
-def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray]) -> dict[str, SecondOpinion]:
+def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
+                    only: Mapping[str, np.ndarray] | None = None) -> dict[str, SecondOpinion]:
     """The second opinion of each stage in ``own`` (the adapter's stages, float64, canonical
     shapes): its sums over the stage's compared elements where the adapter's value and the golden
-    are finite."""
+    are finite (and, for a stage in ``only``, where that boolean selection is True)."""
     if not own:
         return {}
     u = UNIT_ROUNDOFF[dtype]
@@ -272,10 +272,12 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         g = golden.stages[stage]
         sel = compared_entries(stage, golden.visible)
         sel = None if sel is None else np.broadcast_to(sel, g.shape)
+        if only is not None and stage in only:
+            sel = np.broadcast_to(only[stage], g.shape) if sel is None else sel & only[stage]
         finite = np.isfinite(got) & np.isfinite(g)
         if not finite.all():
             sel = finite if sel is None else sel & finite
-        elif sel is not None and sel.all():
+        if sel is not None and sel.all():
             sel = None
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
@@ -313,26 +315,38 @@ def fold(res: Any) -> None:
 
 def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
           deviations: Iterable[Any] = ()) -> dict[str, SecondOpinion]:
-    """The second opinion of each stage of ``own`` in ``dtype``, where a declared deviation covers
-    a stage following the rule its element-wise check follows: bounded by another dtype's
-    tolerances (``within="float32"``), the plain implementations are computed in that dtype; any
-    other declaration (unbounded, row-scoped, ``within="worst-case"`` or an absolute bound)
-    excuses the stage — its second opinion is reported, not folded into the verdict."""
+    """The second opinion of each stage of ``own`` in ``dtype``.  Where a declared deviation covers
+    a stage, the first that applies (as :meth:`~mhaspec.conformance.deviations.DeclaredDeviations.apply`
+    picks it) sets the rule its element-wise check follows: a row-scoped one (``rows="fully_masked"``,
+    in a case with query rows that see no key) leaves those rows out; one bounded by another dtype's
+    tolerances (``within="float32"``) has the plain implementations computed in that dtype; any
+    other (unbounded, ``within="worst-case"``, an absolute bound) excuses the stage — its second
+    opinion is reported, not folded into the verdict."""
+    from .deviations import outside_blind_rows
+
     by_dtype: dict[str, dict[str, np.ndarray]] = {}
+    only: dict[str, np.ndarray] = {}
     excused: dict[str, str] = {}
     deviations = list(deviations)
     for stage, values in own.items():
-        dev = next((d for d in deviations if d.matches(golden.id, dtype, stage)), None)
         plain_dtype = dtype
-        if dev is not None:
-            if isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF and dev.rows is None:
+        for dev in deviations:
+            if not dev.matches(golden.id, dtype, stage):
+                continue
+            if dev.rows == "fully_masked":
+                outside = outside_blind_rows(golden, stage)
+                if outside is None or outside.all():
+                    continue  # no such rows here (or no query-row axis): it does not apply
+                only[stage] = outside
+            elif isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF:
                 plain_dtype = dev.within
             else:
                 excused[stage] = dev.pattern
+            break
         by_dtype.setdefault(plain_dtype, {})[stage] = values
     out: dict[str, SecondOpinion] = {}
     for plain_dtype, stages in by_dtype.items():
-        out.update(second_opinions(golden, plain_dtype, stages))
+        out.update(second_opinions(golden, plain_dtype, stages, only))
     for stage, pattern in excused.items():
         out[stage].applies, out[stage].excused = False, pattern
     return out
