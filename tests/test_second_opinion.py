@@ -159,3 +159,18 @@ def test_the_json_report_carries_it(golden):
     assert st["C"] == C and st["order"] in ORDERS and st["applies"] is True and st["excused"] is None
     assert 0 < st["ratio"] <= C and st["compared"] == report.results[0].stage("output").compared
     assert report.results[0].verdict == PASS
+
+
+def test_a_row_scoped_declaration_leaves_out_only_the_rows_that_see_no_key(golden):
+    class RowScoped(ScaleOff):
+        known_deviations = [Deviation("uniform weights where a row sees no key", rows="fully_masked", stage="output")]
+
+    report = mhaspec.check(RowScoped(1e-4), dtypes=["float32"], cases=["long_sequence", "self_masked_rows"],
+                           isolate=False)
+    plain = report.result("long_sequence", "float32").stage("output")  # no such rows: it does not apply
+    assert plain.second_opinion.applies and "second_opinion" in plain.failed_check
+    masked = report.result("self_masked_rows", "float32").stage("output")
+    g = golden.load("self_masked_rows")
+    outside = np.broadcast_to(~(~g.visible.any(axis=-1)).any(axis=1)[..., None], g.stages["output"].shape)
+    assert 0 < masked.second_opinion.compared == int(np.count_nonzero(outside)) < outside.size
+    assert masked.second_opinion.applies

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import STAGE, compared_entries
+from .judging import memoised
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
 C = 4.0
@@ -116,12 +117,9 @@ class SecondOpinion:
 
     def message(self) -> str:
         return (f"second opinion: RMS error {self.adapter_rms:.3g} over {self.compared} elements is "
-                f"{self.ratio:.3g} times that of a plain {self._dtype_words()}implementation "
+                f"{self.ratio:.3g} times that of a plain same-precision implementation "
                 f"({self.reference_rms:.3g}, order {self.order if self.plain_rms >= self.floor_rms else 'e_min'}), "
                 f"more than the {self.limit:g} allowed: not rounding error of a correct algorithm")
-
-    def _dtype_words(self) -> str:
-        return "same-precision "
 
     def to_json(self) -> dict[str, Any]:
         def num(x: float) -> float | str:
@@ -208,7 +206,9 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
 
     def projected(separate: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         if separate not in heads:
-            q, k, v = (linear(golden.inputs[x], x[0], separate) for x in ("query", "key", "value"))
+            q = linear(query, "q", separate)
+            k, v = memoised(golden, ("second opinion", dtype, separate),  # every block of a batch entry shares them
+                            lambda: (linear(key, "k", separate), linear(value, "v", separate)))
             Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
             K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
             V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
@@ -296,57 +296,21 @@ def fold(res: Any) -> None:
     """Fold ``res.second_opinion`` (a :class:`~mhaspec.conformance.compare.StageResult`'s, of the
     whole case) into its verdict, in place: a stage that fails it fails (unless a declared
     deviation excuses it: :func:`judge`)."""
-    from .compare import FAIL, PASS, UNINFORMATIVE
+    from .compare import FAIL, KNOWN_DEVIATION, PASS, UNINFORMATIVE
 
     so = res.second_opinion
     if so is None or not so.applies:
         return
-    if not so.fails or res.verdict not in (PASS, FAIL, UNINFORMATIVE):
+    if not so.fails or res.verdict not in (PASS, FAIL, UNINFORMATIVE, KNOWN_DEVIATION):
         return
     text = so.message()
-    if res.verdict == FAIL:
+    if res.verdict == KNOWN_DEVIATION:  # excused by a row-scoped or dtype-bounded declaration: beyond it
+        res.verdict, res.reason = FAIL, ""
+        res.message = f"{res.message}; beyond its declared deviation: {text}"
+        res.failed_check = "second_opinion"
+    elif res.verdict == FAIL:
         res.message = f"{res.message}; {text}" if res.message else text
         res.failed_check = "+".join(c for c in (res.failed_check, "second_opinion") if c)
     else:
         res.verdict, res.message = FAIL, text
         res.failed_check = "second_opinion"
-
-
-
-def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
-          deviations: Iterable[Any] = ()) -> dict[str, SecondOpinion]:
-    """The second opinion of each stage of ``own`` in ``dtype``.  Where a declared deviation covers
-    a stage, the first that applies (as :meth:`~mhaspec.conformance.deviations.DeclaredDeviations.apply`
-    picks it) sets the rule its element-wise check follows: a row-scoped one (``rows="fully_masked"``,
-    in a case with query rows that see no key) leaves those rows out; one bounded by another dtype's
-    tolerances (``within="float32"``) has the plain implementations computed in that dtype; any
-    other (unbounded, ``within="worst-case"``, an absolute bound) excuses the stage — its second
-    opinion is reported, not folded into the verdict."""
-    from .deviations import outside_blind_rows
-
-    by_dtype: dict[str, dict[str, np.ndarray]] = {}
-    only: dict[str, np.ndarray] = {}
-    excused: dict[str, str] = {}
-    deviations = list(deviations)
-    for stage, values in own.items():
-        plain_dtype = dtype
-        for dev in deviations:
-            if not dev.matches(golden.id, dtype, stage):
-                continue
-            if dev.rows == "fully_masked":
-                outside = outside_blind_rows(golden, stage)
-                if outside is None or outside.all():
-                    continue  # no such rows here (or no query-row axis): it does not apply
-                only[stage] = outside
-            elif isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF:
-                plain_dtype = dev.within
-            else:
-                excused[stage] = dev.pattern
-            break
-        by_dtype.setdefault(plain_dtype, {})[stage] = values
-    out: dict[str, SecondOpinion] = {}
-    for plain_dtype, stages in by_dtype.items():
-        out.update(second_opinions(golden, plain_dtype, stages, only))
-    for stage, pattern in excused.items():
-        out[stage].applies, out[stage].excused = False, pattern
-    return out
