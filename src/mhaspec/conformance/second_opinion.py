@@ -314,3 +314,42 @@ def fold(res: Any) -> None:
     else:
         res.verdict, res.message = FAIL, text
         res.failed_check = "second_opinion"
+
+
+def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
+          deviations: Iterable[Any] = ()) -> dict[str, SecondOpinion]:
+    """The second opinion of each stage of ``own`` in ``dtype``.  Where a declared deviation covers
+    a stage, the declarations that apply (as :meth:`~mhaspec.conformance.deviations.DeclaredDeviations.apply`
+    applies them) set the rule its element-wise check follows: a row-scoped one (``rows="fully_masked"``,
+    in a case with query rows that see no key) leaves those rows out, and the first other declaration
+    judges the rest: one bounded by another dtype's tolerances (``within="float32"``) against plain
+    implementations in that dtype; any other (unbounded, ``within="worst-case"``, an absolute bound)
+    excuses the stage — its second opinion is reported, not folded into the verdict."""
+    from .deviations import outside_blind_rows
+
+    by_dtype: dict[str, dict[str, np.ndarray]] = {}
+    only: dict[str, np.ndarray] = {}
+    excused: dict[str, str] = {}
+    deviations = list(deviations)
+    for stage, values in own.items():
+        plain_dtype = dtype
+        for dev in deviations:
+            if not dev.matches(golden.id, dtype, stage):
+                continue
+            if dev.rows == "fully_masked":  # its rows are left to it; another declaration may bound the rest
+                outside = outside_blind_rows(golden, stage)
+                if outside is not None and not outside.all() and stage not in only:
+                    only[stage] = outside
+                continue
+            if isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF:
+                plain_dtype = dev.within
+            else:
+                excused[stage] = dev.pattern
+            break
+        by_dtype.setdefault(plain_dtype, {})[stage] = values
+    out: dict[str, SecondOpinion] = {}
+    for plain_dtype, stages in by_dtype.items():
+        out.update(second_opinions(golden, plain_dtype, stages, only))
+    for stage, pattern in excused.items():
+        out[stage].applies, out[stage].excused = False, pattern
+    return out
