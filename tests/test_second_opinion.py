@@ -13,7 +13,7 @@ from mhaspec.conformance import FAIL, PASS
 from mhaspec.conformance.blocks import judge_in_blocks
 from mhaspec.conformance.compare import round_to_bfloat16
 from mhaspec.conformance.runner import Session
-from mhaspec.conformance.second_opinion import C, MIN_ELEMENTS, ORDERS, SecondOpinion, _bf16, plain_forward
+from mhaspec.conformance.second_opinion import C, MIN_ELEMENTS, ORDERS, SecondOpinion, _bf16, _f16, plain_forward
 from mhaspec.fixtures import GoldenSet
 from mhaspec.protocol.contract import Deviation
 
@@ -48,6 +48,16 @@ class ScaleOff(NumpyMHA):
 @pytest.fixture(scope="module")
 def golden():
     return GoldenSet()
+
+
+def test_float16_rounding_by_bits_is_numpys():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-9, 6, 1 << 16),
+                        [0.0, -0.0, 65504.0, 65519.9, 65520.0, 1e6, np.inf, -np.inf, 2.0**-14, 2.0**-25, 3 * 2.0**-25,
+                         2.0**-14 - 2.0**-25]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(_f16(x), expected)
 
 
 def test_bfloat16_rounding_matches_the_comparison_helper():

@@ -162,6 +162,23 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(x), rounded.view(np.float32), x)
 
 
+def _f16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to float16 (ties to even), as float32 — what ``astype(float16)`` and
+    back gives, by bit arithmetic (numpy's conversion is several times slower)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    out = ((bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1)))
+           & np.uint32(0xFFFFE000)).view(np.float32)  # 11 significant bits, as a normal float16
+    with np.errstate(invalid="ignore", over="ignore"):
+        small = np.abs(x) < 2.0**-14
+        if small.any():  # float16 subnormals: multiples of 2^-24
+            out = np.where(small, np.rint(x * np.float32(2.0**24)) * np.float32(2.0**-24), out)
+        wide = ~(np.abs(out) <= 65504.0)  # beyond float16's range (inf), NaN
+        if wide.any():
+            out = np.where(wide, x.astype(np.float16).astype(np.float32), out)
+    return out
+
+
 def _precision(dtype: str) -> tuple[type, Any]:
     """(the working float type, the rounding of a stage to ``dtype`` in it)."""
     if dtype == "float64":
@@ -169,7 +186,7 @@ def _precision(dtype: str) -> tuple[type, Any]:
     if dtype == "float32":
         return np.float32, lambda x: x
     if dtype == "float16":
-        return np.float32, lambda x: np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+        return np.float32, _f16
     if dtype == "bfloat16":
         return np.float32, _bf16
     raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(UNIT_ROUNDOFF)}")
@@ -238,24 +255,50 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
                 p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
         return rnd(p.astype(work))
 
+    exact = dtype in ("float64", "float32")  # storing is exact: the bias's and the scores' rounding add nothing
+    computed: dict[tuple[bool, str], dict[str, np.ndarray]] = {}
     for order in orders:
-        separate = order in SEPARATE_BIAS
-        projections, Q, K, V = projected(separate)
-        s = scores(order, Q, K)
-        p = softmax(s, order == "log-sum-exp")
-        o = rnd(p @ V)  # (B, H, T, E)
-        c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
-        y = linear(c, "o", separate)
-        yield order, {**projections, STAGE.scores: s, STAGE.attn_weights: p, STAGE.head_outputs: o,
-                      STAGE.concat: c, STAGE.output: y}
+        separate = order in SEPARATE_BIAS and not exact
+        kind = "scale-after" if exact and order == "scores-stored" else order
+        if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
+            projections, Q, K, V = projected(separate)
+            s = scores(kind, Q, K)
+            p = softmax(s, kind == "log-sum-exp")
+            o = rnd(p @ V)  # (B, H, T, E)
+            c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
+            y = linear(c, "o", separate)
+            computed[separate, kind] = {**projections, STAGE.scores: s, STAGE.attn_weights: p,
+                                        STAGE.head_outputs: o, STAGE.concat: c, STAGE.output: y}
+        yield order, computed[separate, kind]
+        for done in [k for k in computed if k != (False, "scale-after")]:
+            del computed[done]  # one order's arrays at a time, and the one the others may reuse
 
 
-def _sum_squares(values: np.ndarray, golden: np.ndarray, selected: np.ndarray | None) -> float:
+#: Elements per step of the sums of squares: the step's differences stay in the processor's cache.
+_CHUNK = 1 << 15
+
+
+def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None) -> float:
+    """Σ (values − golden)² (Σ values² without ``golden``) over ``selected`` (None: every element),
+    in float64, a cache-sized step at a time."""
+    if selected is not None:
+        values = values[selected]
+        golden = None if golden is None else golden[selected]
+    v = np.asarray(values).reshape(-1)
+    g = None if golden is None else np.asarray(golden).reshape(-1)
+    if not v.size:
+        return 0.0
+    work = np.empty(min(_CHUNK, v.size))
+    total = 0.0
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.subtract(values, golden, dtype=np.float64)
-        if selected is not None:
-            d = d[selected]
-        return float(np.square(d, out=d).sum()) if d.size else 0.0  # not np.dot: BLAS would wake its threads
+        for i in range(0, v.size, _CHUNK):
+            d = work[: min(_CHUNK, v.size - i)]
+            if g is None:
+                np.copyto(d, v[i : i + _CHUNK])
+            else:
+                np.subtract(v[i : i + _CHUNK], g[i : i + _CHUNK], out=d)
+            total += float(np.square(d, out=d).sum())  # not np.dot: BLAS would wake its threads
+    return total
 
 
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
@@ -282,13 +325,20 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
-        floor = np.square(u * g) + np.square(np.broadcast_to(R, g.shape))
-        out[stage] = SecondOpinion(n, _sum_squares(got, g, sel), {},
-                                   float(floor.sum() if sel is None else floor[sel].sum()))
-    for order, plain in plain_forward(golden, dtype):
+        floor = u * u * _sum_squares(g, None, sel)
+        if np.ndim(R) == 0:
+            floor += float(R) ** 2 * n
+        else:
+            floor += _sum_squares(np.broadcast_to(R, g.shape), None, sel)
+        out[stage] = SecondOpinion(n, _sum_squares(got, g, sel), {}, floor)
+    done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
+    for order, plain in plain_forward(golden, dtype):  # its sum (the array held, so that its id stays its own)
         for stage, res in out.items():
-            ss = _sum_squares(plain[stage], golden.stages[stage], selections[stage])
-            res.plain_ss[order] = ss if math.isfinite(ss) else math.inf
+            key = (stage, id(plain[stage]))
+            if key not in done:
+                ss = _sum_squares(plain[stage], golden.stages[stage], selections[stage])
+                done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
+            res.plain_ss[order] = done[key][1]
     return out
 
 
