@@ -29,6 +29,8 @@ import mhaspec  # noqa: E402
 from mhaspec.conformance import ERROR, FAIL  # noqa: E402
 from mhaspec.conformance import second_opinion  # noqa: E402
 from mhaspec.conformance.blocks import MAX_BLOCK_ELEMENTS, _blocks, _slice_stage, block_case  # noqa: E402
+from mhaspec.adapters.numpy_mha import NumpyMHA  # noqa: E402
+from mhaspec.conformance.judging import judging_block  # noqa: E402
 from mhaspec.reference.onthefly import OnTheFlyGolden  # noqa: E402
 from mhaspec.spec import DTYPES, Catalog, CaseSpec  # noqa: E402
 from tests.test_second_opinion import ScaleOff  # noqa: E402
@@ -112,15 +114,18 @@ def large_figures() -> None:
               f"{st.rms_ratio:.3g}; second opinion {so.ratio:.4g}x the plain error ({so.adapter_rms:.3g} vs "
               f"{so.reference_rms:.3g}, order {so.order}), failed_check {st.failed_check or '-'}")
     golden = golden_set.load(spec["id"])
-    returned = ScaleOff(0.0, stages=("output",)).run(golden.case("float32"))
-    own = {k: np.asarray(v, dtype=np.float64) for k, v in returned.items()}
     blocks = _blocks(golden, MAX_BLOCK_ELEMENTS) or [(0, 0, size)]
-    start, cpu = time.perf_counter(), time.process_time()
-    for b, t0, t1 in blocks:
-        block = block_case(golden, b, t0, t1)
-        second_opinion.judge(block, "float32", {k: _slice_stage(k, v, b, t0, t1) for k, v in own.items()})
-    print(f"the second opinion of that case (output only, {len(blocks)} blocks): "
-          f"{time.perf_counter() - start:.2f} s wall, {time.process_time() - cpu:.2f} s CPU")
+    for dtype in ("float32", "float16"):
+        returned = NumpyMHA().run(golden.case(dtype))
+        for stages in (("output",), tuple(returned)):
+            own = {k: np.asarray(returned[k], dtype=np.float64) for k in stages}
+            memo: dict = {}
+            start, cpu = time.perf_counter(), time.process_time()
+            for b, t0, t1 in blocks:
+                with judging_block(block_case(golden, b, t0, t1), golden, memo) as block:
+                    second_opinion.judge(block, dtype, {k: _slice_stage(k, v, b, t0, t1) for k, v in own.items()})
+            print(f"the second opinion of that case in {dtype}, {len(stages)} stage(s) returned, {len(blocks)} blocks: "
+                  f"{time.perf_counter() - start:.2f} s wall, {time.process_time() - cpu:.2f} s CPU")
 
 
 def main() -> None:

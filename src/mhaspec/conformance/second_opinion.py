@@ -47,6 +47,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import STAGE, compared_entries
+from .engine.chunks import one_blas_thread
 from .judging import memoised
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
@@ -398,8 +399,9 @@ def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
             break
         by_dtype.setdefault(plain_dtype, {})[stage] = values
     out: dict[str, SecondOpinion] = {}
-    for plain_dtype, stages in by_dtype.items():
-        out.update(second_opinions(golden, plain_dtype, stages, only))
+    with one_blas_thread():  # the CPU the verdict costs: no BLAS threads spinning beside the judge
+        for plain_dtype, stages in by_dtype.items():
+            out.update(second_opinions(golden, plain_dtype, stages, only))
     for stage, pattern in excused.items():
         out[stage].applies, out[stage].excused = False, pattern
     return out
