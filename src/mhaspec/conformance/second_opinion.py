@@ -388,19 +388,17 @@ def judge(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
     deviations = list(deviations)
     for stage, values in own.items():
         plain_dtype = dtype
-        for dev in deviations:
-            if not dev.matches(golden.id, dtype, stage):
-                continue
-            if dev.rows == "fully_masked":  # its rows are left to it; another declaration may bound the rest
-                outside = outside_blind_rows(golden, stage)
-                if outside is not None and not outside.all() and stage not in only:
-                    only[stage] = outside
-                continue
+        matching = [dev for dev in deviations if dev.matches(golden.id, dtype, stage)]
+        if any(dev.rows == "fully_masked" for dev in matching):  # its rows are left to it, whatever the order
+            outside = outside_blind_rows(golden, stage)
+            if outside is not None and not outside.all():
+                only[stage] = outside
+        dev = next((d for d in matching if d.rows != "fully_masked"), None)  # the rest: the first other one
+        if dev is not None:
             if isinstance(dev.within, str) and dev.within in UNIT_ROUNDOFF:
                 plain_dtype = dev.within
             else:
                 excused[stage] = dev.pattern
-            break
         by_dtype.setdefault(plain_dtype, {})[stage] = values
     out: dict[str, SecondOpinion] = {}
     with one_blas_thread():  # the CPU the verdict costs: no BLAS threads spinning beside the judge
