@@ -141,7 +141,9 @@ def test_json_report_has_the_documented_keys(tmp_path):
     stage = rep["results"][0]["stages"][3]
     assert set(stage) == {"stage", "verdict", "max_abs_err", "max_rel_err", "worst_ratio", "worst_index",
                           "compared", "nonfinite", "rms_ratio", "local_worst_ratio", "failed_check", "imprecise",
-                          "within", "within_ratio", "message", "reason"}
+                          "within", "within_ratio", "second_opinion", "message", "reason"}
+    assert set(stage["second_opinion"]) == {"ratio", "adapter_rms", "plain_rms", "e_min", "order", "C", "compared",
+                                            "applies", "excused"}
 
 
 class Broken:

@@ -28,6 +28,7 @@ from ..spec import REGISTRY, STAGES
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
 from .engine.chunks import one_blas_thread
 from .judging import judging_block
+from .second_opinion import SecondOpinion
 
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
 MAX_BLOCK_ELEMENTS = 1 << 22
@@ -102,6 +103,7 @@ def merge(parts: list[tuple[tuple[int, int, int], StageResult]]) -> StageResult:
     rms = [(r.compared, r.rms_ratio) for _, r in parts if r.rms_ratio is not None and r.compared]
     if rms:  # the mean square over the blocks, weighted by their compared elements
         merged.rms_ratio = float(np.sqrt(sum(n * x * x for n, x in rms) / sum(n for n, _ in rms)))
+    merged.second_opinion = SecondOpinion.merged(r.second_opinion for _, r in parts if r.second_opinion is not None)
     failing = [r for _, r in parts if r.verdict == FAIL]
     if failing:
         checks = {c for r in failing for c in r.failed_check.split("+") if c}

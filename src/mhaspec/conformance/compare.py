@@ -40,6 +40,8 @@ class StageResult:
     #: worst error/bound ratio the stage reached against that widened bound (<= 1: it held)
     within: str | float | None = None
     within_ratio: float | None = None
+    #: the same-precision second opinion (:class:`~mhaspec.conformance.second_opinion.SecondOpinion`), if judged
+    second_opinion: Any = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +59,7 @@ class StageResult:
             "imprecise": self.imprecise,
             "within": self.within if isinstance(self.within, str) else _num(self.within),
             "within_ratio": _num(self.within_ratio),
+            "second_opinion": None if self.second_opinion is None else self.second_opinion.to_json(),
             "message": self.message,
             "reason": self.reason,
         }

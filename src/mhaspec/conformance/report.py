@@ -70,7 +70,7 @@ class CaseResult:
         normal tolerance they are); else :attr:`worst_ratio`."""
         if self.verdict in (FAIL, KNOWN_DEVIATION):  # each such stage's worst check: golden, local or rms
             ratios = [x for st in self.stages if st.verdict == self.verdict
-                      for x in [worst_check_ratio(st)] if x is not None]
+                      for x in [_failing_ratio(st)] if x is not None]
             return max(ratios) if ratios else None
         if self.verdict == PASS:
             return self.worst_ratio
@@ -424,6 +424,16 @@ class Report:
                 raise
         except OSError as exc:
             raise MhaspecError(f"--report {path}: cannot write the report ({exc.strerror or exc})") from None
+
+
+def _failing_ratio(st: StageResult) -> float | None:
+    """:func:`worst_check_ratio`, and for a stage that failed the second opinion its ratio over the
+    multiple allowed (> 1: failed), whichever is larger."""
+    ratio = worst_check_ratio(st)
+    so = st.second_opinion
+    if "second_opinion" in st.failed_check and so is not None and so.limit > 0:
+        ratio = max(ratio or 0.0, so.ratio / so.limit)
+    return ratio
 
 
 def ratio_text(ratio: float | None) -> str:

@@ -22,6 +22,7 @@ from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_b
 from .blocks import judge_in_blocks
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
+from . import second_opinion
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
@@ -208,6 +209,8 @@ class Session:
 
         # large cases are judged in blocks of query rows (memory-bounded); small ones in one block
         stages = judge_in_blocks(golden, returned, lambda g, r: self.judge_stages(g, dtype, r))
+        for st in stages:  # the second opinion, on the whole case's sums (blocks merged)
+            second_opinion.fold(st)
         if self.backward:
             more, error, backward_s = self._judge_backward(golden, case, dtype, returned)
             adapter_s += backward_s
@@ -300,6 +303,10 @@ class Session:
                                    lambda within, selected, stage=stage: within_judge(within, selected, stage),
                                    own.get(stage, returned[stage]))
             stages.append(res)
+        if self.precision == "standard":  # the same-precision second opinion (folded by _judge)
+            opinions = second_opinion.judge(golden, dtype, own, self.deviations)
+            for res in stages:
+                res.second_opinion = opinions.get(res.stage)
         return stages
 
     @staticmethod

@@ -1,0 +1,186 @@
+"""The same-precision second opinion (docs/tolerances.md, "The same-precision second opinion")."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mhaspec
+from mhaspec.adapters.numpy_mha import NumpyMHA
+from mhaspec.conformance import FAIL, PASS
+from mhaspec.conformance.blocks import judge_in_blocks
+from mhaspec.conformance.compare import round_to_bfloat16
+from mhaspec.conformance.runner import Session
+from mhaspec.conformance.second_opinion import C, MIN_ELEMENTS, ORDERS, SecondOpinion, _bf16, _f16, plain_forward
+from mhaspec.fixtures import GoldenSet
+from mhaspec.protocol.contract import Deviation
+
+from .variants import CORRECT, output_only
+
+
+class _Scaled:
+    """``case`` with its score scale multiplied by ``factor`` (everything else delegated)."""
+
+    def __init__(self, case, factor):
+        self._case = case
+        self.config = case.config.model_copy(update={"scale": case.config.scale * factor})
+
+    def __getattr__(self, name):
+        return getattr(self._case, name)
+
+
+class ScaleOff(NumpyMHA):
+    """The numpy adapter with its scale off by ``rel`` relative: a bug too small for most elements'
+    tolerance.  ``stages``: what it returns (default: only ``output``, as fused kernels do)."""
+
+    name = "scale-off"
+
+    def __init__(self, rel=1e-3, stages=("output",)):
+        self.rel, self.stages = rel, tuple(stages)
+
+    def run(self, case):
+        out = self._forward(_Scaled(case, 1 + self.rel))[0]
+        return {k: v for k, v in out.items() if k in self.stages}
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return GoldenSet()
+
+
+def test_float16_rounding_by_bits_is_numpys():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-9, 6, 1 << 16),
+                        [0.0, -0.0, 65504.0, 65519.9, 65520.0, 1e6, np.inf, -np.inf, 2.0**-14, 2.0**-25, 3 * 2.0**-25,
+                         2.0**-14 - 2.0**-25]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(_f16(x), expected)
+
+
+def test_bfloat16_rounding_matches_the_comparison_helper():
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
+    np.testing.assert_array_equal(_bf16(x).astype(np.float64), round_to_bfloat16(x))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_plain_orders_store_every_stage_in_the_dtype_and_differ_only_in_the_scores_path(golden, dtype):
+    g = golden.load("large_logits")
+    plain = dict(plain_forward(g, dtype))
+    assert list(plain) == list(ORDERS)
+    for order, stages in plain.items():
+        for name, values in stages.items():
+            assert values.shape == g.stages[name].shape, (order, name)
+            if dtype in ("float16", "bfloat16"):
+                stored = values.astype(np.float64)
+                again = (stored.astype(np.float16).astype(np.float64) if dtype == "float16"
+                         else round_to_bfloat16(stored))
+                np.testing.assert_array_equal(again, stored, err_msg=f"{order} {name}")
+    for name in ("q_proj", "k_proj", "v_proj"):  # the projections are shared by the orders that share them
+        assert plain["log-sum-exp"][name] is plain["scale-after"][name]
+        assert plain["query-prescaled"][name] is plain["sqrt-both"][name] is plain["scores-stored"][name]
+    if dtype != "float64":  # the scale's rounding shows: the orders are different implementations
+        assert not np.array_equal(plain["scale-after"]["scores"], plain["sqrt-both"]["scores"])
+
+
+def test_the_rule_and_its_exact_merge():
+    a = SecondOpinion(20, 2.0, {"x": 1.0, "y": 3.0}, 0.5)
+    b = SecondOpinion(12, 30.0, {"x": 5.0, "y": 1.0}, 0.1)
+    m = SecondOpinion.merged([a, b])
+    assert (m.compared, m.adapter_ss, m.plain_ss, m.floor_ss) == (32, 32.0, {"x": 6.0, "y": 4.0}, 0.6)
+    assert m.order == "x" and m.plain_rms == pytest.approx(math.sqrt(6 / 32))
+    assert m.ratio == pytest.approx(math.sqrt(32 / 6)) and m.fails == (math.sqrt(32 / 6) > C)
+    floor = SecondOpinion(20, 20 * 25.0, {"x": 0.0}, 20 * 4.0)  # e_min above the plain error: the reference
+    assert floor.ratio == pytest.approx(2.5) and not floor.fails
+    few = SecondOpinion(MIN_ELEMENTS - 1, 1e6, {"x": 1.0}, 0.0)
+    assert few.ratio > C and not few.judged and not few.fails
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_correct_implementations_pass_it_with_margin(dtype):
+    for adapter in (NumpyMHA(), CORRECT["einsum"], CORRECT["prescaled_query"],
+                    output_only(CORRECT["tiled_online_softmax"])):
+        report = mhaspec.check(adapter, dtypes=[dtype], isolate=False, timeout=None)
+        ratios = [st.second_opinion.ratio for r in report.results for st in r.stages
+                  if st.second_opinion is not None and st.second_opinion.judged]
+        assert ratios and max(ratios) <= C / 2, (adapter, dtype, max(ratios))
+        assert not [r for r in report.results if r.verdict == FAIL]
+
+
+def test_the_scale_orders_are_what_let_a_prescaled_query_pass_large_logits(golden):
+    """On large_logits (|scores| in the hundreds, exact projections) where the scale is rounded is
+    most of a float32 implementation's error: judged against the spec's order alone, a correct
+    pre-scaled query would be several times the plain error."""
+    report = mhaspec.check(CORRECT["prescaled_query"], dtypes=["float32"], cases=["large_logits"], isolate=False)
+    so = report.results[0].stage("attn_weights").second_opinion
+    alone = math.sqrt(so.plain_ss["scale-after"] / so.compared)
+    assert so.order in ("query-prescaled", "sqrt-both") and so.ratio <= C
+    assert so.adapter_rms / max(alone, so.floor_rms) > so.ratio
+
+
+@pytest.mark.parametrize("rel", [1e-3, 1e-4])
+def test_a_scale_off_by_a_little_fails_the_second_opinion_alone(rel):
+    report = mhaspec.check(ScaleOff(rel), dtypes=["float32"], cases=["long_sequence"], isolate=False)
+    out = report.results[0].stage("output")
+    assert out.verdict == FAIL and "second_opinion" in out.failed_check, out.message
+    assert out.second_opinion.ratio > 10 * C
+    assert "second opinion" in out.message
+
+
+def test_off_under_the_worst_case_contract_and_none_for_what_is_not_returned():
+    report = mhaspec.check(ScaleOff(1e-4), dtypes=["float32"], cases=["long_sequence"], isolate=False,
+                           precision="worst-case")
+    assert all(st.second_opinion is None for st in report.results[0].stages)
+    report = mhaspec.check(ScaleOff(1e-4), dtypes=["float32"], cases=["long_sequence"], isolate=False)
+    assert report.results[0].stage("scores").second_opinion is None
+
+
+def test_a_declared_deviation_excuses_it():
+    class Declared(ScaleOff):
+        known_deviations = [Deviation("a scale of our own", case="long_sequence", dtype="float32", stage="output")]
+
+    report = mhaspec.check(Declared(1e-4), dtypes=["float32"], cases=["long_sequence"], isolate=False)
+    so = report.results[0].stage("output").second_opinion
+    assert so.ratio > C and not so.applies and so.excused
+    assert "second_opinion" not in report.results[0].stage("output").failed_check
+
+
+def test_the_verdict_does_not_depend_on_the_block_size(golden):
+    g = golden.load("long_sequence")
+    with Session(ScaleOff(1e-4, stages=("scores", "attn_weights", "output")), isolate=False) as session:
+        returned = session._worker.run(g.case("float32"), None)[0]
+        whole = judge_in_blocks(g, returned, lambda b, r: session.judge_stages(b, "float32", r))
+        blocked = judge_in_blocks(g, returned, lambda b, r: session.judge_stages(b, "float32", r),
+                                  max_elements=2 * 128 * 7)  # blocks of 7 query rows
+    assert len({len(whole), len(blocked)}) == 1
+    for a, b in zip(whole, blocked):
+        if a.second_opinion is None:
+            assert b.second_opinion is None
+            continue
+        assert b.second_opinion.compared == a.second_opinion.compared
+        assert b.second_opinion.ratio == pytest.approx(a.second_opinion.ratio, rel=1e-9)
+
+
+def test_the_json_report_carries_it(golden):
+    report = mhaspec.check(NumpyMHA(), dtypes=["float32"], cases=["gqa"], isolate=False)
+    st = report.results[0].stage("output").to_json()["second_opinion"]
+    assert st["C"] == C and st["order"] in ORDERS and st["applies"] is True and st["excused"] is None
+    assert 0 < st["ratio"] <= C and st["compared"] == report.results[0].stage("output").compared
+    assert report.results[0].verdict == PASS
+
+
+def test_a_row_scoped_declaration_leaves_out_only_the_rows_that_see_no_key(golden):
+    class RowScoped(ScaleOff):
+        known_deviations = [Deviation("uniform weights where a row sees no key", rows="fully_masked", stage="output")]
+
+    report = mhaspec.check(RowScoped(1e-4), dtypes=["float32"], cases=["long_sequence", "self_masked_rows"],
+                           isolate=False)
+    plain = report.result("long_sequence", "float32").stage("output")  # no such rows: it does not apply
+    assert plain.second_opinion.applies and "second_opinion" in plain.failed_check
+    masked = report.result("self_masked_rows", "float32").stage("output")
+    g = golden.load("self_masked_rows")
+    outside = np.broadcast_to(~(~g.visible.any(axis=-1)).any(axis=1)[..., None], g.stages["output"].shape)
+    assert 0 < masked.second_opinion.compared == int(np.count_nonzero(outside)) < outside.size
+    assert masked.second_opinion.applies
