@@ -74,7 +74,7 @@ class MHAConfig(BaseModel):
         "Press et al.); adds -slope_h * |i + off - j| to the scores; None: off"
     )
     sinks: bool = Field(
-        False, description="attention sinks: a per-head logit (weight sink_logits, shape (H,)) in every softmax "
+        False, strict=True, description="attention sinks: a per-head logit (weight sink_logits, shape (H,)) in every softmax "
         "denominator"
     )
     rope: RopeSpec | None = Field(None, description="rotary position embeddings of Q and K; None: off")
