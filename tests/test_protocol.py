@@ -254,7 +254,11 @@ def test_an_absolute_bound_travels_in_ready_and_matches_its_schema(captured):
 def test_the_schema_names_what_the_spec_has():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     assert DEFS["protocol"]["const"] == wire.PROTOCOL == "mhaspec-wire/1"
-    assert set(DEFS["config"]["properties"]) == set(MHAConfig.model_fields) == set(DEFS["config"]["required"])
+    # every config field is a property; a variant field (docs/spec.md §2a) is sent only when it is on
+    from mhaspec.spec.variants import CONFIG_VARIANT_DEFAULTS
+
+    assert set(DEFS["config"]["properties"]) == set(MHAConfig.model_fields)
+    assert set(DEFS["config"]["required"]) == set(MHAConfig.model_fields) - set(CONFIG_VARIANT_DEFAULTS)
     scalars = set(Case.model_fields) - {"config", "inputs", "weights", "d_output"}
     assert set(DEFS["scalars"]["properties"]) == scalars
     assert DEFS["dtype"]["enum"] == list(DTYPES)

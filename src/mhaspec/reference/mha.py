@@ -31,7 +31,7 @@ from decimal import Context, Decimal
 import numpy as np
 
 from ..spec import MHAConfig
-from ..spec.masks import visibility  # (B, H, T, S): causal AND mask, the one rule (spec/masks.py)
+from ..spec.masks import visibility  # (B, H, T, S): causal AND window AND mask, the one rule (spec/masks.py)
 
 _EXP_CONTEXT = Context(prec=40)
 
@@ -113,25 +113,44 @@ def output_projection(c: np.ndarray, w_o: np.ndarray, b_o: np.ndarray | None) ->
 def forward(
     config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Every stage of docs/spec.md §2, by name, in float64."""
+    """Every stage of docs/spec.md §2, by name, in float64; with the variants of §2a, in their order
+    (projections → RoPE → scale·QKᵀ → softcap → + bias / ALiBi → mask → softmax with sinks → P·V →
+    concat → W^O), plus ``q_rot`` and ``k_rot`` with rope and ``lse`` always."""
+    from . import variants  # beside this module; imported here as it imports _exp from here
+
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
     assert query is not None and key is not None and value is not None
     (B, T, _), S = query.shape, key.shape[1]
-    # 1. project and split
+    out: dict[str, np.ndarray] = {}
+    # 1. project (and turn), split
     q = project(query, weights["w_q"], weights.get("b_q"))
     k = project(key, weights["w_k"], weights.get("b_k"))
     v = project(value, weights["w_v"], weights.get("b_v"))
-    Q = split_heads(q, config.H)
-    K = repeat_kv(split_heads(k, config.H_kv), config.group_size)
+    q_att, k_att = q, k
+    if config.rope is not None:
+        q_pos, k_pos = variants.rope_positions(config, T, S)
+        q_att = out["q_rot"] = variants.rope(q, config.H, q_pos, config)
+        k_att = out["k_rot"] = variants.rope(k, config.H_kv, k_pos, config)
+    Q = split_heads(q_att, config.H)
+    K = repeat_kv(split_heads(k_att, config.H_kv), config.group_size)
     V = repeat_kv(split_heads(v, config.H_kv), config.group_size)
     # 2. attend
     s = scores(Q, K, float(config.scale))  # type: ignore[arg-type]
-    p = softmax(s, visibility(config, inputs.get("mask"), B, T, S))
+    if config.softcap is not None:
+        s = variants.softcap(s, config.softcap)
+    bias, slopes = inputs.get("bias"), variants.alibi_slopes(config)
+    if bias is not None or slopes is not None:
+        s = variants.add_bias(s, bias, slopes, variants.alibi_distance(config, T, S))
+    visible = visibility(config, inputs.get("mask"), B, T, S)
+    sinks = weights.get("sink_logits") if config.sinks else None
+    p = softmax(s, visible) if sinks is None else variants.softmax_with_sinks(s, visible, sinks)
     o = weighted_sum(p, V)
     # 3. concat and project
     c = merge_heads(o)
     y = output_projection(c, weights["w_o"], weights.get("b_o"))
-    return {
+    out.update({
         "q_proj": q, "k_proj": k, "v_proj": v, "scores": s,
         "attn_weights": p, "head_outputs": o, "concat": c, "output": y,
-    }
+        "lse": variants.lse(s, visible, sinks),
+    })
+    return out

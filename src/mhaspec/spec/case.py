@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any, Callable, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from .backward import make_d_output
 from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
 from .masks import visibility
+from .variants import CASE_VARIANT_DEFAULTS, BiasSpec, drop_off_variants
 
 Dtype = Literal["float64", "float32", "float16", "bfloat16"]
 
@@ -65,6 +66,15 @@ class CaseSpec(BaseModel):
     seed: int = Field(ge=0)
     input_exponent: int = Field(5, ge=0, le=12, description="inputs are k * 2^-input_exponent, |k| <= 64")
     weight_shift: int = Field(0, ge=-4, le=4, description="weights are scaled by 2^weight_shift")
+    bias: BiasSpec | None = Field(
+        None, description="the additive score bias input (B|1, H|1, T, S) (docs/spec.md §2a); not config.bias, "
+        "which is about the projections' biases b_q … b_o"
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump_variants_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # A spec-1.1 case dumps exactly the fields it had, so manifests keep their bytes.
+        return drop_off_variants(handler(self), CASE_VARIANT_DEFAULTS)
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CaseSpec:
@@ -115,7 +125,16 @@ class CaseSpec(BaseModel):
         out = {"query": query, "key": key, "value": value}
         if self.mask is not None:
             out["mask"] = self._make_mask()
+        if self.bias is not None:
+            out["bias"] = self._make_bias()
         return out
+
+    def _make_bias(self) -> np.ndarray:
+        """The additive score bias (B or 1, H or 1, T, S), ``k · 2^-bias.exponent``."""
+        bias = self.bias
+        assert bias is not None
+        shape = (self.batch if bias.per_batch else 1, self.config.H if bias.per_head else 1, self.tgt_len, self.src_len)
+        return dyadic_tensor(f"{self.seed}/bias", shape, bias.exponent)
 
     def _make_mask(self) -> np.ndarray:
         mask = self.mask
@@ -136,6 +155,8 @@ class CaseSpec(BaseModel):
         for name, shape in self.config.weight_shapes().items():
             if name.startswith("w_"):  # fan-in is the first axis: (in, out)
                 exponent = weight_exponent(shape[0], self.weight_shift)
+            elif name == "sink_logits":  # |sink| <= 4: comparable to the scores, sometimes dominating a row
+                exponent = 4
             else:  # biases: one small scale, |b| <= 1/4
                 exponent = 8
             out[name] = dyadic_tensor(f"{self.seed}/{name}", shape, exponent)
@@ -158,7 +179,9 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 
 class Inputs(BaseModel):
     """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) as float64;
-    mask: bool broadcastable to (B, H, T, S), True = may attend, or None."""
+    mask: bool broadcastable to (B, H, T, S), True = may attend, or None;
+    bias: the additive score bias (B or 1, H or 1, T, S), float64, or None (docs/spec.md §2a; not
+    ``config.bias``, the projections' biases)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
@@ -166,13 +189,15 @@ class Inputs(BaseModel):
     key: np.ndarray
     value: np.ndarray
     mask: np.ndarray | None = None
+    bias: np.ndarray | None = None
 
 
 class Weights(BaseModel):
     """Canonical weights, row-vector convention ``y = x @ W + b``:
     w_q (d_model, H·D_k), w_k (kdim, H_kv·D_k), w_v (vdim, H_kv·D_v),
     w_o (H·D_v, d_out); biases b_q, b_k, b_v, b_o (None without bias).
-    Head h owns columns [h·D, (h+1)·D)."""
+    Head h owns columns [h·D, (h+1)·D).  ``sink_logits`` (H,): the attention sinks' logits,
+    present only with ``config.sinks`` (docs/spec.md §2a)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
@@ -184,6 +209,7 @@ class Weights(BaseModel):
     b_k: np.ndarray | None = None
     b_v: np.ndarray | None = None
     b_o: np.ndarray | None = None
+    sink_logits: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, np.ndarray]:
         """The weights that are present, by canonical name."""
@@ -233,7 +259,7 @@ class Case(BaseModel):
     @property
     def visible(self) -> np.ndarray:
         """(B, H, T, S) bool, read-only: True where query i may attend to key j — the causal rule
-        AND the explicit mask (:func:`mhaspec.spec.masks.visibility`), the visibility the golden
+        AND the sliding window AND the explicit mask (:func:`mhaspec.spec.masks.visibility`), the visibility the golden
         stages were computed with. A row that is False throughout sees no key. Computed at each
         access (keep it in a variable for repeated use)."""
         return _readonly(visibility(self.config, self.inputs.mask, self.batch, self.tgt_len, self.src_len))
@@ -277,12 +303,21 @@ class Case(BaseModel):
                 raise ValueError(
                     f"inputs.mask: shape {mask.shape} does not broadcast to (B, H, T, S) = {full}"
                 ) from None
+        bias = self.inputs.bias
+        if bias is not None:
+            B, H, T, S = self.batch, cfg.H, self.tgt_len, self.src_len
+            if bias.ndim != 4 or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H) or bias.shape[2:] != (T, S):
+                raise ValueError(f"inputs.bias: expected shape (B or 1, H or 1, T, S) with B={B}, H={H}, T={T}, S={S}, "
+                                 f"got {bias.shape}")
+            if bias.dtype != np.float64:
+                raise ValueError(f"inputs.bias: expected dtype float64, got {bias.dtype}")
         shapes = cfg.weight_shapes()
-        for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
+        for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sink_logits"):
             got_w = getattr(self.weights, name)
             if name not in shapes:
                 if got_w is not None:
-                    raise ValueError(f"weights.{name}: present but config.bias is False")
+                    why = "config.sinks is False" if name == "sink_logits" else "config.bias is False"
+                    raise ValueError(f"weights.{name}: present but {why}")
                 continue
             if got_w is None:
                 raise ValueError(f"weights.{name}: missing (expected shape {shapes[name]})")
@@ -317,6 +352,9 @@ class Case(BaseModel):
         mask = inputs.get("mask")
         if mask is not None:
             mask = _readonly(np.asarray(mask))
+        bias = inputs.get("bias")
+        if bias is not None:
+            bias = _readonly(np.asarray(bias, dtype=np.float64))
         return cls(
             id=case_id,
             config=config,
@@ -326,7 +364,7 @@ class Case(BaseModel):
             src_len=key.shape[1],
             self_attention=self_attention,
             key_is_value=self_attention or key_is_value,
-            inputs=Inputs(query=query, key=key, value=value, mask=mask),
+            inputs=Inputs(query=query, key=key, value=value, mask=mask, bias=bias),
             weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
             d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
         )

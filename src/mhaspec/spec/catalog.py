@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from .case import CaseSpec, MaskSpec
 from .config import MHAConfig
+from .variants import refusal
 
 
 class Catalog:
@@ -28,6 +29,9 @@ class Catalog:
     def add(self, spec: CaseSpec) -> CaseSpec:
         if spec.id in self._specs:
             raise ValueError(f"case catalog: duplicate case name {spec.id!r}")
+        why = refusal(spec)  # a variant without a tolerance rule yet: never judged, never a pass
+        if why is not None:
+            raise ValueError(why)
         self._specs[spec.id] = spec
         return spec
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from .stages import REGISTRY, STAGES
+from .variants import CONFIG_VARIANT_DEFAULTS, STANDARD_SLOPES, RopeSpec, drop_off_variants
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 
@@ -54,8 +55,29 @@ class MHAConfig(BaseModel):
     causal: bool = Field(False, description="causal masking (ANDed with an explicit mask)")
     causal_alignment: CausalAlignment = Field(
         "top_left",
-        description="top_left: query i sees keys j <= i; bottom_right: j <= i + S - T",
+        description="top_left: query i sees keys j <= i; bottom_right: j <= i + S - T. Also where a window "
+        "and ALiBi are anchored, causal or not",
     )
+    # -- variants (docs/spec.md §2a): every one off by default; a config dumps only those that are on
+    window_left: int | None = Field(
+        None, description="sliding window: query i sees keys j >= i + off - window_left "
+        "(off = 0 top_left, S - T bottom_right); None: unbounded"
+    )
+    window_right: int | None = Field(
+        None, description="sliding window: query i sees keys j <= i + off + window_right; None: unbounded"
+    )
+    softcap: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="logit softcap c: s <- c * tanh(s / c), after the scale; None: off"
+    )
+    alibi_slopes: tuple[float, ...] | Literal["standard"] | None = Field(
+        None, description='ALiBi: one slope per query head (H floats), or "standard" (the geometric slopes of '
+        "Press et al.); adds -slope_h * |i + off - j| to the scores; None: off"
+    )
+    sinks: bool = Field(
+        False, strict=True, description="attention sinks: a per-head logit (weight sink_logits, shape (H,)) in every softmax "
+        "denominator"
+    )
+    rope: RopeSpec | None = Field(None, description="rotary position embeddings of Q and K; None: off")
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> MHAConfig:
@@ -77,6 +99,28 @@ class MHAConfig(BaseModel):
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
         if not math.isfinite(scale):
             raise ValueError(f"scale: must be finite, got {scale}")
+        for name in ("window_left", "window_right"):
+            size = getattr(self, name)
+            if size is not None and size < 0:
+                raise ValueError(f"{name}: must be >= 0 or None (null: unbounded; FlashAttention's -1 is None here), "
+                                 f"got {size}")
+        if isinstance(self.alibi_slopes, tuple):
+            if len(self.alibi_slopes) != self.num_heads:
+                raise ValueError(
+                    f"alibi_slopes: need one slope per query head (num_heads={self.num_heads}), "
+                    f"got {len(self.alibi_slopes)}; or \"{STANDARD_SLOPES}\" for the geometric slopes"
+                )
+            for h, slope in enumerate(self.alibi_slopes):
+                if not math.isfinite(slope):
+                    raise ValueError(f"alibi_slopes[{h}]: must be finite, got {slope}")
+        if self.rope is not None:
+            rotary_dim = self.rope.rotary_dim if self.rope.rotary_dim is not None else head_dim
+            if rotary_dim % 2 != 0 or rotary_dim > head_dim:
+                raise ValueError(
+                    f"rope.rotary_dim: must be even and <= head_dim={head_dim}, got {rotary_dim}"
+                    + (" (the default: head_dim, which is odd)" if self.rope.rotary_dim is None else "")
+                )
+            resolved["rope"] = self.rope.model_copy(update={"rotary_dim": rotary_dim})
         resolved.update(
             kdim=self.kdim if self.kdim is not None else self.d_model,
             vdim=self.vdim if self.vdim is not None else self.d_model,
@@ -90,6 +134,16 @@ class MHAConfig(BaseModel):
             # The model is frozen; this is the one place where defaults are filled in.
             object.__setattr__(self, name, value)
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump_variants_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # A spec-1.1 config dumps exactly the fields it had, so manifests and wire headers keep their bytes.
+        return drop_off_variants(handler(self), CONFIG_VARIANT_DEFAULTS)
+
+    @property
+    def has_variants(self) -> bool:
+        """Whether any variant (docs/spec.md §2a) is on."""
+        return any(getattr(self, name) != off for name, off in CONFIG_VARIANT_DEFAULTS.items())
 
     # Short aliases matching the docs/spec.md symbols.
     @property
@@ -132,15 +186,26 @@ class MHAConfig(BaseModel):
                 b_v=(self.H_kv * self.D_v,),
                 b_o=(self.d_out,),
             )
+        if self.sinks:
+            shapes["sink_logits"] = (self.H,)
         return shapes
 
     def stage_shapes(self, batch: int, tgt_len: int, src_len: int) -> dict[str, tuple[int, ...]]:
         """Canonical shape of every forward stage for B=batch, T=tgt_len, S=src_len (spec/stages.py)."""
         return {name: REGISTRY[name].shape(self, batch, tgt_len, src_len) for name in STAGES}
 
+    def variant_stage_shapes(self, batch: int, tgt_len: int, src_len: int) -> dict[str, tuple[int, ...]]:
+        """Shape of every forward stage this config has beyond :data:`STAGES` (``q_rot``, ``k_rot`` with
+        rope; ``lse`` always: :func:`mhaspec.spec.stages.variant_stages`)."""
+        from .stages import variant_stages
+
+        return {name: REGISTRY[name].shape(self, batch, tgt_len, src_len) for name in variant_stages(self)}
+
 
 #: Dtypes under test, widest first.
 DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 
 WEIGHT_NAMES: tuple[str, ...] = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+#: Weights of the variants (present only with ``config.sinks``).
+VARIANT_WEIGHT_NAMES: tuple[str, ...] = ("sink_logits",)
 INPUT_NAMES: tuple[str, ...] = ("query", "key", "value", "mask")

@@ -4,6 +4,10 @@ A query row i sees key j when every rule of the case allows it (they combine by 
 
 * **causal**, aligned top-left (j ≤ i) or bottom-right (j ≤ i + S − T): the diagonal moves
   right by :func:`causal_offset`;
+* a **sliding window** (``window_left``, ``window_right``; FlashAttention's rule):
+  i + off − window_left ≤ j ≤ i + off + window_right, with off = :func:`alignment_offset`
+  (0 top-left, S − T bottom-right: the case's ``causal_alignment``, causal or not); a side that is
+  None is unbounded;
 * the explicit **mask** (True = may attend), broadcast to (B, H, T, S).
 
 The reference, the tolerance model and the adapters all take it from here.
@@ -21,9 +25,28 @@ if TYPE_CHECKING:
 
 def causal_offset(config: MHAConfig, tgt_len: int, src_len: int) -> int | None:
     """How far right the causal diagonal moves: 0 top-left, S − T bottom-right; None when not causal."""
-    if not config.causal:
-        return None
+    return alignment_offset(config, tgt_len, src_len) if config.causal else None
+
+
+def alignment_offset(config: MHAConfig, tgt_len: int, src_len: int) -> int:
+    """Where query row i's diagonal is: key i + off, off = 0 top-left, S − T bottom-right (the case's
+    ``causal_alignment``, which places windows and ALiBi also in a case that is not causal)."""
     return 0 if config.causal_alignment == "top_left" else src_len - tgt_len
+
+
+def window_visible(config: MHAConfig, tgt_len: int, src_len: int) -> np.ndarray | None:
+    """(T, S) bool of the case's sliding window, or None without one:
+    i + off − window_left ≤ j ≤ i + off + window_right (an unset side is unbounded)."""
+    left, right = config.window_left, config.window_right
+    if left is None and right is None:
+        return None
+    distance = np.arange(src_len)[None, :] - (np.arange(tgt_len)[:, None] + alignment_offset(config, tgt_len, src_len))
+    visible = np.ones((tgt_len, src_len), dtype=bool)
+    if left is not None:
+        visible &= distance >= -left
+    if right is not None:
+        visible &= distance <= right
+    return visible
 
 
 def causal_band(tgt_len: int, src_len: int, offset: int) -> np.ndarray:
@@ -38,11 +61,11 @@ def causal_visible(config: MHAConfig, tgt_len: int, src_len: int) -> np.ndarray 
 
 
 def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: int, src_len: int) -> np.ndarray:
-    """(B, H, T, S) bool: True where query i may attend to key j (causal AND mask)."""
+    """(B, H, T, S) bool: True where query i may attend to key j (causal AND window AND mask)."""
     visible = np.ones((batch, config.H, tgt_len, src_len), dtype=bool)
-    causal = causal_visible(config, tgt_len, src_len)
-    if causal is not None:
-        visible &= causal
+    for band in (causal_visible(config, tgt_len, src_len), window_visible(config, tgt_len, src_len)):
+        if band is not None:
+            visible &= band
     if mask is not None:
         visible &= np.broadcast_to(mask, visible.shape)
     return visible

@@ -17,6 +17,11 @@ Each is declared here, and only here, with the facts the rest of the code needs:
 * ``attends`` — whether its values depend on which keys each query row sees (False for
   the three projections, computed before attention);
 * ``only_with`` — a weight the stage exists only with (``b_q`` … : absent without bias);
+* ``variant`` — for a stage of the variants (docs/spec.md §2a), which one: ``"rope"`` (``q_rot``,
+  ``k_rot``: the stage exists only in a case with ``config.rope``) or ``"lse"`` (the log-sum-exp:
+  defined for every case, optional for an adapter); None for the spec-1.1 stages.  A variant stage is
+  declared here like any other, but it is not in :data:`STAGES` (the pipeline every spec-1.1 fixture
+  holds) nor in :func:`downstream` unless asked for (:func:`variant_stages`);
 * ``gradient_of`` — for an input gradient, the case input (``query``, ``key``, ``value``) it
   is the gradient of; whether a case has it depends on its kind of inputs
   (:data:`~mhaspec.spec.backward.INPUT_GRADIENTS`).
@@ -53,6 +58,7 @@ class Stage:
     attends: bool = True
     only_with: str | None = None
     gradient_of: str | None = None
+    variant: str | None = None
 
     @property
     def rows(self) -> int | None:
@@ -102,7 +108,10 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in [
     Stage("q_proj", "forward", ("B", "T", "H·D_k"), attends=False),
     Stage("k_proj", "forward", ("B", "S", "H_kv·D_k"), attends=False),
     Stage("v_proj", "forward", ("B", "S", "H_kv·D_v"), attends=False),
+    Stage("q_rot", "forward", ("B", "T", "H·D_k"), ("q_proj",), attends=False, variant="rope"),
+    Stage("k_rot", "forward", ("B", "S", "H_kv·D_k"), ("k_proj",), attends=False, variant="rope"),
     Stage("scores", "forward", ("B", "H", "T", "S"), ("q_proj", "k_proj"), masked="excluded"),
+    Stage("lse", "forward", ("B", "H", "T"), ("scores",), variant="lse"),
     Stage("attn_weights", "forward", ("B", "H", "T", "S"), ("scores",), masked="zero"),
     Stage("head_outputs", "forward", ("B", "H", "T", "D_v"), ("attn_weights", "v_proj")),
     Stage("concat", "forward", ("B", "T", "H·D_v"), ("head_outputs",)),
@@ -120,8 +129,25 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in [
     *_weight_gradients(),
 ]}
 
-#: The forward stages in pipeline order (docs/spec.md §2).
-STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "forward")
+#: The forward stages in pipeline order (docs/spec.md §2): those of spec 1.1, which every case has.
+STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "forward" and s.variant is None)
+
+#: The stages of the variants (docs/spec.md §2a), in pipeline order.
+VARIANT_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.variant is not None)
+
+
+def variant_stages(config: MHAConfig) -> tuple[str, ...]:
+    """The variant stages a case of ``config`` has, in pipeline order: ``q_rot`` and ``k_rot`` with
+    ``config.rope``; ``lse`` always (the exact reference computes it for every case; an adapter may
+    return it or not)."""
+    return tuple(n for n in VARIANT_STAGES if REGISTRY[n].variant != "rope" or config.rope is not None)
+
+
+def forward_stages(config: MHAConfig) -> tuple[str, ...]:
+    """Every forward stage a case of ``config`` has — :data:`STAGES` and :func:`variant_stages` — in
+    pipeline order."""
+    present = set(STAGES) | set(variant_stages(config))
+    return tuple(n for n in REGISTRY if n in present)
 
 #: Backward stages in the order they are judged (the first failing one is where the bug is).
 BACKWARD_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "backward")
@@ -151,13 +177,16 @@ def gradient_of(input_name: str) -> str:
     raise KeyError(f"no stage is the gradient of input {input_name!r}; inputs with a gradient: {known}")
 
 
-def downstream(name: str) -> tuple[str, ...]:
+def downstream(name: str, config: MHAConfig | None = None) -> tuple[str, ...]:
     """``name`` and every stage computed from it (through ``local_inputs``, transitively), in
-    pipeline order: ``downstream(STAGE.attn_weights)`` is the stages from the softmax on."""
+    pipeline order: ``downstream(STAGE.attn_weights)`` is the stages from the softmax on.
+
+    Variant stages (``q_rot``, ``k_rot``, ``lse``) count only with a ``config`` that has them."""
     stage(name)  # a KeyError for an unknown name
+    present = set(STAGES) | set(BACKWARD_STAGES) | set(variant_stages(config) if config is not None else ()) | {name}
     found = {name}
     for other, st in REGISTRY.items():  # pipeline order: a stage's local inputs come before it
-        if found.intersection(st.local_inputs):
+        if other in present and found.intersection(st.local_inputs):
             found.add(other)
     return tuple(n for n in REGISTRY if n in found)
 
