@@ -203,6 +203,10 @@ SUBSET = ["missing_scale", "scale_by_d_model", "softmax_over_queries", "causal_o
           "tf32_matmuls+output_only", "bfloat16x3_matmuls"]
 
 
+#: subtle scale errors: caught in float16 on some cases, too small there for the golden × c to fit
+SCALE_BELOW_16_BIT_FIT = {"scale_off_by_1e-3"}
+
+
 @pytest.mark.proofs
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_no_wrong_signature_and_the_expected_ones_are_found_over_the_catalog(dtype):
@@ -213,6 +217,8 @@ def test_no_wrong_signature_and_the_expected_ones_are_found_over_the_catalog(dty
     # (a case can lack the evidence: too few entries, a tolerance too wide to tell; then: none)
     for name in SUBSET:
         row = counts[name]
+        if name in SCALE_BELOW_16_BIT_FIT and dtype in ("float16", "bfloat16"):
+            continue  # caught, but a factor 1 + 1e-3 is within FIT of a 16-bit tolerance: no scale is read
         if row["expected"]:
             assert row["found"] >= 0.8 * row["expected"], (name, row)
     expecting = {n for n in SUBSET if counts[n]["expected"]}

@@ -66,12 +66,14 @@ The signatures and their tests:
 - *float32 matmuls in reduced precision* (float32 asked; TF32: every product's
   operands rounded to 10 mantissa bits, or bfloat16x3 splits; checked before the
   narrower dtype, which it pre-empts): with the stages around the products
-  exposed, every product stage whose local check ran (scores, head_outputs,
-  output) fails float32's local check and passes float16's (a 10-bit rounding
+  exposed, at least two product stages (of scores, head_outputs, output) fail
+  float32's local check, each passing float16's (a 10-bit rounding
   of its inputs is float16's storage term), a failing projection passes
   float16's judgement, and the softmax's and the concat's local checks hold (a
   run computed in float16 fails those: its weights are float16 numbers; a wrong
-  scale fails only the scores' local check, and is named a wrong scale first);
+  scale fails only the scores' local check, and is named a wrong scale first),
+  on weights that are not all equal, and not every value of the failing stages
+  is a float16 (or bfloat16) number;
   output only: a run whose every product is TF32 (or bfloat16x3), everything
   else exact, explains the output (:func:`reduced_output`, the fit, nearer and
   apart tests with the float32 tolerance as the alternative's).
@@ -143,6 +145,9 @@ REDUCED_MATMULS = ("tf32", "bf16x3")
 #: a reduced-precision matmul's local evidence is read against this dtype's local tolerance (TF32
 #: keeps float16's 10 mantissa bits; bfloat16x3's error is smaller still)
 REDUCED_LOCAL = "float16"
+#: a reduced-precision matmul fails the local check of at least this many products (a wrong scale
+#: fails the scores' alone)
+MIN_REDUCED_STAGES = 2
 
 
 def _ratio(err: np.ndarray, tol: np.ndarray) -> np.ndarray:
@@ -454,8 +459,8 @@ def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], fail
                               exposed: list[str]) -> str:
     """A float32 run whose matmuls are TF32-like, named from the evidence (float32 asked only).
 
-    With the stages around each product exposed: every matmul stage whose local check ran fails
-    float32's local check yet passes float16's (:data:`REDUCED_LOCAL`: the operands' 10-bit
+    With the stages around each product exposed: at least :data:`MIN_REDUCED_STAGES` matmul stages
+    fail float32's local check, and each passes float16's (:data:`REDUCED_LOCAL`: the operands' 10-bit
     rounding is within its inputs' storage term), a failing projection passes float16's judgement,
     and the softmax's and the concat's local checks hold (a run in float16 fails those: its weights
     are float16 numbers).  With only the output exposed (no local check): a run whose every product
@@ -483,11 +488,18 @@ def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], fail
         st = by_stage.get(stage)
         if stage in ev.returned and (st is None or st.local_worst_ratio is None or "local" in st.failed_check):
             return ""
-    own = {k: v for k, v in ev.returned.items()}
-    refs = local_references(ev.golden, own, REDUCED_LOCAL)
-    for stage in local:
-        st = by_stage.get(stage)
-        if st is None or "local" not in st.failed_check or stage not in refs:
+    weights = ev.returned.get(STAGE.attn_weights)
+    if weights is None or degenerate(weights[ev.selected(STAGE.attn_weights)]):
+        return ""  # no softmax to tell float32's from a 16-bit one (one key: every weight 1)
+    picked = {st: (ev.returned[st][ev.selected(st)], ev.golden.stages[st][ev.selected(st)]) for st in failing}
+    if any(_all_fit(picked, ev.dtype, narrow, 0.99) for narrow in SIXTEEN_BIT):
+        return ""  # every value a 16-bit number: a run in that dtype, not float32 matmuls
+    beyond = [stage for stage in local if stage in by_stage and "local" in by_stage[stage].failed_check]
+    if len(beyond) < MIN_REDUCED_STAGES:
+        return ""
+    refs = local_references(ev.golden, dict(ev.returned), REDUCED_LOCAL)
+    for stage in beyond:
+        if stage not in refs:
             return ""
         ref, bound = refs[stage]
         sel = compared_entries(stage, ev.golden.visible)
@@ -499,7 +511,7 @@ def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], fail
     for stage in (STAGE.q_proj, STAGE.k_proj, STAGE.v_proj):
         if stage in failing and not ev.passes(stage, REDUCED_LOCAL):
             return ""
-    return (f"{_where(failing, exposed)}: {_REDUCED_TEXT} [{', '.join(local)}: beyond float32's local tolerance, "
+    return (f"{_where(failing, exposed)}: {_REDUCED_TEXT} [{', '.join(beyond)}: beyond float32's local tolerance, "
             f"within {REDUCED_LOCAL}'s; the softmax's local check holds]")
 
 
