@@ -74,9 +74,11 @@ The signatures and their tests:
   scale fails only the scores' local check, and is named a wrong scale first),
   on weights that are not all equal, and not every value of the failing stages
   is a float16 (or bfloat16) number;
-  output only: a run whose every product is TF32 (or bfloat16x3), everything
-  else exact, explains the output (:func:`reduced_output`, the fit, nearer and
-  apart tests with the float32 tolerance as the alternative's).
+  output only: the output's error is that of a run whose every product is TF32
+  (or bfloat16x3), everything else exact (:func:`reduced_output`): correlation
+  at least :data:`REDUCED_CORRELATION` = 0.9, sizes within
+  :data:`REDUCED_SIZE` = 1.25×, that run's error beyond APART tolerances on
+  MIN_APART entries.
 
 Large cases (above blocks.MAX_BLOCK_ELEMENTS) are diagnosed on their first block
 of query rows.  benchmarks/diagnosis_confusion.py runs the zoo of
@@ -145,6 +147,12 @@ REDUCED_MATMULS = ("tf32", "bf16x3")
 #: a reduced-precision matmul's local evidence is read against this dtype's local tolerance (TF32
 #: keeps float16's 10 mantissa bits; bfloat16x3's error is smaller still)
 REDUCED_LOCAL = "float16"
+#: output only: the error of the returned output (against the golden) and that of a reduced-precision
+#: run correlate at least this much, and their sizes (root of the sum of squares) are within this
+#: factor (a wrong scale's error, a dropped key's, correlate with a TF32 run's near 0; a TF32 run's,
+#: 0.999 at T = S = 1024)
+REDUCED_CORRELATION = 0.9
+REDUCED_SIZE = 1.25
 #: a reduced-precision matmul fails the local check of at least this many products (a wrong scale
 #: fails the scores' alone)
 MIN_REDUCED_STAGES = 2
@@ -463,8 +471,12 @@ def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], fail
     fail float32's local check, and each passes float16's (:data:`REDUCED_LOCAL`: the operands' 10-bit
     rounding is within its inputs' storage term), a failing projection passes float16's judgement,
     and the softmax's and the concat's local checks hold (a run in float16 fails those: its weights
-    are float16 numbers).  With only the output exposed (no local check): a run whose every product
-    is TF32 or bfloat16x3 (:func:`reduced_output`, within the float32 tolerance) explains it."""
+    are float16 numbers).  With only the output exposed (no local check): its error is that of a run
+    whose every product is TF32 or bfloat16x3 (:func:`reduced_output`): correlated at least
+    :data:`REDUCED_CORRELATION`, of a size within :data:`REDUCED_SIZE`, that run's error more than
+    APART tolerances on MIN_APART entries (not element-wise: the unit's rounding of the operands the
+    run computes itself, P and concat, flips where they differ from the reduced run's by a float32
+    rounding)."""
     if ev.dtype != "float32":
         return ""
     by_stage = {st.stage: st for st in stages}
@@ -475,11 +487,20 @@ def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], fail
             return ""
         got, gold, sel = ev.returned[STAGE.output], ev.golden.stages[STAGE.output], ev.selected(STAGE.output)
         tol = ev.tol(STAGE.output)[sel]
+        v, g = got[sel], gold[sel]
+        if not np.all(np.isfinite(v)):
+            return ""
+        mine = (v - g).ravel()
         for unit in REDUCED_MATMULS:
-            alt = reduced_output(ev.golden, unit)[sel]
-            if explains(got[sel], alt, gold[sel], tol, tol):
+            theirs = (reduced_output(ev.golden, unit)[sel] - g).ravel()
+            if np.count_nonzero(np.abs(theirs) > APART * tol.ravel()) < MIN_APART:
+                continue  # that unit's error is too small to tell here
+            size = float(np.sqrt((mine @ mine) / (theirs @ theirs)))
+            corr = float(mine @ theirs) / float(np.sqrt((mine @ mine) * (theirs @ theirs)))
+            if corr >= REDUCED_CORRELATION and 1 / REDUCED_SIZE <= size <= REDUCED_SIZE:
                 name = "TF32" if unit == "tf32" else "bfloat16x3"
-                return f"{STAGE.output}: {_REDUCED_TEXT} [{_evidence(f'a run whose every product is {name}')}]"
+                return (f"{STAGE.output}: {_REDUCED_TEXT} [the output's error is a run's whose every product is "
+                        f"{name}: correlation {corr:.3f}, size {size:.2f}×]")
         return ""
     for stage in failing:  # every failing stage: a product, or a stage that only carries the products' error
         if stage not in MATMUL_STAGES and stage not in (STAGE.attn_weights, STAGE.concat):
