@@ -159,8 +159,10 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
                 valid = [r for r in block if r["group"] == "correct"]
                 passed = [r for r in valid if r["verdict"] == PASS]
                 head = f"{dtype:>8} {size:>7} {view:>6}:"
-                text = (f"{head} bugs caught {len(caught)}/{len(bugs)}"
-                        f" ({len(caught) / len(bugs):.1%}; {len(at_stage)} at their stage)" if bugs else f"{head} no bug")
+                text = f"{head} no bug"
+                if bugs:
+                    text = (f"{head} bugs caught {len(caught)}/{len(bugs)} ({len(caught) / len(bugs):.1%}; "
+                            f"{len(at_stage)} at their stage)")
                 worst = max((r for r in valid if _worst(r) is not None), key=_worst, default=None)
                 if worst is not None:
                     text += (f"; valid zoo {len(passed)}/{len(valid)} pass, smallest margin {1 / _worst(worst):.1f} "

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.proofs
 SIZE = 1024
 DTYPE = "float32"
 REDUCED = "float32 matmuls computed in reduced precision (TF32-like"
-SPEC = CaseSpec.model_validate({"id": f"d512_h8_causal_t{SIZE}", "config": {"d_model": 512, "num_heads": 8, "causal": True},
-                                "batch": 1, "tgt_len": SIZE, "src_len": SIZE, "inputs": "self", "seed": 1})
+SPEC = CaseSpec.model_validate({
+    "id": f"d512_h8_causal_t{SIZE}", "config": {"d_model": 512, "num_heads": 8, "causal": True},
+    "batch": 1, "tgt_len": SIZE, "src_len": SIZE, "inputs": "self", "seed": 1,
+})
 
 
 @pytest.fixture(scope="module")
