@@ -129,7 +129,11 @@ def run_size(size: str, dtypes: list[str], views: list[str], entries: dict, log)
                                                                      changes[(name, r.case)]),
                         "hints": list(r.hints), "seconds": seconds / max(len(report.results), 1),
                     })
-                log(f"  {size} {dtype} {view} {name}: {seconds:.1f} s")
+                last = records[-1] if report.results else None
+                log(f"  {size} {dtype} {view} {name}: {seconds:.1f} s" + (
+                    f" ({last['verdict']}, ratio {last['ratio']}, local {last['local_ratio']}, first failing "
+                    f"{last['first_failing_stage']}; {last['hints'][0][:70] if last['hints'] else 'no hint'})"
+                    if len(report.results) == 1 else ""))
     return records
 
 
