@@ -11,8 +11,10 @@ float16 computation when float16 is asked) expects "none" there.
 The variants: the BUGS and OUTPUT_ONLY_BUGS of tests/variants.py; its look-alikes (zeros,
 random noise, a correct-but-imprecise q_proj: LOOKALIKES); the bugs kept for the diagnosis
 (each of W^Q, W^K, W^V transposed, a float64 run in float32 throughout, a float64 run whose
-softmax is in float32: DIAGNOSED_BUGS); and every correct variant (CORRECT, CORRECT output
-only, NATIVE), which expect none.
+softmax is in float32: DIAGNOSED_BUGS); the subtle bugs (a scale off by 1e-3 and 1e-4, a
+bfloat16-rounded scale, the last visible key of each row dropped, TF32 and bfloat16x3 float32
+matmuls: SUBTLE_BUGS and OUTPUT_ONLY_SUBTLE, each a bug only in its SUBTLE_DTYPES); and every
+correct variant (CORRECT, CORRECT output only, NATIVE), which expect none.
 
     python benchmarks/diagnosis_confusion.py [--dtype float64 ...] [--variant SUBSTRING ...] [-v]
 
@@ -33,7 +35,7 @@ import mhaspec  # noqa: E402
 from mhaspec.conformance import FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
 from tests.variants import (BUGS, CORRECT, DIAGNOSED_BUGS, LOOKALIKES, NATIVE, OUTPUT_ONLY_BUGS,  # noqa: E402
-                            output_only)
+                            OUTPUT_ONLY_SUBTLE, SUBTLE_BUGS, SUBTLE_DTYPES, output_only)
 from tests.zoo import applies  # noqa: E402
 
 #: signature -> the pattern of its text in a diagnosis (diagnose.py's wording)
@@ -49,6 +51,7 @@ SIGNATURES = {
     "as-float32": r"float32-accurate|every value fits float32",
     "as-float16": r"\bfloat16-accurate|every value fits float16",
     "as-bfloat16": r"bfloat16-accurate|every value fits bfloat16",
+    "tf32": r"float32 matmuls computed in reduced precision",
 }
 OTHER = "other"  # a diagnosis matching none of the patterns: always wrong
 NONE = "none"
@@ -91,6 +94,17 @@ EXPECTED: dict[str, str | None] = {
     "float32_when_float64_asked": "as-float32",
     "softmax_in_float32_when_float64_asked": "as-float32",
     "float32_exp_when_float64_asked": "as-float32",
+    # subtle bugs: a scale error is a scale error (where the scores show it), TF32 and bfloat16x3 are
+    # named as reduced-precision matmuls, a dropped key has no signature
+    "scale_off_by_1e-3": "scale",
+    "scale_off_by_1e-4": "scale",
+    "scale_rounded_to_bfloat16": "scale",
+    "last_visible_key_dropped": None,
+    "tf32_matmuls": "tf32",
+    "bfloat16x3_matmuls": "tf32",
+    **{name: None for name in OUTPUT_ONLY_SUBTLE},
+    "tf32_matmuls+output_only": "tf32",
+    "bfloat16x3_matmuls+output_only": "tf32",
     # correct implementations: never a signature
     **{name: None for name in CORRECT},
     **{f"{name}+output_only": None for name in CORRECT},
@@ -114,6 +128,8 @@ def variants() -> dict[str, object]:
     out.update({name: v for name, (v, _) in OUTPUT_ONLY_BUGS.items()})
     out.update(LOOKALIKES)
     out.update({name: v for name, (v, _) in DIAGNOSED_BUGS.items()})
+    out.update({name: v for name, (v, _) in SUBTLE_BUGS.items()})
+    out.update({name: v for name, (v, _) in OUTPUT_ONLY_SUBTLE.items()})
     out.update(CORRECT)
     out.update({f"{name}+output_only": output_only(v) for name, v in CORRECT.items()})
     out.update(NATIVE)
@@ -124,6 +140,9 @@ def expected(name: str, adapter: object, dtype: str) -> str | None:
     """The signature that is right for ``name`` in ``dtype`` (None: only "none" is right)."""
     if not applies(adapter, dtype):
         return None  # computing in the dtype asked for: no bug there
+    subtle = name.removesuffix("+output_only")
+    if subtle in SUBTLE_DTYPES and dtype not in SUBTLE_DTYPES[subtle]:
+        return None  # TF32 where float32 is not asked, a bfloat16 scale in bfloat16: no bug there
     return EXPECTED_IN.get((name, dtype), EXPECTED[name])
 
 

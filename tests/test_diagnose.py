@@ -67,7 +67,7 @@ import mhaspec  # noqa: E402
 from mhaspec.conformance import diagnose as diagnose_module  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
 
-from .variants import DIAGNOSED_BUGS, LOOKALIKES, Variant  # noqa: E402
+from .variants import DIAGNOSED_BUGS, LOOKALIKES, OUTPUT_ONLY_SUBTLE, SUBTLE_BUGS, Variant  # noqa: E402
 
 #: a few cases of each kind: square weights, cross attention, masks, rows that see no key, GQA
 SOME_CASES = ["self_basic", "cross_attention", "causal_square", "custom_mask", "self_masked_rows", "gqa"]
@@ -141,6 +141,43 @@ def test_a_run_at_a_16_bit_dtype_s_accuracy_is_named(compute, dtype):
         assert hints == [h for h in hints if h.startswith(f"every stage: {compute}-accurate")] and hints, (case, hints)
 
 
+REDUCED = "float32 matmuls computed in reduced precision (TF32-like"
+
+
+@pytest.mark.parametrize("name", ["tf32_matmuls", "bfloat16x3_matmuls", "tf32_matmuls+output_only"])
+def test_float32_matmuls_in_reduced_precision_are_named_and_nothing_else(name):
+    adapter = {**SUBTLE_BUGS, **OUTPUT_ONLY_SUBTLE}[name][0]
+    failing = _hints(adapter, "float32")
+    assert len(failing) == len(SOME_CASES)
+    named = {case for case, hints in failing.items() if any(REDUCED in h for h in hints)}
+    for case, hints in failing.items():
+        assert all(REDUCED in h for h in hints) and len(hints) <= 1, (case, hints)  # that one, or none
+    assert len(named) >= len(SOME_CASES) - 1, failing  # (bfloat16x3: its error is 256 of float32's unit roundoffs)
+    if not name.endswith("+output_only"):
+        for hints in failing.values():
+            assert all(h.startswith(("scores onward: ", "scores, head_outputs")) for h in hints), hints
+
+
+@pytest.mark.parametrize("name, dtype", [("scale_off_by_1e-4", "float32"), ("scale_off_by_1e-4+output_only", "float32"),
+                                         ("scale_off_by_1e-3+output_only", "float32"),
+                                         ("last_visible_key_dropped+output_only", "float32"),
+                                         ("scale_off_by_1e-3+output_only", "float64"),
+                                         ("scale_rounded_to_bfloat16+output_only", "float64")])
+def test_a_small_scale_error_or_a_dropped_key_is_named_neither_tf32_nor_a_narrower_dtype(name, dtype):
+    adapter = {**SUBTLE_BUGS, **OUTPUT_ONLY_SUBTLE}[name][0]
+    failing = _hints(adapter, dtype)
+    assert failing  # they fail ...
+    for case, hints in failing.items():  # ... and a scale error is named as one, or not at all
+        assert all(h.startswith("scores: the returned scores are the golden ×") for h in hints), (case, hints)
+
+
+def test_a_run_in_float16_is_not_named_tf32():
+    for adapter in (Variant(name="fp16", compute_dtype="float16"),
+                    Variant(name="fp16", compute_dtype="float16", output_only=True)):
+        for case, hints in _hints(adapter, "float32").items():
+            assert not any(REDUCED in h for h in hints), (case, hints)
+
+
 def test_a_large_case_is_diagnosed_on_its_first_block_of_rows(monkeypatch):
     golden = GOLDEN.load("causal_square")
     monkeypatch.setattr(diagnose_module, "MAX_BLOCK_ELEMENTS", golden.visible.size // 2)  # two blocks of rows
@@ -161,7 +198,13 @@ SUBSET = ["missing_scale", "scale_by_d_model", "softmax_over_queries", "causal_o
           "nan_on_fully_masked_rows+output_only", "float16_when_float32_asked", "bfloat16_when_float16_asked",
           "missing_scale+output_only", "zeros", "random_noise", "imprecise_q_proj", "w_q_transposed",
           "w_k_transposed", "w_v_transposed", "float32_when_float64_asked", "softmax_in_float32_when_float64_asked",
-          "float32_exp_when_float64_asked", "einsum", "tiled_online_softmax", "native_low_precision_accumulation"]
+          "float32_exp_when_float64_asked", "einsum", "tiled_online_softmax", "native_low_precision_accumulation",
+          "scale_off_by_1e-3", "scale_off_by_1e-4+output_only", "last_visible_key_dropped", "tf32_matmuls",
+          "tf32_matmuls+output_only", "bfloat16x3_matmuls"]
+
+
+#: subtle scale errors: caught in float16 on some cases, too small there for the golden × c to fit
+SCALE_BELOW_16_BIT_FIT = {"scale_off_by_1e-3"}
 
 
 @pytest.mark.proofs
@@ -174,6 +217,8 @@ def test_no_wrong_signature_and_the_expected_ones_are_found_over_the_catalog(dty
     # (a case can lack the evidence: too few entries, a tolerance too wide to tell; then: none)
     for name in SUBSET:
         row = counts[name]
+        if name in SCALE_BELOW_16_BIT_FIT and dtype in ("float16", "bfloat16"):
+            continue  # caught, but a factor 1 + 1e-3 is within FIT of a 16-bit tolerance: no scale is read
         if row["expected"]:
             assert row["found"] >= 0.8 * row["expected"], (name, row)
     expecting = {n for n in SUBSET if counts[n]["expected"]}

@@ -19,6 +19,34 @@ from mhaspec.spec import Case
 DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
+def tf32(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` rounded to TF32's 10 explicit mantissa bits, to nearest even (as float32)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    half = np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))  # 2^12 - 1, +1 when the kept bit is odd
+    rounded = np.where(np.isfinite(x), (bits + half) & np.uint32(0xFFFFE000), bits)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bfloat16 (to nearest even), as float32."""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def reduced_product(op, a: np.ndarray, b: np.ndarray, how: str) -> np.ndarray:
+    """``op(a, b)`` (a matmul or an einsum over two float32 operands) as a reduced-precision float32
+    matmul unit computes it: ``"tf32"``, both operands rounded to TF32, float32 accumulation;
+    ``"bf16x3"``, each operand split a = hi + lo (hi = bf16(a), lo = bf16(a - hi)) and
+    hi·hi + hi·lo + lo·hi summed in float32 (the lo·lo term left out)."""
+    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+    if how == "tf32":
+        return op(tf32(a), tf32(b))
+    if how == "bf16x3":
+        a_hi, b_hi = bf16(a), bf16(b)
+        a_lo, b_lo = bf16(a - a_hi), bf16(b - b_hi)
+        return op(a_hi, b_hi) + op(a_hi, b_lo) + op(a_lo, b_hi)
+    raise ValueError(f"unknown reduced-precision matmul {how!r}")
+
+
 @dataclass(frozen=True)
 class Variant:
     """An adapter; every field off = a correct, straightforward implementation."""
@@ -58,6 +86,11 @@ class Variant:
     stale_accumulator: bool = False  # online softmax: the P·V accumulator not rescaled when the running max grows
     dropout_left_on: bool = False  # 10 % of the weights dropped, the rest scaled by 1/0.9
     output_only: bool = False  # return only "output", as fused kernels do
+    # subtle bugs (SUBTLE_BUGS)
+    scale_factor: float = 1.0  # the scale multiplied by this (1 + 1e-3: a constant typed with too few digits)
+    scale_bfloat16: bool = False  # the scale rounded to bfloat16 whatever the dtype
+    drop_last_key: bool = False  # the last visible key of every query row masked out (an off-by-one in a kernel's loop)
+    matmul: str = ""  # float32 runs: every matmul "tf32" or "bf16x3" (reduced_product)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg = case.config
@@ -65,6 +98,9 @@ class Variant:
         low = dt in (np.float16, ml_dtypes.bfloat16)
         acc = dt if (self.native_accumulation or not low) else np.float32
         out_dt = DT[case.dtype]
+
+        def product(op, a, b):  # every matmul of the run; a reduced-precision unit only in float32
+            return reduced_product(op, a, b, self.matmul) if self.matmul and dt == np.float32 else op(a, b)
 
         def r(x):
             if self.fused_float32:
@@ -79,7 +115,7 @@ class Variant:
                     term = r(a[..., :, i : i + 1].astype(np.float64) * b[..., i : i + 1, :].astype(np.float64))
                     total = r(total.astype(np.float64) + term.astype(np.float64))
                 return total
-            return r(np.matmul(r(a).astype(acc), r(b).astype(acc)))
+            return r(product(np.matmul, r(a).astype(acc), r(b).astype(acc)))
 
         w = case.weights
         B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
@@ -114,6 +150,9 @@ class Variant:
             scale = 1.0
         if self.scale_by_d_model:
             scale = 1.0 / np.sqrt(cfg.d_model)
+        scale = scale * self.scale_factor
+        if self.scale_bfloat16:
+            scale = float(bf16(np.float32(scale)))
         if self.prescale_query:
             s = mm(r(Q.astype(acc) * r(scale).astype(acc)), np.swapaxes(K, -1, -2))
         elif self.per_head_loop:
@@ -122,7 +161,7 @@ class Variant:
         elif self.native_accumulation:
             s = r(mm(Q, np.swapaxes(K, -1, -2)).astype(acc) * r(scale).astype(acc))
         else:
-            s = r(np.einsum("bhtd,bhsd->bhts", Q.astype(acc), K.astype(acc)))
+            s = r(product(lambda a, b: np.einsum("bhtd,bhsd->bhts", a, b), Q.astype(acc), K.astype(acc)))
             s = r(s.astype(acc) * r(scale).astype(acc))
 
         allowed = np.ones((B, H, T, S), dtype=bool)
@@ -135,11 +174,14 @@ class Variant:
         if case.inputs.mask is not None:
             m = np.broadcast_to(case.inputs.mask, allowed.shape)
             allowed &= ~m if self.mask_inverted else m
+        if self.drop_last_key:
+            last = S - 1 - np.argmax(allowed[..., ::-1], axis=-1)  # (B, H, T): each row's last visible key
+            allowed &= ~((np.arange(S) == last[..., None]) & allowed.any(axis=-1, keepdims=True))
 
         if self.tiled_online_softmax:
             s, p, o = self._tiled(Q, K, V, allowed, scale, r, acc)
         else:
-            p, o = self._softmax_pv(s, V, allowed, acc, r, mm, S)
+            p, o = self._softmax_pv(s, V, allowed, acc, r, mm, S, product)
         if self.merge_without_transpose:
             c = o.reshape(B, T, H * Dv)
         else:
@@ -189,7 +231,7 @@ class Variant:
             p = np.where(allowed, np.exp(s - lse), 0).astype(acc)
         return r(s), r(p), r(o)
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
         x = s.astype(acc)
         if self.mask_after_softmax:
             pass  # the bug: every key enters the softmax; masked weights are zeroed afterwards
@@ -231,7 +273,7 @@ class Variant:
         if self.per_head_loop or self.native_accumulation:
             o = np.stack([mm(weights[:, h], V[:, h]) for h in range(V.shape[1])], axis=1)
         else:
-            o = r(np.einsum("bhts,bhse->bhte", weights.astype(acc), V.astype(acc)))
+            o = r(product(lambda a, b: np.einsum("bhts,bhse->bhte", a, b), weights.astype(acc), V.astype(acc)))
         return p, o
 
 
@@ -374,9 +416,9 @@ class SoftmaxFloat32(Variant):
 
     name: str = "softmax_float32"
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
         if acc != np.float64:
-            return super()._softmax_pv(s, V, allowed, acc, r, mm, S)
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product)
         p, _ = super()._softmax_pv(s.astype(np.float32), V, allowed, np.float32,
                                    lambda x: np.asarray(x).astype(np.float32), mm, S)
         p = p.astype(np.float64)
@@ -392,9 +434,9 @@ class Float32Exp(Variant):
 
     name: str = "float32_exp"
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S):
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
         if acc != np.float64:
-            return super()._softmax_pv(s, V, allowed, acc, r, mm, S)
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product)
         x = np.where(allowed, s, -np.inf)
         peak = np.max(x, axis=-1, keepdims=True)
         peak = np.where(np.isfinite(peak), peak, 0.0)
@@ -422,3 +464,58 @@ DIAGNOSED_BUGS = {
     "softmax_in_float32_when_float64_asked": (SoftmaxFloat32(), "attn_weights"),
     "float32_exp_when_float64_asked": (Float32Exp(), "attn_weights"),
 }
+
+
+# -- subtle bugs (issue 36): small enough to hide in a loose tolerance, each a real kernel's mistake.
+#    Not in BUGS (the detection figures of BUGS are unchanged); benchmarks/large_figures.py and
+#    tests/test_large_sizes.py judge them at catalog sizes and at T = S = 1024, 4096.
+
+#: bug name -> (adapter, the stage where it must first be caught)
+SUBTLE_BUGS = {
+    "scale_off_by_1e-3": (Variant(name="scale_1e-3", scale_factor=1 + 1e-3), "scores"),
+    "scale_off_by_1e-4": (Variant(name="scale_1e-4", scale_factor=1 + 1e-4), "scores"),
+    "scale_rounded_to_bfloat16": (Variant(name="scale_bf16", scale_bfloat16=True), "scores"),
+    "last_visible_key_dropped": (Variant(name="drop_last_key", drop_last_key=True), "attn_weights"),
+    "tf32_matmuls": (Variant(name="tf32", matmul="tf32"), "scores"),  # x, W exact in TF32: q_proj is right
+    "bfloat16x3_matmuls": (Variant(name="bf16x3", matmul="bf16x3"), "scores"),
+}
+
+#: The same subtle bugs in a kernel that exposes only "output".
+OUTPUT_ONLY_SUBTLE = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in SUBTLE_BUGS.items()}
+
+#: The dtypes asked for in which each subtle bug is a bug at all: a reduced-precision float32 matmul
+#: only where float32 is asked (in float16 and bfloat16 every operand is already a 16-bit number,
+#: which TF32 and bfloat16x3 hold exactly; float64 has no such unit); a bfloat16-rounded scale
+#: wherever bfloat16 is not asked (a bfloat16 run rounds its scale to bfloat16 itself).  A scale
+#: bug is also no bug where the dtype rounds the wrong scale to the right one: subtle_applies.
+SUBTLE_DTYPES = {
+    "scale_off_by_1e-3": ("float64", "float32", "float16", "bfloat16"),
+    "scale_off_by_1e-4": ("float64", "float32", "float16", "bfloat16"),
+    "scale_rounded_to_bfloat16": ("float64", "float32", "float16"),
+    "last_visible_key_dropped": ("float64", "float32", "float16", "bfloat16"),
+    "tf32_matmuls": ("float32",),
+    "bfloat16x3_matmuls": ("float32",),
+}
+
+
+def _scale_used(v: Variant, scale: float, dtype: str) -> float:
+    """The scale ``v`` multiplies in, as the dtype stores it."""
+    s = scale * v.scale_factor
+    if v.scale_bfloat16:
+        s = float(bf16(np.float32(s)))
+    return float(np.asarray(s).astype(DT[dtype]).astype(np.float64))
+
+
+def subtle_applies(name: str, config, dtype: str) -> bool:
+    """Whether subtle bug ``name`` (a key of SUBTLE_BUGS, with or without "+output_only") changes
+    a run of ``config`` (an MHAConfig) in ``dtype``: its dtypes, and a scale bug only where the
+    scale the dtype stores differs from the right one (1/8 is exact in bfloat16: rounding it is no
+    bug; 1 + 1e-4 vanishes in float16's rounding of a power of two)."""
+    base = name.removesuffix("+output_only")
+    if dtype not in SUBTLE_DTYPES[base]:
+        return False
+    v = SUBTLE_BUGS[base][0]
+    if v.scale_factor != 1.0 or v.scale_bfloat16:
+        scale = float(config.scale)
+        return _scale_used(v, scale, dtype) != _scale_used(Variant(), scale, dtype)
+    return True

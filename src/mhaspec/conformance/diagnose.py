@@ -57,10 +57,28 @@ The signatures and their tests:
   all, and a worst error at least :data:`BEYOND` = 64 times the asked dtype's
   tolerance.  The widest such dtype is named (float16 yields to bfloat16 when
   nearly every value is a bfloat16 number and the golden's are not), with the
-  stages: "every stage", "attn_weights onward", or their list.  float16 asked
+  stages: "every stage", "attn_weights onward", or their list.  A 16-bit dtype
+  is named only when every value is one of its numbers (:data:`SIXTEEN_BIT`): a
+  float64 output off by a wrong scale of 1 + 1e-4 is float16-accurate too.  float16 asked
   has none: bfloat16's rounding is only 8 times float16's, too close to tell
   from imprecision (compare.py's representability fingerprint names it in the
-  verdict's message).
+  verdict's message);
+- *float32 matmuls in reduced precision* (float32 asked; TF32: every product's
+  operands rounded to 10 mantissa bits, or bfloat16x3 splits; checked before the
+  narrower dtype, which it pre-empts): with the stages around the products
+  exposed, at least two product stages (of scores, head_outputs, output) fail
+  float32's local check, each passing float16's (a 10-bit rounding
+  of its inputs is float16's storage term), a failing projection passes
+  float16's judgement, and the softmax's and the concat's local checks hold (a
+  run computed in float16 fails those: its weights are float16 numbers; a wrong
+  scale fails only the scores' local check, and is named a wrong scale first),
+  on weights that are not all equal, and not every value of the failing stages
+  is a float16 (or bfloat16) number;
+  output only: the output's error is that of a run whose every product is TF32
+  (or bfloat16x3), everything else exact (:func:`reduced_output`): correlation
+  at least :data:`REDUCED_CORRELATION` = 0.9, sizes within
+  :data:`REDUCED_SIZE` = 1.25×, that run's error beyond APART tolerances on
+  MIN_APART entries.
 
 Large cases (above blocks.MAX_BLOCK_ELEMENTS) are diagnosed on their first block
 of query rows.  benchmarks/diagnosis_confusion.py runs the zoo of
@@ -78,8 +96,9 @@ from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGE, STAGES, compared_entries, downstream
 from . import judging
 from .blocks import MAX_BLOCK_ELEMENTS, _slice_stage, block_case
-from .compare import FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage, representable
-from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, judging_bounds
+from .compare import (FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage, representable,
+                      round_to_bfloat16)
+from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, heads, judging_bounds, local_references
 
 #: unit roundoff of each dtype
 EPS = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -115,8 +134,28 @@ SHARP = {"float32": 2.0**-12, "float16": 2.0**-5, "bfloat16": 2.0**-2}
 NARROW_MIN_VALUES = 32
 #: a float16 fit whose values nearly all fit bfloat16 (and the golden's do not) is bfloat16's
 NARROW_FRACTION = 0.9
+#: a run read as computed in one of these needs every value to be one of its numbers (a float32 or
+#: float64 result that is merely 16-bit-accurate is as likely a small bug: a scale off by 1e-4)
+SIXTEEN_BIT = ("float16", "bfloat16")
 #: uniform weights: within this many unit roundoffs of 1/S
 UNIFORM_ULPS = 2.0
+#: the stages that are one matrix product each (plus a bias, a scale): those a reduced-precision
+#: float32 matmul unit computes
+MATMUL_STAGES = (STAGE.q_proj, STAGE.k_proj, STAGE.v_proj, STAGE.scores, STAGE.head_outputs, STAGE.output)
+#: the reduced-precision float32 matmul units the output-only test tries, as their operands are rounded
+REDUCED_MATMULS = ("tf32", "bf16x3")
+#: a reduced-precision matmul's local evidence is read against this dtype's local tolerance (TF32
+#: keeps float16's 10 mantissa bits; bfloat16x3's error is smaller still)
+REDUCED_LOCAL = "float16"
+#: output only: the error of the returned output (against the golden) and that of a reduced-precision
+#: run correlate at least this much, and their sizes (root of the sum of squares) are within this
+#: factor (a wrong scale's error, a dropped key's, correlate with a TF32 run's near 0; a TF32 run's,
+#: 0.999 at T = S = 1024)
+REDUCED_CORRELATION = 0.9
+REDUCED_SIZE = 1.25
+#: a reduced-precision matmul fails the local check of at least this many products (a wrong scale
+#: fails the scores' alone)
+MIN_REDUCED_STAGES = 2
 
 
 def _ratio(err: np.ndarray, tol: np.ndarray) -> np.ndarray:
@@ -368,7 +407,133 @@ def narrower_dtype(ev: _Evidence, stages: list[str]) -> tuple[str, float, float,
     rel = max(float(np.max(err) / max(float(np.max(np.abs(g))), np.finfo(np.float64).tiny))
               for v, g, err, _ in picked.values())
     fits = _all_fit(picked, ev.dtype, narrow, 0.99)
+    if narrow in SIXTEEN_BIT and not fits:
+        return None  # 16-bit-accurate values that are no 16-bit numbers: a small bug (a scale off by 1e-4) as likely
     return narrow, rel, max(b for *_, b in picked.values()), fits
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to float32, then to TF32's 10 explicit mantissa bits (ties to even), as float64."""
+    f = np.asarray(x, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x0FFF + ((bits >> 13) & 1)) >> 13) << 13
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isfinite(f), out, f.astype(np.float64))
+
+
+def reduced_matmul(a: np.ndarray, b: np.ndarray, unit: str, subscripts: str = "...ij,...jk->...ik") -> np.ndarray:
+    """``a @ b`` (an einsum) in float64 from float32 operands as a reduced-precision unit rounds them:
+    ``"tf32"``, both rounded to TF32; ``"bf16x3"``, each split a = hi + lo (hi = bfloat16(a),
+    lo = bfloat16(a - hi)), hi·hi + hi·lo + lo·hi."""
+    a32, b32 = np.asarray(a, np.float32).astype(np.float64), np.asarray(b, np.float32).astype(np.float64)
+    if unit == "tf32":
+        return np.einsum(subscripts, _tf32(a32), _tf32(b32), optimize=True)
+    a_hi, b_hi = round_to_bfloat16(a32), round_to_bfloat16(b32)
+    a_lo, b_lo = round_to_bfloat16(a32 - a_hi), round_to_bfloat16(b32 - b_hi)
+    return sum(np.einsum(subscripts, x, y, optimize=True) for x, y in ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)))
+
+
+def reduced_output(golden: GoldenCase, unit: str) -> np.ndarray:
+    """The output as a float32 run computes it whose every matmul is ``unit`` (:func:`reduced_matmul`),
+    everything else exact: the projections, Q Kᵀ, P V and concat W^O from operands rounded to
+    float32 and then as the unit rounds them."""
+    cfg, w, x = golden.spec.config, golden.weights, golden.inputs
+    H, G = cfg.H, cfg.H_kv
+
+    def project(inp: np.ndarray, name: str, bias: str) -> np.ndarray:
+        return reduced_matmul(inp, w[name], unit) + (w[bias] if bias in w else 0.0)
+
+    q, k, v = project(x["query"], "w_q", "b_q"), project(x["key"], "w_k", "b_k"), project(x["value"], "w_v", "b_v")
+    Q, K, V = heads(q, H), heads(k, G, H // G), heads(v, G, H // G)  # (B, H, ·, D)
+    s = reduced_matmul(Q, K, unit, "bhtd,bhsd->bhts") * float(cfg.scale)  # type: ignore[arg-type]
+    s = np.where(golden.visible, s, -np.inf)
+    peak = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(peak), peak, 0.0))
+    total = np.sum(e, axis=-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    o = reduced_matmul(p, V, unit, "bhts,bhse->bhte")
+    concat = o.transpose(0, 2, 1, 3).reshape(o.shape[0], o.shape[2], -1)
+    return reduced_matmul(concat, w["w_o"], unit) + (w["b_o"] if "b_o" in w else 0.0)
+
+
+_REDUCED_TEXT = ("float32 matmuls computed in reduced precision (TF32-like: the operands of every product "
+                 "rounded to 10 mantissa bits, or bfloat16x3 splits), accumulated in float32; the standard "
+                 "contract multiplies float32 operands as they are (torch.backends.cuda.matmul.allow_tf32, "
+                 "torch.set_float32_matmul_precision('high'), NVIDIA_TF32_OVERRIDE, XLA's default precision "
+                 "on GPU/TPU)")
+
+
+def reduced_precision_matmuls(ev: _Evidence, stages: Sequence[StageResult], failing: list[str],
+                              exposed: list[str]) -> str:
+    """A float32 run whose matmuls are TF32-like, named from the evidence (float32 asked only).
+
+    With the stages around each product exposed: at least :data:`MIN_REDUCED_STAGES` matmul stages
+    fail float32's local check, and each passes float16's (:data:`REDUCED_LOCAL`: the operands' 10-bit
+    rounding is within its inputs' storage term), a failing projection passes float16's judgement,
+    and the softmax's and the concat's local checks hold (a run in float16 fails those: its weights
+    are float16 numbers).  With only the output exposed (no local check): its error is that of a run
+    whose every product is TF32 or bfloat16x3 (:func:`reduced_output`): correlated at least
+    :data:`REDUCED_CORRELATION`, of a size within :data:`REDUCED_SIZE`, that run's error more than
+    APART tolerances on MIN_APART entries (not element-wise: the unit's rounding of the operands the
+    run computes itself, P and concat, flips where they differ from the reduced run's by a float32
+    rounding)."""
+    if ev.dtype != "float32":
+        return ""
+    by_stage = {st.stage: st for st in stages}
+    local = [st for st in MATMUL_STAGES if st in ev.returned and st in LOCAL_INPUTS
+             and all(i in ev.returned for i in LOCAL_INPUTS[st])]
+    if not local:  # only the output (or no product with its inputs): the output's error, against a reduced run
+        if failing != [STAGE.output] or STAGE.output not in ev.returned:
+            return ""
+        got, gold, sel = ev.returned[STAGE.output], ev.golden.stages[STAGE.output], ev.selected(STAGE.output)
+        tol = ev.tol(STAGE.output)[sel]
+        v, g = got[sel], gold[sel]
+        if not np.all(np.isfinite(v)):
+            return ""
+        mine = (v - g).ravel()
+        for unit in REDUCED_MATMULS:
+            theirs = (reduced_output(ev.golden, unit)[sel] - g).ravel()
+            if np.count_nonzero(np.abs(theirs) > APART * tol.ravel()) < MIN_APART:
+                continue  # that unit's error is too small to tell here
+            size = float(np.sqrt((mine @ mine) / (theirs @ theirs)))
+            corr = float(mine @ theirs) / float(np.sqrt((mine @ mine) * (theirs @ theirs)))
+            if corr >= REDUCED_CORRELATION and 1 / REDUCED_SIZE <= size <= REDUCED_SIZE:
+                name = "TF32" if unit == "tf32" else "bfloat16x3"
+                return (f"{STAGE.output}: {_REDUCED_TEXT} [the output's error is a run's whose every product is "
+                        f"{name}: correlation {corr:.3f}, size {size:.2f}×]")
+        return ""
+    for stage in failing:  # every failing stage: a product, or a stage that only carries the products' error
+        if stage not in MATMUL_STAGES and stage not in (STAGE.attn_weights, STAGE.concat):
+            return ""
+    for stage in (STAGE.attn_weights, STAGE.concat):  # the softmax and the merge: right from their inputs
+        st = by_stage.get(stage)
+        if stage in ev.returned and (st is None or st.local_worst_ratio is None or "local" in st.failed_check):
+            return ""
+    weights = ev.returned.get(STAGE.attn_weights)
+    if weights is None or degenerate(weights[ev.selected(STAGE.attn_weights)]):
+        return ""  # no softmax to tell float32's from a 16-bit one (one key: every weight 1)
+    picked = {st: (ev.returned[st][ev.selected(st)], ev.golden.stages[st][ev.selected(st)]) for st in failing}
+    if any(_all_fit(picked, ev.dtype, narrow, 0.99) for narrow in SIXTEEN_BIT):
+        return ""  # every value a 16-bit number: a run in that dtype, not float32 matmuls
+    beyond = [stage for stage in local if stage in by_stage and "local" in by_stage[stage].failed_check]
+    if len(beyond) < MIN_REDUCED_STAGES:
+        return ""
+    refs = local_references(ev.golden, dict(ev.returned), REDUCED_LOCAL)
+    for stage in beyond:
+        if stage not in refs:
+            return ""
+        ref, bound = refs[stage]
+        sel = compared_entries(stage, ev.golden.visible)
+        res = compare_stage(stage, ev.returned[stage], ref, bound.tolerance(LAMBDA), REDUCED_LOCAL, sel,
+                            noise=bound, rms_limit=KAPPA**0.5, rms_min_elements=KAPPA_MIN_ELEMENTS,
+                            value_checks=False)
+        if res.verdict != PASS:
+            return ""
+    for stage in (STAGE.q_proj, STAGE.k_proj, STAGE.v_proj):
+        if stage in failing and not ev.passes(stage, REDUCED_LOCAL):
+            return ""
+    return (f"{_where(failing, exposed)}: {_REDUCED_TEXT} [{', '.join(beyond)}: beyond float32's local tolerance, "
+            f"within {REDUCED_LOCAL}'s; the softmax's local check holds]")
 
 
 def _where(named: list[str], exposed: list[str]) -> str:
@@ -400,11 +565,11 @@ def diagnose(golden: GoldenCase, returned: Mapping[str, Any], dtype: str, stages
         block = block_case(golden, 0, 0, t1)
         arrays = {k: _slice_stage(k, a, 0, 0, t1) for k, a in arrays.items()}
         with judging.judging_block(block, golden, {}):
-            return _diagnose(_Evidence(block, arrays, dtype), failing, exposed)
-    return _diagnose(_Evidence(golden, arrays, dtype), failing, exposed)
+            return _diagnose(_Evidence(block, arrays, dtype), failing, exposed, stages)
+    return _diagnose(_Evidence(golden, arrays, dtype), failing, exposed, stages)
 
 
-def _diagnose(ev: _Evidence, failing: list[str], exposed: list[str]) -> list[str]:
+def _diagnose(ev: _Evidence, failing: list[str], exposed: list[str], stages: Sequence[StageResult]) -> list[str]:
     hints: list[str] = []
     present = [stage for stage in failing if stage in ev.returned]  # (not: a stage of the wrong shape)
     signed = len(present) < len(failing)  # then no narrower dtype either: not every failing stage fits it
@@ -419,7 +584,10 @@ def _diagnose(ev: _Evidence, failing: list[str], exposed: list[str]) -> list[str
             signed = signed or bool(found)
             if found and not any(found in h for h in hints):
                 hints.append(f"{stage}: {found}")
-        fit = None if signed else narrower_dtype(ev, failing)
+        reduced = "" if signed else reduced_precision_matmuls(ev, stages, failing, exposed)
+        if reduced:
+            hints.append(reduced)
+        fit = None if signed or reduced else narrower_dtype(ev, failing)
     if fit is not None:
         narrow, rel, beyond, fits = fit
         hints.append(f"{_where(failing, exposed)}: {narrow}-accurate (errors ≈ {rel:.0e} relative, {ev.dtype} "
