@@ -7,10 +7,16 @@ the same inputs and weights, runs a plain float64 numpy forward and the float32
 implementation (the numpy adapter), and compares every stage with
 ``np.testing.assert_allclose``.
 
+A second, frugal naive check is run beside it (FRUGAL): the float64 forward keeping only the
+output, the adapter's float32 forward, assert_allclose on the output alone (what a careful user
+writes; the issue's 266 MB at 1024), and mhaspec's ratios against both are printed.
+
 Each side runs as a fresh process per size, one after the other.  CPU seconds: user + sys
 of the whole process tree (the runner and its worker).  Peak memory: the sum of the peak
 resident sets of the runner and of its worker (each process's own peak, read from
-``getrusage`` in the runner when it leaves: its own, and its reaped children's).  The load
+``getrusage`` in the runner when it leaves: its own, and its reaped children's), and that memory
+counted once (:func:`measure`: the runner's resident set plus its forked worker's unshared pages,
+sampled; the sum of the two peaks counts the pages they share twice).  The load
 average is printed beside each figure.
 
     python benchmarks/bench_cost.py [--sizes 1024,4096] [--adapter numpy]
