@@ -89,8 +89,37 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
                 reply["environment"] = describe_environment(process="worker")
                 described = True
             pipe.send(reply, data)
-            if step == "supports" and not (reply["ok"] and reply["answer"] is True):
+            answered = reply["ok"] and reply.get("answer") is True
+            del reply, data  # the adapter's arrays: sent, not held while the runner judges them
+            if step != "supports":
+                release_freed_memory()
+            elif not answered:
                 break
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``) once a reply is sent:
+    the adapter's temporaries were freed, but the allocator keeps what was below its mmap
+    threshold, and this process would hold it idle while the runner judges the case."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim() -> Any:
+    if "trim" not in _TRIM:
+        _TRIM["trim"] = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                _TRIM["trim"] = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has none)
+                pass
+    return _TRIM["trim"]
+
+
+_TRIM: dict[str, Any] = {}
 
 
 def load_and_serve(pipe: wire.Pipe, ref: str, options: Mapping[str, Any]) -> None:

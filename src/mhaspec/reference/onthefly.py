@@ -28,8 +28,9 @@ from .fast import FAST_ROWS, FastForward, FastRows, forward_fast
 #: (mhaspec.conformance.blocks.MAX_BLOCK_ELEMENTS).
 ROW_BLOCKS_ABOVE = 1 << 22
 #: Elements per (B, H, T, S) stage of one block of a :class:`~mhaspec.fixtures.RowBlocks` case
-#: (2^20: 8 MiB per float64 array; T = S = 1024 with H = 8: 128 rows, 4096: 32 rows).
-ROW_BLOCK_ELEMENTS = 1 << 20
+#: (2^19: 4 MiB per float64 array; T = S = 1024 with H = 8: 64 rows, 4096: 16 rows; the judge's
+#: temporaries of a block are that size too: 2^20 cost 0.15 GB more at 1024, benchmarks/bench_cost.py).
+ROW_BLOCK_ELEMENTS = 1 << 19
 
 
 def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
