@@ -25,6 +25,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGES
+from ..spec.case import input_rows
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
 from .engine.chunks import one_blas_thread
 from .judging import judging_block
@@ -47,15 +48,6 @@ def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]
     return [(b, t0, min(T, t0 + rows)) for b in range(B) for t0 in range(0, T, rows)]
 
 
-def _slice_input(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray:
-    if name == "query":
-        return x[b : b + 1, t0:t1]
-    if name == "mask":  # (B|1, 1, T|1, S)
-        rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
-        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
-    return x[b : b + 1]  # key, value: every key
-
-
 def _slice_stage(stage: str, x: Any, b: int, t0: int, t1: int) -> Any:
     if isinstance(x, float):
         return x
@@ -73,7 +65,7 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
     error = golden.reference_error
     return GoldenCase(
         spec=golden.spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
-        inputs={k: _slice_input(k, v, b, t0, t1) for k, v in golden.inputs.items()},
+        inputs={k: input_rows(k, v, b, t0, t1) for k, v in golden.inputs.items()},
         weights=golden.weights,
         stages={k: _slice_stage(k, v, b, t0, t1) for k, v in golden.stages.items() if k in ROW_AXIS},  # forward
         visible=golden.visible[b : b + 1, :, t0:t1],

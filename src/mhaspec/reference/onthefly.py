@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 
 from ..errors import FixtureError
 from ..fixtures import GoldenCase, GoldenSet, LazyStages, RowBlocks
 from ..spec import STAGES, Catalog, CaseSpec, resolve_catalog
+from ..spec.case import input_rows
 from .fast import FAST_ROWS, FastForward, FastRows, forward_fast
 
 #: A case of more than this many elements per (B, H, T, S) stage is made one block of query rows
@@ -41,16 +41,6 @@ def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
     return GoldenCase(spec, inputs, weights, fast.stages, fast.visible, Path(source), reference_error=fast.error)
 
 
-def _input_rows(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray:
-    """The part of input ``name`` that batch entry b's query rows [t0, t1) read."""
-    if name == "query":
-        return x[b : b + 1, t0:t1]
-    if name == "mask":  # (B|1, 1, T|1, S)
-        rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
-        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
-    return x[b : b + 1]  # key, value: every key
-
-
 def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
     """The golden case of ``spec`` as a :class:`~mhaspec.fixtures.RowBlocks`: the projections and the
     visibility now, every other stage one block of query rows at a time when the judge asks
@@ -69,7 +59,7 @@ def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
     def block(b: int, t0: int, t1: int) -> GoldenCase:
         rows = fast.rows(b, t0, t1)
         return GoldenCase(spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
-                          {k: _input_rows(k, v, b, t0, t1) for k, v in inputs.items() if v is not None},
+                          {k: input_rows(k, v, b, t0, t1) for k, v in inputs.items() if v is not None},
                           weights, rows.stages, rows.visible, Path(source), reference_error=rows.error)
 
     shapes = cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len)

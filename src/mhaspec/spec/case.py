@@ -177,6 +177,18 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return out
 
 
+def input_rows(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray:
+    """The part of input ``name`` that batch entry b's query rows [t0, t1) read: those rows of
+    ``query``, of the mask and of the additive ``bias`` (each (B|1, H|1, T|1, S)), every key of
+    ``key`` and ``value``."""
+    if name == "query":
+        return x[b : b + 1, t0:t1]
+    if name in ("mask", "bias"):
+        rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
+        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
+    return x[b : b + 1]  # key, value: every key
+
+
 class Inputs(BaseModel):
     """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) as float64;
     mask: bool broadcastable to (B, H, T, S), True = may attend, or None;
