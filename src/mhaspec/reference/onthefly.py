@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from ..errors import FixtureError
 from ..fixtures import GoldenCase, GoldenSet, LazyStages, RowBlocks
 from ..spec import STAGES, Catalog, CaseSpec, resolve_catalog
