@@ -15,7 +15,8 @@ tests/zoo.py ``applies``, tests/variants.py ``subtle_applies``); the valid zoo's
 and which variant; each correct variant's worst ratio over its catalog median (when ``catalog``
 is among the sizes); and the bugs that escaped, with their ratio.  Verdicts are read as they
 come: a bug is caught when its case fails, whichever check failed it (golden, local, or any
-other, e.g. a ``second_opinion``); the check that failed it is kept in ``--json``.
+other, e.g. a ``second_opinion``), or errors (a crash is reported, as in tolerance_figures.py); the check
+that failed it is kept in ``--json``.
 
     python benchmarks/large_figures.py --sizes catalog,1024,4096 --dtypes float64,float32,float16,bfloat16 \\
         --views output,every --variants correct,bugs,subtle [--only NAME ...] [--json FILE]
@@ -38,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mhaspec  # noqa: E402
-from mhaspec.conformance import FAIL, PASS  # noqa: E402
+from mhaspec.conformance import ERROR, FAIL, PASS  # noqa: E402
 from mhaspec.fixtures import GoldenSet  # noqa: E402
 from mhaspec.reference.onthefly import OnTheFlyGolden, golden_case  # noqa: E402
 from mhaspec.spec import DTYPES, Catalog, CaseSpec  # noqa: E402
@@ -158,7 +159,7 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
                 if not block:
                     continue
                 bugs = [r for r in block if r["group"] != "correct" and r["applies"]]
-                caught = [r for r in bugs if r["verdict"] == FAIL]
+                caught = [r for r in bugs if r["verdict"] in (FAIL, ERROR)]
                 at_stage = [r for r in caught if r["first_failing_stage"] == r["expected_stage"]]
                 valid = [r for r in block if r["group"] == "correct"]
                 passed = [r for r in valid if r["verdict"] == PASS]
@@ -183,7 +184,7 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
                             lines.append(f"{'':>26}{label} ratio vs its catalog median: " + "; ".join(rel))
                 escaped = (_by_variant(bugs) if size == "catalog" else
                            sorted(f"{r['variant']} ({r['verdict']}, ratio {_worst(r) or 0:.3g})"
-                                  for r in bugs if r["verdict"] != FAIL))
+                                  for r in bugs if r["verdict"] not in (FAIL, ERROR)))
                 if escaped:
                     lines.append(f"{'':>26}escaped: " + ", ".join(escaped))
                 failed = [f"{r['variant']}@{r['case']} ({r['verdict']})" for r in valid if r["verdict"] != PASS]
@@ -197,7 +198,7 @@ def _by_variant(bugs: list[dict[str, Any]]) -> list[str]:
     out = []
     for name in dict.fromkeys(r["variant"] for r in bugs):
         mine = [r for r in bugs if r["variant"] == name]
-        missed = [r for r in mine if r["verdict"] != FAIL]
+        missed = [r for r in mine if r["verdict"] not in (FAIL, ERROR)]
         if missed:
             out.append(f"{name} {len(missed)}/{len(mine)}")
     return out
