@@ -36,8 +36,8 @@ from pathlib import Path
 
 CPU_TARGET, MEMORY_TARGET = 3.0, 2.0
 
-#: The naive check: what a user writes instead of mhaspec (run as ``python -c NAIVE CATALOG``).
-NAIVE = r"""
+#: What both naive checks begin with: the case of the one-case catalog, its inputs and weights.
+SETUP = r"""
 import sys
 import numpy as np
 from mhaspec.spec import Case, resolve_catalog
@@ -48,7 +48,10 @@ spec = catalog[catalog.ids()[0]]
 inputs, weights = spec.make_inputs(), spec.make_weights()
 cfg = spec.config
 B, T, S, H, D = spec.batch, spec.tgt_len, spec.src_len, cfg.H, cfg.D_k
+"""
 
+#: The naive check: what a user writes instead of mhaspec (run as ``python -c NAIVE CATALOG``).
+NAIVE = SETUP + r"""
 def forward(x, w):  # plain float64 multi-head attention, causal
     q = x @ w["w_q"] + w["b_q"]
     k = x @ w["w_k"] + w["b_k"]
@@ -84,18 +87,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 #: The frugal naive check: what a careful user writes (``python -c FRUGAL CATALOG``): a float64
 #: forward that keeps only the output (each intermediate deleted as soon as the next is made), the
 #: numpy adapter's float32 forward (of which only the output is kept), assert_allclose on the output.
-FRUGAL = r"""
-import sys
-import numpy as np
-from mhaspec.spec import Case, resolve_catalog
-from mhaspec.adapters.numpy_mha import NumpyMHA
-
-catalog, _ = resolve_catalog(sys.argv[1])
-spec = catalog[catalog.ids()[0]]
-inputs, weights = spec.make_inputs(), spec.make_weights()
-cfg = spec.config
-B, T, S, H, D = spec.batch, spec.tgt_len, spec.src_len, cfg.H, cfg.D_k
-
+FRUGAL = SETUP + r"""
 def forward(x, w):  # plain float64 multi-head attention, causal; keeps only the output
     Q = (x @ w["w_q"] + w["b_q"]).reshape(B, T, H, D).transpose(0, 2, 1, 3)
     K = (x @ w["w_k"] + w["b_k"]).reshape(B, S, H, D).transpose(0, 2, 1, 3)
