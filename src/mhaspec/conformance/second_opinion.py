@@ -47,6 +47,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import STAGE, compared_entries
+from ..spec.tolerance import DEFAULT_TOLERANCES
 from .engine.chunks import one_blas_thread
 from .judging import memoised
 
@@ -59,7 +60,7 @@ ORDERS = ("scale-after", "log-sum-exp", "scores-stored", "query-prescaled", "sqr
 #: The orders whose projections add the bias to the stored product (Keras's Dense, ONNX's MatMul then Add).
 SEPARATE_BIAS = frozenset({"scores-stored", "query-prescaled", "sqrt-both"})
 #: Unit roundoff of each dtype's storage.
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF = {dtype: rule.unit_roundoff for dtype, rule in DEFAULT_TOLERANCES.dtypes.items()}
 
 
 @dataclass
