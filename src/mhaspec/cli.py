@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .allocator import keep_freed_pages
 from .errors import MhaspecError
 from .spec.config import DTYPES
 
@@ -168,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    keep_freed_pages()  # a block's freed temporaries are reused by the next block (mhaspec.allocator)
     if args.command is None:
         parser.print_help()
         return 2

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..allocator import keep_freed_pages, release_freed_memory
 from ..environment import describe as describe_environment
 from ..errors import AdapterError
 from ..spec import Case
@@ -65,6 +66,7 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
     ``run()`` or ``backward()`` that returned carries this process's environment
     again (``environment``): what the adapter imported or set up while computing.
     """
+    keep_freed_pages()  # the adapter's temporaries, freed, are reused by the next case (mhaspec.allocator)
     case: Case | None = None
     described = False
     while True:
@@ -95,31 +97,6 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
                 release_freed_memory()
             elif not answered:
                 break
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the system (glibc ``malloc_trim``) once a reply is sent:
-    the adapter's temporaries were freed, but the allocator keeps what was below its mmap
-    threshold, and this process would hold it idle while the runner judges the case."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim() -> Any:
-    if "trim" not in _TRIM:
-        _TRIM["trim"] = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                _TRIM["trim"] = ctypes.CDLL(None).malloc_trim
-            except (OSError, AttributeError):  # not glibc (musl has none)
-                pass
-    return _TRIM["trim"]
-
-
-_TRIM: dict[str, Any] = {}
 
 
 def load_and_serve(pipe: wire.Pipe, ref: str, options: Mapping[str, Any]) -> None:
