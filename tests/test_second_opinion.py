@@ -160,7 +160,30 @@ def test_the_verdict_does_not_depend_on_the_block_size(golden):
             assert b.second_opinion is None
             continue
         assert b.second_opinion.compared == a.second_opinion.compared
-        assert b.second_opinion.ratio == pytest.approx(a.second_opinion.ratio, rel=1e-9)
+        assert (b.second_opinion.ratio > C) == (a.second_opinion.ratio > C)
+        # the blocks' sums merge exactly (test_blocks_merge_the_sums_of_squares_exactly); the plain
+        # float32 products may round differently with the block's row count where the BLAS picks its
+        # kernel by matrix size (OpenBLAS on AVX-512: ratios 1078/1091, 502/496, 286/304 whole/blocked;
+        # on AVX2 equal to 9 digits), far less than the factor C between a pass and a failure
+        assert b.second_opinion.ratio == pytest.approx(a.second_opinion.ratio, rel=0.25)
+
+
+def test_blocks_merge_the_sums_of_squares_exactly():
+    """SecondOpinion.merged adds the blocks' sums and counts: the merged ratio is the one computed
+    from the whole's sums (float sums of the same terms, to rounding)."""
+    from mhaspec.conformance.second_opinion import SecondOpinion
+
+    rng = np.random.default_rng(3)
+    adapter, plain_a, plain_b, floor = (rng.normal(size=400) ** 2 * 1e-12 for _ in range(4))
+    cuts = [0, 7, 150, 151, 400]
+    parts = [SecondOpinion(b - a, float(adapter[a:b].sum()), {"x": float(plain_a[a:b].sum()),
+                           "y": float(plain_b[a:b].sum())}, float(floor[a:b].sum()), dtype="float32")
+             for a, b in zip(cuts, cuts[1:])]
+    whole = SecondOpinion(400, float(adapter.sum()), {"x": float(plain_a.sum()), "y": float(plain_b.sum())},
+                          float(floor.sum()), dtype="float32")
+    merged = SecondOpinion.merged(parts)
+    assert merged.compared == 400 and merged.order == whole.order
+    assert merged.ratio == pytest.approx(whole.ratio, rel=1e-12)
 
 
 def test_the_json_report_carries_it(golden):
