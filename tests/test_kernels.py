@@ -340,3 +340,53 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
     whole = judge(golden, returned)
     assert [(r.stage, r.verdict) for r in blocked] == [(r.stage, r.verdict) for r in whole]
     assert {r.verdict for r in whole} == {"pass"}
+
+
+
+def _both_paths(monkeypatch, *args, **kwargs):
+    """compare_stage by the compiled sweep (the loops loaded) and by NumPy (switched off)."""
+    from mhaspec.conformance import compare
+
+    swept = compare.compare_stage(*args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "loaded_kernels", lambda: None)
+        by_numpy = compare.compare_stage(*args, **kwargs)
+    return dataclasses.asdict(swept), dataclasses.asdict(by_numpy)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 64, 1024), (1, 300, 512), (2, 4, 33, 257)])
+def test_the_compiled_comparison_gives_the_numpy_figures(shape, monkeypatch):
+    """compare_stage on a large float32/float64 stage, by the compiled sweep and by NumPy: the same
+    result field for field (the root mean square to rounding: its sum is in another order), on a
+    strided block, masked like scores (visible) and like attention weights (tolerance 0, exactly 0),
+    and where a stage fails (NaN, above its tolerance, not a float32 value, systematic)."""
+    rng = np.random.default_rng(7)
+    whole = rng.standard_normal((shape[0], shape[1], 2 * shape[2], *shape[3:]))
+    g = whole[:, :, ::2]  # a strided view, as a block of query rows is
+    v = (g + rng.standard_normal(g.shape) * 1e-6).astype(np.float32).astype(np.float64)
+    tol = np.abs(rng.standard_normal(g.shape)) * 1e-4 + 1e-4
+    vis = np.broadcast_to(np.tril(np.ones(g.shape[-2:], bool), g.shape[-1] // 2), g.shape)
+    on = lambda a: np.where(vis, a, 0.0)  # noqa: E731
+    bad_nan, bad_over, bad_wide = v.copy(), v.copy(), v.copy()
+    bad_nan.flat[5], bad_over.flat[9], bad_wide.flat[3] = np.nan, bad_over.flat[9] + 1.0, bad_wide.flat[3] + 1e-12
+    cases = []
+    for noise in (None, (tol / 3, tol / 10)):
+        rms = None if noise is None else 0.6
+        cases += [(v, g, tol, "float32", None, noise, rms), (v, g, tol, "float64", None, noise, rms),
+                  (v, g, tol, "float32", vis, noise, rms),
+                  (on(v), on(g), on(tol), "float32", None, None if noise is None else tuple(map(on, noise)), rms)]
+    cases += [(b, g, tol, "float32", None, None, None) for b in (bad_nan, bad_over, bad_wide)]
+    cases.append((v, g, tol, "float32", None, (tol / 1e6, tol * 0), 0.6))  # systematic
+    verdicts = set()
+    for got, gold, t, dtype, visible, noise, rms in cases:
+        swept, by_numpy = _both_paths(monkeypatch, "scores", got, gold, t, dtype, visible, noise=noise,
+                                      rms_limit=rms)
+        rms_swept, rms_numpy = swept.pop("rms_ratio"), by_numpy.pop("rms_ratio")
+        assert (rms_swept is None) == (rms_numpy is None)
+        assert rms_numpy is None or rms_swept == pytest.approx(rms_numpy, rel=1e-12)
+        if swept["verdict"] == "fail":  # its message names the root mean square (3 digits)
+            assert swept["message"] == by_numpy["message"] or "systematic" in swept["message"]
+            swept.pop("message"), by_numpy.pop("message")
+        assert swept == by_numpy
+        verdicts.add(swept["verdict"])
+    assert verdicts == {"pass", "fail"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,18 +73,28 @@ _DUMMY = np.empty((1, 1, 1))
 def run(kernels: Any, name: str, *args: Any) -> bool:
     """``kernels.name(*args)``; False (the caller takes the NumPy loop) where numba cannot compile it,
     which then warns once and switches the compiled loops off for the rest of the process."""
+    result = call(kernels, name, *args)
+    return result is not _FAILED and bool(result)
+
+
+#: What :func:`call` returns where the loop could not be compiled.
+_FAILED = object()
+
+
+def call(kernels: Any, name: str, *args: Any) -> Any:
+    """``kernels.name(*args)``, or :data:`_FAILED` where numba cannot compile it (see :func:`run`)."""
     if _COMPILE_FAILED:  # an earlier chunk's: numba would try (and fail) to compile it again
-        return False
+        return _FAILED
     try:
-        return bool(getattr(kernels, name)(*args))
+        return getattr(kernels, name)(*args)
     except kernels.ERRORS as exc:
         with _COMPILE_LOCK:
             if not _COMPILE_FAILED:
                 _COMPILE_FAILED.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
                 warnings.warn(f"mhaspec: numba could not compile the tolerance loop ({_COMPILE_FAILED[0]}); "
                               f"the NumPy loops are used instead (the same verdicts, slower)", RuntimeWarning,
-                              stacklevel=2)
-        return False
+                              stacklevel=3)
+        return _FAILED
 
 
 def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair,
@@ -166,3 +176,55 @@ def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pai
     if not run(kernels, "local_outputs_operands", pc, sq, ab):
         return False
     return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab))
+
+
+def loaded_kernels() -> Any:
+    """The compiled loops where a large case has already brought them into this process (numba
+    installed, not switched off, compiled without error), else None: a stage's comparison
+    (:func:`passing_stage`) takes them only then, never importing numba for a small case."""
+    import sys
+
+    if _COMPILE_FAILED or os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
+        return None
+    return sys.modules.get(f"{__package__}.kernels")
+
+
+
+def _three_d(a: np.ndarray) -> np.ndarray:
+    """``a`` as (N, R, C), a view where its leading axes merge (a block's, a broadcast's)."""
+    if a.ndim == 3:
+        return a
+    if a.ndim < 3:
+        return a.reshape((1,) * (3 - a.ndim) + a.shape)
+    return a.reshape(-1, *a.shape[-2:])
+
+
+class Ordinary(NamedTuple):
+    """What :func:`ordinary_stage` found in a passing stage."""
+
+    compared: int
+    max_abs_err: float
+    max_rel_err: float
+    worst_ratio: float
+    worst_flat: int  # in the whole (unmasked) array, C order
+    z2: float
+    n_z: int  # elements with sigma > 0
+    golden_above_tolerance: bool  # a zero result would fail
+
+
+def ordinary_stage(kernels: Any, v: np.ndarray, g: np.ndarray, tol: np.ndarray,
+                   noise: tuple[np.ndarray, np.ndarray] | None, visible: np.ndarray | None,
+                   check_float32: bool) -> Ordinary | None:
+    """A stage's figures by the compiled sweep (:func:`.kernels.ordinary_stage`), or None where an
+    element is out of the ordinary or the loop cannot be compiled: the caller judges it by NumPy.
+    Every array is broadcast to ``v``'s shape (a view)."""
+    shape = v.shape
+    sig, wor = (tol, tol) if noise is None else noise
+    vis = np.zeros((1, 1, 1), dtype=np.uint8) if visible is None else visible
+    arrays = [_three_d(np.broadcast_to(a, shape)) for a in (v, g, tol, sig, wor)]
+    vis3 = vis if visible is None else _three_d(np.broadcast_to(vis, shape).view(np.uint8))
+    result = call(kernels, "ordinary_stage", *arrays, vis3, visible is not None, noise is not None, check_float32)
+    if result is _FAILED or not result[0]:
+        return None
+    return Ordinary(int(result[1]), float(result[2]), float(result[3]), float(result[4]), int(result[5]),
+                    float(result[6]), int(result[7]), bool(result[8]))

@@ -373,3 +373,76 @@ def local_outputs_operands(pc, pp32, apc32):
                 ap[j] = abs(x)
                 chk += x
     return math.isfinite(chk)
+
+
+
+@nb.njit(nogil=True, cache=True, error_model="numpy")
+def ordinary_stage(v, g, tol, sig, wor, vis, use_vis, want_z, check_float32):
+    """compare.compare_stage's figures for a passing stage in one sweep of (N, R, C) arrays of any
+    strides (broadcast ones too): (ok, compared, max |error|, max relative error, worst
+    error/tolerance, its flat index in the whole array, Σ z², elements with sigma > 0, whether some
+    compared |golden| exceeds its tolerance).  With ``use_vis`` only the elements where ``vis`` is
+    nonzero are compared.  ``ok`` is False as soon as an element is out of the ordinary (a value
+    or error not finite, a negative or NaN tolerance or sigma, an error above its tolerance or
+    nonzero where the tolerance is 0, or, with ``check_float32``, a value not representable in
+    float32): the caller then judges the stage by NumPy, with every message.  Compiled without
+    fast-math: the maxima and the first index of the largest ratio are NumPy's exactly; Σ z² is
+    summed in another order."""
+    N, R, C = v.shape
+    max_err = 0.0
+    rel_max = 0.0
+    worst = -1.0
+    at = 0
+    z2 = 0.0
+    n_z = 0
+    compared = 0
+    above = False
+    flat = -1
+    for n in range(N):
+        for i in range(R):
+            for j in range(C):
+                flat += 1
+                if use_vis and vis[n, i, j] == 0:
+                    continue
+                x = v[n, i, j]
+                if check_float32 and np.float64(np.float32(x)) != x:
+                    return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
+                gv = g[n, i, j]
+                e = abs(x - gv)
+                t = tol[n, i, j]
+                if not (math.isfinite(e) and t >= 0.0):
+                    return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
+                if t > 0.0:
+                    r = e / t
+                    if r > 1.0:
+                        return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
+                elif e > 0.0:
+                    return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
+                else:
+                    r = 0.0
+                compared += 1
+                if r > worst:
+                    worst = r
+                    at = flat
+                if e > max_err:
+                    max_err = e
+                a = abs(gv)
+                if a > t:
+                    above = True
+                if a > 0.0:
+                    q = e / a
+                elif e > 0.0:
+                    q = math.inf
+                else:
+                    q = 0.0
+                if q > rel_max:
+                    rel_max = q
+                if want_z:
+                    s = sig[n, i, j]
+                    if s > 0.0:
+                        z = max(e - wor[n, i, j], 0.0) / s
+                        z2 += z * z
+                        n_z += 1
+                    elif not s == 0.0:
+                        return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
+    return True, compared, max_err, rel_max, worst, at, z2, n_z, above
