@@ -70,7 +70,7 @@ LN2_HI = 6.93147180369123816490e-01
 LN2_LO = 1.90821492927058770002e-10
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "contract"})
+@nb.njit(nogil=True, error_model="numpy", fastmath={"nsz", "contract"})
 def _exp(x):
     """exp(x), vectorisable (libm's ``exp`` is a call per element, which keeps a loop scalar): within one
     ulp of libm's and within two (EXP_ULPS) of the correctly rounded value (tests/test_kernels.py),
@@ -100,7 +100,7 @@ def _exp(x):
     return p * _as_float64((k1 + 1023) << 52) * _as_float64((k - k1 + 1023) << 52)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _emit(h, i, S, sig, wor, want_bounds, sig_out, wor_out, want_tol, ext_arrays, ext, ext_val, tol_out):
     """One row's sigma and worst into the bounds, and/or its tolerances LAMBDA·sigma + (worst + ext)."""
     if want_bounds:
@@ -116,7 +116,7 @@ def _emit(h, i, S, sig, wor, want_bounds, sig_out, wor_out, want_tol, ext_arrays
                 tol_out[h, i, j] = sig[j] * LAMBDA + (wor[j] + ext_val)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _largest(a, S):
     """max(0, a_0 … a_{S-1}) of non-negative terms, as a vectorisable integer reduction: non-negative
     float64s order as their bit patterns (a float max reduction does not vectorise unless NaNs are
@@ -127,7 +127,7 @@ def _largest(a, S):
     return _as_float64(top)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _others_sum(a, S):
     """(Σ_{k≠j} a_k where a_j is the row's largest term, that term) of the non-negative ``a``:
     model.softmax.others without an index (ties: the largest term counted once less), so that
@@ -142,7 +142,7 @@ def _others_sum(a, S):
     return rest + max(ties - 1.0, 0.0) * top, top
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
     """model.softmax.second_order of one row into ``out``: the closed form, or the exact pairwise bound
     less its first-order part where some X_j = ℓ_j + ρ of a key with p > 0 exceeds
@@ -187,7 +187,7 @@ def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
         out[j] = max(e - pj * ell[j], 0.0)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor, cap,
                     want_bounds, sig_s, wor_s, sig_p, wor_p,
                     want_tol, ext_arrays, ext_s, ext_s_val, ext_p, ext_p_val, tol_s, tol_p,
@@ -269,7 +269,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     return math.isfinite(chk)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
     """The local attention-weights check of a (heads, rows, S) chunk from the adapter's own scores ``s``
     (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
@@ -334,7 +334,7 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
     return math.isfinite(chk)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor):
     """The local scores check of a (heads, rows, S) chunk once its products are formed
     (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
@@ -357,7 +357,7 @@ def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, fl
     return math.isfinite(chk)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", fastmath=FASTMATH)
+@nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
 def local_outputs_operands(pc, pp32, apc32):
     """The float32 operands p² and |p| of the local head-outputs check's bound products, from the
     adapter's own (heads, rows, S) attention weights ``pc``, in one sweep
@@ -376,7 +376,7 @@ def local_outputs_operands(pc, pp32, apc32):
 
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy")
+@nb.njit(nogil=True, error_model="numpy")
 def ordinary_stage(v, g, tol, sig, wor, vis, use_vis, want_z, check_float32):
     """compare.compare_stage's figures for a passing stage in one sweep of (N, R, C) arrays of any
     strides (broadcast ones too): (ok, compared, max |error|, max relative error, worst
