@@ -172,3 +172,37 @@ def test_a_large_stage_judged_in_chunks_gets_the_whole_stage_figures(monkeypatch
     # the chunks judged the passing stages (the whole one, the block, `wide` without value checks)
     # and left the others to the whole-stage forms
     assert sum(t is not None for t in taken) == 5 and sum(t is None for t in taken) == 9
+
+
+def test_masked_attention_weights_are_judged_in_chunks_with_the_whole_stage_figures(monkeypatch):
+    """A stage with exact zeros where its tolerance and sigma are 0 (masked attention weights) and
+    zero golden values takes the chunks too, with the figures of the whole-stage forms: its ratio
+    there is 0, the root mean square leaves those elements out; one inexact masked element is judged
+    whole (a failure)."""
+    from mhaspec.conformance.engine import compiled
+
+    monkeypatch.setattr(compiled, "loaded_kernels", lambda: None)
+    rng = np.random.default_rng(5)
+    shape = (1, 4, 40, 60)
+    visible = np.broadcast_to(np.tril(np.ones(shape[-2:], bool), 20), shape)
+    g = np.where(visible, rng.uniform(1e-3, 1e-1, size=shape).astype(np.float32), 0.0)
+    sigma = np.where(visible, rng.uniform(1e-7, 1e-6, size=shape), 0.0)
+    worst_part = np.where(visible, rng.uniform(0, 1e-7, size=shape), 0.0)
+    tol = 8 * sigma + worst_part
+    got = np.where(visible, (g + rng.normal(scale=1e-7, size=shape)).astype(np.float32), 0.0)
+    leak = got.copy()
+    leak[0, 1, 2, 50] = 2.0**-20  # a masked weight that is not 0
+    taken = []
+    chunks = compare._passing_in_chunks
+    monkeypatch.setattr(compare, "_passing_in_chunks", lambda *a: taken.append(chunks(*a)) or taken[-1])
+    for value in (got, leak):
+        results = []
+        for chunk in (1 << 40, 50):
+            monkeypatch.setattr(compare, "COMPARE_CHUNK", chunk)
+            results.append(compare_stage("attn_weights", value, g, tol, "float32", noise=(sigma, worst_part),
+                                         rms_limit=1.0, rms_min_elements=16).to_json())
+        whole, chunked = results
+        assert whole.pop("rms_ratio") == pytest.approx(chunked.pop("rms_ratio"), rel=1e-12)
+        assert whole == chunked
+    assert [t is not None for t in taken] == [True, False]
+    assert results[0]["verdict"] == FAIL

@@ -245,16 +245,16 @@ def compare_stage(
         chunked = _passing_in_chunks(v, g, tol, None if sigma is None or rms_limit is None else (sigma, worst_part),
                                      dtype if value_checks else "float64")
     if chunked is not None:  # every element ordinary and within its tolerance: the figures, chunk by chunk
-        result.max_abs_err, result.max_rel_err, result.worst_ratio, worst_flat, z2_sum = chunked
+        result.max_abs_err, result.max_rel_err, result.worst_ratio, worst_flat, z2_sum, n_z = chunked
         result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
         problems = []
         narrower = narrower_precision(v, g, dtype) if value_checks else ""
         if narrower:
             problems.append(narrower)
-        if noise is not None and rms_limit is not None and v.size >= rms_min_elements:
-            result.rms_ratio = float(np.sqrt(z2_sum / v.size))
+        if noise is not None and rms_limit is not None and n_z >= rms_min_elements:
+            result.rms_ratio = float(np.sqrt(z2_sum / n_z))
             if result.rms_ratio > rms_limit:
-                problems.append(_systematic(result.rms_ratio, v.size, rms_limit))
+                problems.append(_systematic(result.rms_ratio, n_z, rms_limit))
         return _conclude(result, problems, g, tol, None if noise is None else (sigma, worst_part), rms_limit,
                          rms_min_elements)
 
@@ -410,15 +410,17 @@ def _chunks_of(shape: tuple[int, ...]) -> list[tuple[int, tuple[Any, ...]]]:
 
 def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
                        noise: tuple[np.ndarray, np.ndarray] | None,
-                       dtype: str) -> tuple[float, float, float, int, float] | None:
-    """(max |error|, max relative error, worst error/tolerance, its flat index, Σ z²) of a stage
-    where every value is finite and (unless ``dtype`` is float64) representable in ``dtype``,
-    every tolerance, golden value and sigma is positive, and no element exceeds its tolerance —
-    computed chunk by chunk, the same numbers as :func:`compare_stage`'s fast forms (Σ z² only
-    summed in another order).  None as soon as a chunk is not so: the caller judges the whole
-    stage, with every message.  (On one thread: shared among threads it measured slower.)"""
+                       dtype: str) -> tuple[float, float, float, int, float, int] | None:
+    """(max |error|, max relative error, worst error/tolerance, its flat index, Σ z², elements with
+    sigma > 0) of a stage where every value is finite and (unless ``dtype`` is float64)
+    representable in ``dtype``, no tolerance, golden value or sigma is negative, every element
+    with a zero tolerance is exact (masked attention weights), and no element exceeds its
+    tolerance — computed chunk by chunk, the same numbers as :func:`compare_stage`'s whole-stage
+    forms (Σ z² only summed in another order).  None as soon as a chunk is not so: the caller
+    judges the whole stage, with every message.  (On one thread: shared among threads it
+    measured slower.)"""
     max_err = rel_max = worst_ratio = z2 = 0.0
-    worst_flat = 0
+    worst_flat = n_z = 0
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for i, (offset, index) in enumerate(_chunks_of(v.shape)):
             vc, gc, tc = v[index], g[index], tol[index]
@@ -427,30 +429,45 @@ def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
             err = np.subtract(vc, gc, out=_work("c_err", vc.shape))
             np.abs(err, out=err)
             chunk_max = err.max()
-            if not np.isfinite(chunk_max) or not tc.min() > 0:
-                return None  # a NaN/inf value, or a zero tolerance
+            t_min = tc.min()
+            if not np.isfinite(chunk_max) or not t_min >= 0:
+                return None  # a NaN/inf value, or a negative (or NaN) tolerance
             ratio = np.divide(err, tc, out=_work("c_ratio", vc.shape))
+            if not t_min > 0:  # zero tolerances (masked weights): the element must be exact, its ratio 0
+                zero = tc == 0
+                if err[zero].any():
+                    return None
+                np.copyto(ratio, 0.0, where=zero)
             at = int(np.argmax(ratio))
             r = float(ratio.flat[at])
             if r > 1:
                 return None
             spare = np.abs(gc, out=_work("c_spare", vc.shape))
-            if not spare.min() > 0:
-                return None
-            rel = float(np.divide(err, spare, out=spare).max())
+            if spare.min() > 0:
+                rel = float(np.divide(err, spare, out=spare).max())
+            else:  # a zero golden value: relative error 0 where exact, inf where not (as compare_stage)
+                rel = float(np.where(spare > 0, err / spare, np.where(err > 0, np.inf, 0.0)).max())
             if noise is not None:
                 sc, wc = noise[0][index], noise[1][index]
-                if not sc.min() > 0:
+                s_min = sc.min()
+                if not s_min >= 0:
                     return None
                 z = np.subtract(err, wc, out=spare)
                 np.maximum(z, 0.0, out=z)
-                z /= sc
-                z2 += float(np.square(z, out=z).sum())  # not np.dot: BLAS would wake its threads
+                if s_min > 0:
+                    z /= sc
+                    n_z += z.size
+                    z2 += float(np.square(z, out=z).sum())  # not np.dot: BLAS would wake its threads
+                else:  # sigma 0 (masked weights): not in the root mean square, as in compare_stage
+                    positive = sc > 0
+                    zp = z[positive] / sc[positive]
+                    n_z += zp.size
+                    z2 += float(np.square(zp, out=zp).sum())
             max_err = max(max_err, float(chunk_max))
             rel_max = max(rel_max, rel)
             if r > worst_ratio or i == 0:
                 worst_ratio, worst_flat = r, offset + at
-    return max_err, rel_max, worst_ratio, worst_flat, z2
+    return max_err, rel_max, worst_ratio, worst_flat, z2, n_z
 
 
 def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
