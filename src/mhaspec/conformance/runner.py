@@ -17,6 +17,7 @@ from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import STAGE, STAGES, compared_entries
+from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import judge_in_blocks
@@ -106,6 +107,8 @@ class Session:
         #: The adapter's declared deviations.
         self.deviations = self._deviations.declared
         self.dtypes = tuple(info["dtypes"])
+        #: The attention variants the adapter declares (docs/spec.md §2a); a case using another is unsupported.
+        self.variants = tuple(info.get("variants") or ())
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
         self._timeouts = 0
@@ -151,6 +154,8 @@ class Session:
             golden = self.golden.load(key[0])
         except FixtureError:
             return  # reported when its turn comes
+        if undeclared(golden.spec, self.variants):
+            return  # never sent: reported unsupported when its turn comes
         self._worker.prefetch(golden.case(key[1]), with_supports=self._has_supports)
 
     def result(self, case_id: str, dtype: str) -> CaseResult:
@@ -173,6 +178,9 @@ class Session:
         if self._timeouts >= MAX_TIMEOUTS:
             return CaseResult(case_id, dtype, ERROR, message=f"not run: the adapter already timed out on {self._timeouts} "
                               "case×dtype in this session (select cases with -k, or raise --timeout)")
+        missing = undeclared(golden.spec, self.variants)
+        if missing:
+            return CaseResult(case_id, dtype, UNSUPPORTED, message=missing)
         case = golden.case(dtype)
         if self._has_supports:
             try:

@@ -2,7 +2,8 @@
 
 An adapter is any object with ``name`` and ``run(case) -> Mapping[str, ArrayLike]``
 (docs/spec.md §5); optional: ``supports(case) -> bool | str``, ``backward(case)``,
-``known_deviations`` (see :class:`Deviation`), ``dtypes``, ``framework``.  The
+``known_deviations`` (see :class:`Deviation`), ``dtypes``, ``variants`` (the attention variants
+of docs/spec.md §2a it computes: :data:`~mhaspec.spec.variants.VARIANTS`), ``framework``.  The
 judging side (mhaspec.conformance) and the adapters both import this module;
 neither imports the other.  :func:`describe_adapter` is what a worker tells the
 runner about its adapter (the ``ready`` message of docs/protocol.md); :func:`cache_dir`
@@ -26,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import AdapterError
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
+from ..spec.variants import VARIANTS
 
 
 @runtime_checkable
@@ -208,6 +210,22 @@ def adapter_dtypes(adapter: Any) -> tuple[str, ...]:
     return tuple(d for d in DTYPES if d in declared)
 
 
+def adapter_variants(adapter: Any) -> tuple[str, ...]:
+    """The attention variants the adapter declares it computes (``variants``; default none), in the order
+    of :data:`~mhaspec.spec.variants.VARIANTS`.  A case using another one is reported unsupported."""
+    declared = getattr(adapter, "variants", None)
+    if declared is None:
+        return ()
+    if isinstance(declared, str) or not isinstance(declared, Iterable):
+        raise AdapterError(f"adapter {adapter_name(adapter)}: variants must be a collection of names among "
+                           f"{', '.join(VARIANTS)}, got {declared!r}")
+    declared = list(declared)
+    unknown = [v for v in declared if v not in VARIANTS]
+    if unknown:
+        raise AdapterError(f"adapter {adapter_name(adapter)}: variants {unknown} are not among {', '.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v in declared)
+
+
 def describe_adapter(adapter: Any) -> dict[str, Any]:
     """What the runner needs to know about an adapter, as JSON-able data (docs/protocol.md, ``ready``)."""
     name = adapter_name(adapter)
@@ -216,6 +234,7 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
     return {
         "name": name,
         "dtypes": list(adapter_dtypes(adapter)),
+        "variants": list(adapter_variants(adapter)),
         "deviations": [dataclasses.asdict(d) for d in deviations],
         "framework": framework,
         "framework_version": version,

@@ -31,6 +31,7 @@ import numpy as np
 from ..io import safetensors
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case, MHAConfig
 from ..spec.case import Inputs, Weights
+from ..spec.variants import VARIANTS
 
 #: The version of this protocol, sent in the worker's ``ready`` (and the runner's ``load``).
 PROTOCOL = "mhaspec-wire/1"
@@ -182,7 +183,7 @@ def failure(reply: str, error: str) -> dict[str, Any]:
 
 #: What ``ready`` may leave out, and what it then means (a Python worker always sends every key).
 READY_DEFAULTS: dict[str, Any] = {"deviations": [], "framework": None, "framework_version": None,
-                                  "has_supports": False, "has_backward": False}
+                                  "has_supports": False, "has_backward": False, "variants": []}
 
 
 def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -198,6 +199,12 @@ def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise Malformed(f"a 'ready' whose dtypes {unknown} are not among {', '.join(DTYPES)}")
     info["dtypes"] = [d for d in DTYPES if d in dtypes]
+    variants = info["variants"]
+    if not isinstance(variants, list) or not all(isinstance(v, str) for v in variants):
+        raise Malformed(f"a 'ready' whose variants is not a list of variant names ({variants!r})")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise Malformed(f"a 'ready' whose variants {unknown} are not among {', '.join(VARIANTS)}")
     for key in ("has_supports", "has_backward"):
         if not isinstance(info[key], bool):
             raise Malformed(f"a 'ready' whose {key} is not true or false ({info[key]!r})")

@@ -21,6 +21,7 @@ Order of operations (docs/spec.md "Order of operations")::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from decimal import Context, Decimal
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -140,6 +141,34 @@ def features(spec: CaseSpec) -> list[str]:
     used = [f"config.{name}" for name, off in CONFIG_VARIANT_DEFAULTS.items() if getattr(cfg, name) != off]
     used += [name for name, off in CASE_VARIANT_DEFAULTS.items() if getattr(spec, name) != off]
     return used
+
+
+#: The name of each variant, as an adapter declares it (``variants``, docs/spec.md §5), with the fields
+#: that use it.  An adapter computes a case only if it declares every variant the case uses; the rest
+#: are reported ``unsupported`` (never run, never a pass).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "window": ("config.window_left", "config.window_right"),
+    "softcap": ("config.softcap",),
+    "alibi": ("config.alibi_slopes",),
+    "bias": ("bias",),
+    "sinks": ("config.sinks",),
+    "rope": ("config.rope",),
+}
+
+
+def variants_used(spec: CaseSpec) -> list[str]:
+    """The variants (:data:`VARIANTS` names, in that order) that ``spec`` uses."""
+    used = set(features(spec))
+    return [name for name, fields in VARIANTS.items() if used.intersection(fields)]
+
+
+def undeclared(spec: CaseSpec, declared: Iterable[str]) -> str | None:
+    """Why an adapter that declares the variants ``declared`` cannot compute ``spec`` (one line), or None."""
+    missing = [name for name in variants_used(spec) if name not in set(declared)]
+    if not missing:
+        return None
+    return (f"the adapter does not declare the variant{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+            f"(its 'variants' attribute)")
 
 
 #: Variants that are specified (docs/spec.md §2a) and computed by the exact reference, but that the
