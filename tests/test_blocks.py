@@ -55,7 +55,10 @@ def test_a_block_is_plain_golden_data_and_its_judging_state_lives_while_it_is_ju
     block = blocks.block_case(golden, B - 1, 1, T)
     assert block.visible.shape == (1, H, T - 1, S) and type(block) is type(golden)
     assert {f.name for f in dataclasses.fields(block)} == {
-        "spec", "inputs", "weights", "stages", "visible", "path", "d_output", "reference_error", "_cases", "sha256"}
+        "spec", "inputs", "weights", "stages", "visible", "path", "d_output", "reference_error", "_cases", "sha256",
+        "row_offset", "case_tgt_len"}
+    assert (block.row_offset, block.whole_tgt_len, golden.row_offset, golden.whole_tgt_len) == (1, T, 0, T)
+    assert blocks.block_case(block, 0, 1, T - 1).row_offset == 2  # a block of a block: rows of the case
     calls = []
 
     def compute():

@@ -109,10 +109,20 @@ class GoldenCase:
     #: SHA-256 of the fixture file this case was read from, as verified by :func:`load_case`; None: not
     #: read from a file (computed on the fly, or one block of a case).
     sha256: str | None = field(default=None, repr=False, compare=False)
+    #: For one block of query rows of a case (``spec.tgt_len`` = the block's rows): the case row of the
+    #: block's first row, and the whole case's T.  What depends on a row's place in the case (RoPE
+    #: positions, ALiBi distances, windows, causal alignment: spec/variant_ops.py) is recomputed with them.
+    row_offset: int = 0
+    case_tgt_len: int | None = None
 
     @property
     def id(self) -> str:
         return self.spec.id
+
+    @property
+    def whole_tgt_len(self) -> int:
+        """T of the whole case this golden case is (a block of rows of)."""
+        return self.spec.tgt_len if self.case_tgt_len is None else self.case_tgt_len
 
     def case(self, dtype: str) -> Case:
         """The adapter-facing case (inputs and weights only, read-only copies)."""

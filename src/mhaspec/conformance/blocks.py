@@ -71,6 +71,8 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
         visible=golden.visible[b : b + 1, :, t0:t1],
         path=golden.path,
         reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
+        row_offset=golden.row_offset + t0,
+        case_tgt_len=golden.whole_tgt_len,
     )
 
 

@@ -59,7 +59,8 @@ def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
         rows = fast.rows(b, t0, t1)
         return GoldenCase(spec.model_copy(update={"batch": 1, "tgt_len": t1 - t0}),
                           {k: input_rows(k, v, b, t0, t1) for k, v in inputs.items() if v is not None},
-                          weights, rows.stages, rows.visible, Path(source), reference_error=rows.error)
+                          weights, rows.stages, rows.visible, Path(source), reference_error=rows.error,
+                          row_offset=t0, case_tgt_len=spec.tgt_len)
 
     shapes = cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len)
     shapes = {name: tuple(shapes[name]) for name in STAGES}
