@@ -5,6 +5,17 @@ Written independently of :mod:`mhaspec.reference` (plain ``einsum`` and
 BLAS, not exact summation).  float64 and float32 compute natively; float16 and
 bfloat16 store every stage in that dtype and accumulate each product sum in
 float32, as mixed-precision hardware does.  bfloat16 needs ``ml_dtypes``.
+
+The forward computes every attention variant of docs/spec.md §2a, in its order::
+
+    q_proj, k_proj ─RoPE─► q_rot, k_rot ─scale·QKᵀ, softcap, + bias − ALiBi (one rounding)─► scores
+    scores ─softmax over the visible keys (causal AND window AND mask), sink in the denominator─►
+    attn_weights, lse ─P·V─► head_outputs ─► concat ─► output
+
+RoPE as the usual implementations do it: the angles, cos and sin in float32 (float64 in a float64
+run), cast to the dtype, the rotation in the dtype.  The scores' softcap, bias and ALiBi are taken
+in the accumulator (float32 for the 16-bit dtypes) and rounded once to the dtype; the softmax and
+its log-sum-exp in the accumulator.  The backward covers spec-1.1 cases only.
 """
 
 from __future__ import annotations
@@ -13,8 +24,85 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case
+from ..spec import Case, MHAConfig
+from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
+from ..spec.variants import CONFIG_VARIANT_DEFAULTS, VARIANTS, alibi_slope_values
 from .backends import numpy as backend
+
+
+# -- the attention variants (docs/spec.md §2a), in the dtype under test ---------------------------
+
+def rope_cos_sin(config: MHAConfig, positions: np.ndarray, dt: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (L, r/2) in ``dt``: HF's ``inv_freq = 1 / theta^(2k/r)`` and angle
+    position · inv_freq in float32 (float64 in a float64 run), then cast to the dtype."""
+    spec = config.rope
+    assert spec is not None and spec.rotary_dim is not None
+    angle_dt = np.float64 if dt == np.float64 else np.float32
+    r = spec.rotary_dim
+    inv_freq = 1.0 / (angle_dt(spec.theta) ** (np.arange(0, r, 2, dtype=angle_dt) / angle_dt(r)))  # (r/2,)
+    angle = positions.astype(angle_dt)[:, None] * inv_freq[None, :]  # (L, r/2)
+    return np.cos(angle).astype(dt), np.sin(angle).astype(dt)
+
+
+def rope(x: np.ndarray, heads: int, cos_sin: tuple[np.ndarray, np.ndarray], config: MHAConfig) -> np.ndarray:
+    """x (B, L, heads·D) turned in its dtype: in each head, pair (a, b) -> (a·cos − b·sin, b·cos + a·sin);
+    features past rotary_dim pass through.  cos, sin (L, r/2).  -> (B, L, heads·D)."""
+    spec = config.rope
+    assert spec is not None and spec.rotary_dim is not None
+    B, L, F = x.shape
+    first, second = rope_pairs(spec, spec.rotary_dim)
+    cos, sin = (t[None, :, None, :] for t in cos_sin)  # (1, L, 1, r/2)
+    h = x.reshape(B, L, heads, F // heads)
+    out = h.copy()
+    a, b = h[..., first], h[..., second]  # (B, L, heads, r/2)
+    out[..., first] = a * cos - b * sin
+    out[..., second] = b * cos + a * sin
+    return out.reshape(B, L, F)
+
+
+def variant_fields(case: Case) -> list[str]:
+    """The variant fields a case uses (docs/spec.md §2a): ``config.softcap``, …, ``bias``."""
+    used = [f"config.{name}" for name, off in CONFIG_VARIANT_DEFAULTS.items() if getattr(case.config, name) != off]
+    return used + (["bias"] if case.inputs.bias is not None else [])
+
+
+def softcap(s: np.ndarray, cap: float) -> np.ndarray:
+    """cap · tanh(s / cap), in the scores' own type (the accumulator)."""
+    c = s.dtype.type(cap)
+    return c * np.tanh(s / c)
+
+
+def score_bias(s: np.ndarray, case: Case, dt: np.dtype, acc: type) -> np.ndarray:
+    """s (B, H, T, S) in the accumulator, plus the case's additive ``bias`` input (stored in the dtype)
+    and minus slope_h · |i + off − j| (ALiBi, slopes in the accumulator)."""
+    if case.inputs.bias is not None:
+        s = s + case.inputs.bias.astype(dt).astype(acc)  # (B|1, H|1, T, S)
+    slopes = alibi_slope_values(case.config)
+    if slopes is not None:
+        distance = alibi_distance(case.config, case.tgt_len, case.src_len, case.tgt_len).astype(acc)  # (T, S)
+        s = s - slopes.astype(acc)[:, None, None] * distance[None]
+    return s
+
+
+def softmax_with_lse(s: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(weights (B, H, T, S), lse (B, H, T)) of the scores s over the allowed keys, with the sink
+    logits (H,) in each denominator: p_j = e^(s_j − m) / (Σ e^(s_k − m) + e^(sink − m)), m the row's
+    peak; lse = m + ln(denominator).  A row that sees no key: weights 0, lse −inf."""
+    logits = np.where(allowed, s, -np.inf)
+    peak = logits.max(axis=-1, keepdims=True)  # (B, H, T, 1)
+    seen = np.isfinite(peak)
+    sink = None if sinks is None else sinks[None, :, None, None]  # (1, H, 1, 1)
+    if sink is not None:
+        peak = np.maximum(peak, sink)
+    peak = np.where(seen, peak, 0).astype(s.dtype)
+    e = np.exp(logits - peak)
+    denom = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.where(seen, np.exp(sink - peak), 0).astype(s.dtype)
+    p = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, peak + np.log(denom), -np.inf).astype(s.dtype)
+    return p, lse[..., 0]
 
 
 class NumpyMHA:
@@ -22,6 +110,7 @@ class NumpyMHA:
 
     name = "numpy"
     framework = "numpy"
+    variants = frozenset(VARIANTS)
 
     def supports(self, case: Case) -> bool | str:
         if case.dtype == "bfloat16":
@@ -55,6 +144,11 @@ class NumpyMHA:
         v = linear(rnd(case.inputs.value), w.w_v, w.b_v)  # (B, S, G·E)
 
         B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
+        stages: dict[str, np.ndarray] = {"q_proj": q, "k_proj": k, "v_proj": v}
+        if cfg.rope is not None:
+            q_pos, k_pos = rope_positions(cfg, T, S)
+            q = stages["q_rot"] = rope(q, H, rope_cos_sin(cfg, q_pos, dt), cfg)  # (B, T, H·D)
+            k = stages["k_rot"] = rope(k, G, rope_cos_sin(cfg, k_pos, dt), cfg)  # (B, S, G·D)
         Q = q.reshape(B, T, H, cfg.D_k)  # BTHD
         K = k.reshape(B, S, G, cfg.D_k)  # BSGD
         V = v.reshape(B, S, G, cfg.D_v)  # BSGE
@@ -63,24 +157,22 @@ class NumpyMHA:
         V = np.repeat(V, group, axis=2)  # BSHE
 
         s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
-        s = rnd(s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc))
+        s = s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc)
+        if cfg.softcap is not None:
+            s = softcap(s, cfg.softcap)
+        s = rnd(score_bias(s, case, dt, acc))  # the logits the softmax sees, rounded once
 
-        allowed = backend.keep_mask(case)  # (B, H, T, S): causal AND mask
-
-        logits = np.where(allowed, s.astype(acc), -np.inf)
-        peak = logits.max(axis=-1, keepdims=True)
-        peak = np.where(np.isfinite(peak), peak, 0)  # rows that see no key
-        e = np.exp(logits - peak)
-        denom = e.sum(axis=-1, keepdims=True)
-        p = rnd(np.divide(e, denom, out=np.zeros_like(e), where=denom > 0))
+        allowed = backend.keep_mask(case)  # (B, H, T, S): causal AND window AND mask
+        sinks = None if not cfg.sinks else rnd(case.weights.sink_logits).astype(acc)  # (H,)
+        p, lse = softmax_with_lse(s.astype(acc), allowed, sinks)
+        p = rnd(p)
 
         o = rnd(np.einsum("BHTS,BSHE->BHTE", p.astype(acc), V.astype(acc)))
         concat = o.transpose(0, 2, 1, 3).reshape(B, T, H * cfg.D_v)
         y = linear(concat, w.w_o, w.b_o)
-        stages = {
-            "q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
-            "head_outputs": o, "concat": concat, "output": y,
-        }
+        stages.update({"scores": s, "attn_weights": p, "head_outputs": o, "concat": concat, "output": y})
+        if variant_fields(case):  # the lse of a spec-1.1 case: its fixtures have no golden of it
+            stages["lse"] = rnd(lse)
         return stages, {"Q": Q, "K": K, "V": V, "allowed": allowed, "dt": dt, "acc": acc}
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
@@ -92,6 +184,10 @@ class NumpyMHA:
         gradient, the sum (self-attention: ``d_query``; shared key/value: ``d_key``).
         """
         assert case.d_output is not None, "case.d_output is missing"
+        used = variant_fields(case)
+        if used:
+            raise NotImplementedError(f"case {case.id}: the numpy adapter's backward is written for spec-1.1 "
+                                      f"cases, not for the attention variants ({', '.join(used)})")
         st, f = self._forward(case)
         cfg, w = case.config, case.weights
         dt, acc = f["dt"], f["acc"]

@@ -1,0 +1,69 @@
+"""Small cases of the attention variants (docs/spec.md §2a), every feature and the combinations real
+models ship, for the tests of the numpy adapter and of the variant zoo (tests/variants.py) against
+the exact reference.  Sizes all different (B=2, T=5, S=7, H=3, D_k=6) so that an axis mix-up changes
+a shape; T > S and T < S cases for the alignments.
+
+A variant case is refused by :class:`~mhaspec.spec.Catalog` until its tolerance lands
+(``mhaspec.spec.variants.NOT_JUDGED_YET``); these are plain :class:`~mhaspec.spec.CaseSpec` objects.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from mhaspec.spec import CaseSpec, MHAConfig
+
+
+def variant_spec(case_id: str, seed: int = 31, T: int = 5, S: int = 7, batch: int = 2, **config: Any) -> CaseSpec:
+    """A CaseSpec of d_model=10, H=3, D_k=6 (overridable) with the variant fields ``config``
+    (``bias`` and ``mask`` go to the case, the rest to the config)."""
+    fields = {k: config.pop(k) for k in ("bias", "mask", "inputs") if k in config}
+    return CaseSpec(id=case_id, config=MHAConfig(**{"d_model": 10, "num_heads": 3, "head_dim": 6, **config}),
+                    batch=batch, tgt_len=T, src_len=S, seed=seed, **fields)
+
+
+#: name -> the variant fields: every feature alone, edge cases, and the models' combinations.
+CASES: dict[str, dict[str, Any]] = {
+    "window": dict(window_left=2, window_right=1),
+    "window_zero": dict(window_left=0, window_right=0),
+    "window_causal_br": dict(window_left=1, causal=True, causal_alignment="bottom_right", T=4, S=7),
+    "window_t_gt_s_br": dict(window_left=1, causal=True, causal_alignment="bottom_right", T=7, S=4),
+    "window_ge_s": dict(window_left=9, window_right=9),
+    "softcap": dict(softcap=0.75),
+    "softcap_large_logits": dict(softcap=5.0, scale=4.0),
+    "alibi_standard_causal": dict(alibi_slopes="standard", causal=True),
+    "alibi_list_br": dict(alibi_slopes=(0.5, 0.125, 1.5), causal_alignment="bottom_right", T=4),
+    "bias": dict(bias={"per_head": True, "per_batch": True}),
+    "bias_shared": dict(bias={"per_head": False}),
+    "sinks": dict(sinks=True),
+    "sinks_masked_rows": dict(sinks=True, mask={"kind": "random", "density": 0.6, "fully_masked": ((0, 1),)}),
+    "rope_half": dict(rope={"theta": 100.0}),
+    "rope_interleaved_partial": dict(rope={"style": "interleaved", "rotary_dim": 4, "theta": 50.0}),
+    "rope_offsets_gqa": dict(rope={"query_offset": 3, "key_offset": 1, "theta": 1000.0}, num_heads=4, num_kv_heads=2,
+                             d_model=12),
+    "mistral": dict(window_left=3, causal=True, num_heads=4, num_kv_heads=2, d_model=12),
+    "gemma2": dict(softcap=1.5, window_left=2, causal=True),
+    "gpt_oss": dict(sinks=True, window_left=2, causal=True, rope={"theta": 150.0}),
+    "llama3_partial": dict(rope={"theta": 500000.0, "rotary_dim": 4, "query_offset": 5, "key_offset": 2},
+                           causal=True, causal_alignment="bottom_right", num_heads=4, num_kv_heads=2, d_model=12, T=3),
+    "bloom": dict(alibi_slopes="standard", causal=True, causal_alignment="bottom_right"),
+    "t5": dict(bias={"per_head": True}),
+    "everything": dict(rope={"style": "interleaved", "query_offset": 2}, softcap=2.0, alibi_slopes="standard",
+                       bias={}, sinks=True, window_left=3, window_right=0, causal_alignment="bottom_right"),
+}
+
+
+def spec_of(name: str) -> CaseSpec:
+    return variant_spec(name, **dict(CASES[name]))
+
+
+@lru_cache(maxsize=None)
+def exact(name: str) -> dict[str, np.ndarray]:
+    """Every stage of case ``name`` by the exact float64 reference."""
+    from mhaspec.reference import forward
+
+    spec = spec_of(name)
+    return forward(spec.config, spec.make_inputs(), spec.make_weights())
