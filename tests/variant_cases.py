@@ -47,6 +47,8 @@ CASES: dict[str, dict[str, Any]] = {
     "mistral": dict(window_left=3, causal=True, num_heads=4, num_kv_heads=2, d_model=12),
     "gemma2": dict(softcap=1.5, window_left=2, causal=True),
     "gpt_oss": dict(sinks=True, window_left=2, causal=True, rope={"theta": 150.0}),
+    "gpt_oss_long": dict(sinks=True, window_left=5, causal=True, causal_alignment="bottom_right", T=6, S=19,
+                         batch=1),
     "llama3_partial": dict(rope={"theta": 500000.0, "rotary_dim": 4, "query_offset": 5, "key_offset": 2},
                            causal=True, causal_alignment="bottom_right", num_heads=4, num_kv_heads=2, d_model=12, T=3),
     "bloom": dict(alibi_slopes="standard", causal=True, causal_alignment="bottom_right"),
@@ -67,3 +69,35 @@ def exact(name: str) -> dict[str, np.ndarray]:
 
     spec = spec_of(name)
     return forward(spec.config, spec.make_inputs(), spec.make_weights())
+
+
+def first_changed_stage(adapter, spec: CaseSpec, golden: dict[str, np.ndarray]) -> str | None:
+    """The first stage (pipeline order) on which ``adapter`` run in float64 differs from ``golden``
+    by more than :data:`tests.zoo.CHANGED` of the stage's magnitude (masked scores not compared; an
+    exception: the first stage), or None where the float64 result is unchanged."""
+    from mhaspec.spec.stages import forward_stages
+
+    from .zoo import CHANGED
+
+    case = spec.case("float64")
+    try:
+        returned = adapter.run(case)
+    except Exception:
+        return forward_stages(spec.config)[0]
+    visible = case.visible
+    for stage in forward_stages(spec.config):
+        if stage not in returned:
+            continue
+        got, want = np.asarray(returned[stage], dtype=np.float64), golden[stage]
+        if got.shape != want.shape:
+            return stage
+        if stage == "scores":
+            got, want = np.where(visible, got, 0.0), np.where(visible, want, 0.0)
+        finite = np.isfinite(want)
+        with np.errstate(invalid="ignore"):
+            if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
+                return stage
+            diff = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
+        if diff > CHANGED * (float(np.max(np.abs(want[finite]), initial=0.0)) + 1e-300):
+            return stage
+    return None

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from mhaspec.spec import Case
+from mhaspec.spec.variants import alibi_slope_values
 
 DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -30,6 +31,12 @@ def tf32(x: np.ndarray) -> np.ndarray:
 def bf16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to bfloat16 (to nearest even), as float32."""
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def uses_variants(case: Case) -> bool:
+    """Whether ``case`` uses an attention variant (docs/spec.md §2a): only then is ``lse`` returned
+    (a spec-1.1 fixture has no golden of it)."""
+    return case.config.has_variants or case.inputs.bias is not None
 
 
 def reduced_product(op, a: np.ndarray, b: np.ndarray, how: str) -> np.ndarray:
@@ -91,6 +98,29 @@ class Variant:
     scale_bfloat16: bool = False  # the scale rounded to bfloat16 whatever the dtype
     drop_last_key: bool = False  # the last visible key of every query row masked out (an off-by-one in a kernel's loop)
     matmul: str = ""  # float32 runs: every matmul "tf32" or "bf16x3" (reduced_product)
+    # -- the attention variants (docs/spec.md §2a).  By default as HF's eager attention computes them:
+    #    RoPE by rotate_half / rotate_every_two with cos and sin from float32 angles, softcap as
+    #    (s / c) → tanh → · c, bias and ALiBi as one additive (H, T, S) tensor, each step rounded to
+    #    the dtype; sinks as an extra logit column (gpt-oss) dropped after the softmax.
+    # correct alternatives
+    rope_complex: bool = False  # RoPE as Meta's view_as_complex: pairs as complex numbers × e^(iθ), in float32
+    alibi_score_mod: bool = False  # bias and ALiBi added element by element from (b, h, q_idx, kv_idx) (FlexAttention)
+    softcap_reciprocal: bool = False  # tanh(s · (1/c)) · c instead of (s / c) → tanh → · c
+    # bugs of the variants (KILL_LIST)
+    window_left_off_by_one: bool = False  # the left window counts the diagonal: one key fewer on the left
+    window_right_off_by_one: bool = False  # one key more on the right
+    window_top_left: bool = False  # the window aligned top-left whatever causal_alignment says
+    softcap_missing: bool = False
+    softcap_after_mask: bool = False  # masked scores set to −inf, then capped: −c, not −inf
+    softcap_before_scale: bool = False  # c · tanh(QKᵀ / c) · scale
+    alibi_wrong_sign: bool = False  # + slope · |i + off − j|
+    alibi_column_anchor: bool = False  # + slope · j (HF BLOOM's form) instead of − slope · |i + off − j|
+    sink_missing: bool = False  # no sink in the denominator
+    sink_with_value: bool = False  # the sink a key with a value (the first key's): its share adds to P·V
+    rope_style_swapped: bool = False  # "half" computed as "interleaved" and the other way round
+    rope_no_offset: bool = False  # positions from 0: query_offset and key_offset ignored
+    rope_full_dim: bool = False  # rotary_dim ignored: every feature of D_k turns
+    lse_base2: bool = False  # the LSE returned in base 2 (the Triton tutorial's, FlashInfer's)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg = case.config
@@ -133,12 +163,18 @@ class Variant:
             q = bias(mm(case.inputs.query, w.w_q), w.b_q)
             k = bias(mm(case.inputs.key, w.w_k), w.b_k)
             v = bias(mm(case.inputs.value, w.w_v), w.b_v)
+        q_proj, k_proj = q, k
 
         def heads(x, n, d):
             if self.split_heads_wrong:  # (B, L, D, n) instead of (B, L, n, D)
                 return x.reshape(B, -1, d, n).transpose(0, 3, 1, 2)
             return x.reshape(B, -1, n, d).transpose(0, 2, 1, 3)  # (B, n, L, d)
 
+        rotated = {}
+        if cfg.rope is not None:
+            q_pos, k_pos = self._positions(cfg, T, S)
+            q = rotated["q_rot"] = self._rope(q, H, q_pos, cfg, r, dt)
+            k = rotated["k_rot"] = self._rope(k, G, k_pos, cfg, r, dt)
         Q, K, V = heads(q, H, Dk), heads(k, G, Dk), heads(v, G, Dv)
         kv_of = [(h % G) if self.gqa_modulo else h // (H // G) for h in range(H)]
         K, V = K[:, kv_of], V[:, kv_of]
@@ -163,6 +199,7 @@ class Variant:
         else:
             s = r(product(lambda a, b: np.einsum("bhtd,bhsd->bhts", a, b), Q.astype(acc), K.astype(acc)))
             s = r(s.astype(acc) * r(scale).astype(acc))
+        s = self._score_mods(s, case, scale, r, acc)
 
         allowed = np.ones((B, H, T, S), dtype=bool)
         if cfg.causal:
@@ -171,6 +208,9 @@ class Variant:
                 shift = S - T if shift == 0 else 0
             i, j = np.arange(T)[:, None], np.arange(S)[None, :]
             allowed &= (j < i + shift) if self.causal_off_by_one else (j <= i + shift)
+        window = self._window(cfg, T, S)
+        if window is not None:
+            allowed &= window
         if case.inputs.mask is not None:
             m = np.broadcast_to(case.inputs.mask, allowed.shape)
             allowed &= ~m if self.mask_inverted else m
@@ -178,10 +218,17 @@ class Variant:
             last = S - 1 - np.argmax(allowed[..., ::-1], axis=-1)  # (B, H, T): each row's last visible key
             allowed &= ~((np.arange(S) == last[..., None]) & allowed.any(axis=-1, keepdims=True))
 
+        sinks = None
+        if cfg.sinks and not self.sink_missing:
+            sinks = r(case.weights.sink_logits).astype(acc)[None, :, None, None]  # (1, H, 1, 1)
         if self.tiled_online_softmax:
-            s, p, o = self._tiled(Q, K, V, allowed, scale, r, acc)
+            s, p, o, lse = self._tiled(Q, K, V, allowed, scale, r, acc, lambda sb, j0, j1: self._block_mods(
+                sb, case, scale, acc, j0, j1), sinks)
         else:
-            p, o = self._softmax_pv(s, V, allowed, acc, r, mm, S, product)
+            capped_after_mask = self.softcap_after_mask and cfg.softcap is not None
+            if capped_after_mask:  # the bug: masked scores −inf, then capped (to −c); no mask after
+                s = self._softcap(np.where(allowed, s.astype(acc), -np.inf), cfg.softcap, r, acc)
+            p, o, lse = self._softmax_pv(s, V, allowed, acc, r, mm, S, product, sinks, premasked=capped_after_mask)
         if self.merge_without_transpose:
             c = o.reshape(B, T, H * Dv)
         else:
@@ -190,30 +237,171 @@ class Variant:
         y = mm(c, w_o)
         if not self.drop_output_bias:
             y = bias(y, w.b_o)
-        stages = {"q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
+        stages = {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v, **rotated, "scores": s, "attn_weights": p,
                   "head_outputs": o, "concat": c, "output": y}
+        if uses_variants(case) and lse is not None:  # a spec-1.1 fixture has no golden lse
+            stages["lse"] = r(lse / np.log(2) if self.lse_base2 else lse)
         if self.output_only:
             stages = {"output": y}
         return {name: np.asarray(val).astype(out_dt) for name, val in stages.items() if val is not None}
 
-    def _tiled(self, Q, K, V, allowed, scale, r, acc):
+    # -- the attention variants -----------------------------------------------------------------
+
+    def _positions(self, cfg, T: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE positions (T,), (S,): query_offset + i, key_offset + j (from 0 with rope_no_offset)."""
+        q0, k0 = (0, 0) if self.rope_no_offset else (cfg.rope.query_offset, cfg.rope.key_offset)
+        return q0 + np.arange(T), k0 + np.arange(S)
+
+    def _rope(self, x, n: int, positions, cfg, r, dt):
+        """x (B, L, n·D) turned by RoPE at ``positions`` (L,), as HF's ``apply_rotary_pos_emb``
+        (rotate_half; rotate_every_two for "interleaved"), each product and sum rounded to the dtype;
+        or, with rope_complex, as Meta's ``apply_rotary_emb`` (the pairs as complex numbers × e^(iθ),
+        in complex64, rounded once).  The angles in float32 (float64 in a float64 run)."""
+        spec = cfg.rope
+        B, L, F = x.shape
+        D = F // n
+        rd = D if self.rope_full_dim else spec.rotary_dim
+        style = spec.style
+        if self.rope_style_swapped:
+            style = "interleaved" if style == "half" else "half"
+        angle_dt = np.float64 if dt == np.float64 else np.float32
+        inv_freq = (1.0 / (angle_dt(spec.theta) ** (np.arange(0, rd, 2).astype(angle_dt) / angle_dt(rd)))).astype(angle_dt)
+        freqs = positions.astype(angle_dt)[:, None] * inv_freq[None, :]  # (L, rd/2)
+        h = np.asarray(x).reshape(B, L, n, D)
+        xr, rest = h[..., :rd], h[..., rd:]
+        if self.rope_complex:
+            pairs = (xr[..., : rd // 2], xr[..., rd // 2 :]) if style == "half" else (xr[..., 0::2], xr[..., 1::2])
+            cis = (np.cos(freqs) + 1j * np.sin(freqs)).astype(np.complex128 if angle_dt == np.float64 else np.complex64)
+            z = (pairs[0].astype(angle_dt) + 1j * pairs[1].astype(angle_dt)).astype(cis.dtype) * cis[None, :, None, :]
+            if style == "half":
+                turned = np.concatenate([z.real, z.imag], axis=-1)
+            else:
+                turned = np.stack([z.real, z.imag], axis=-1).reshape(xr.shape)
+            turned = r(turned)
+        else:
+            if style == "half":
+                emb = np.concatenate([freqs, freqs], axis=-1)  # (L, rd)
+                rotated = np.concatenate([-xr[..., rd // 2 :], xr[..., : rd // 2]], axis=-1)  # rotate_half
+            else:
+                emb = np.repeat(freqs, 2, axis=-1)  # (L, rd): repeat_interleave
+                rotated = np.stack([-xr[..., 1::2], xr[..., 0::2]], axis=-1).reshape(xr.shape)  # rotate_every_two
+            cos, sin = r(np.cos(emb))[None, :, None, :], r(np.sin(emb))[None, :, None, :]
+            turned = r(r(xr * cos) + r(rotated * sin))
+        return np.concatenate([turned, r(rest)], axis=-1).reshape(B, L, F)
+
+    def _softcap(self, s, cap: float, r, acc):
+        """cap · tanh(s / cap): (s / c) → tanh → · c, each rounded to the dtype (HF's Gemma 2 eager),
+        or tanh(s · (1/c)) · c rounded once (softcap_reciprocal)."""
+        c = acc(cap)
+        if self.softcap_reciprocal:
+            return r(np.tanh(s.astype(acc) * acc(1.0 / cap)) * c)
+        return r(r(np.tanh(r(s.astype(acc) / c).astype(acc))).astype(acc) * c)
+
+    def _additive(self, case, acc, r, j0: int = 0, j1: int | None = None):
+        """(B|1, H|1, T, j1 − j0) in the accumulator: the bias input (stored in the dtype) and the ALiBi
+        term of keys j0 … j1 − 1, or None without either."""
+        cfg, T, S = case.config, case.tgt_len, case.src_len
+        j1 = S if j1 is None else j1
+        total = None
+        if case.inputs.bias is not None:
+            total = r(case.inputs.bias[..., j0:j1]).astype(acc)
+        slopes = alibi_slope_values(cfg)
+        if slopes is not None:
+            off = 0 if cfg.causal_alignment == "top_left" else S - T
+            i, j = np.arange(T)[:, None], np.arange(j0, j1)[None, :]
+            slope = slopes.astype(acc)[:, None, None]  # (H, 1, 1)
+            if self.alibi_column_anchor:
+                term = slope * j.astype(acc)[None]
+            else:
+                term = (1 if self.alibi_wrong_sign else -1) * slope * np.abs(i + off - j).astype(acc)[None]
+            total = term[None] if total is None else total + term[None]
+        return total
+
+    def _score_mods(self, s, case, scale, r, acc):
+        """The scores s (B, H, T, S), scaled, with softcap, bias and ALiBi (docs/spec.md order)."""
+        cfg = case.config
+        if self.alibi_score_mod:
+            return self._score_mod(s, case, r, acc)
+        if cfg.softcap is not None and not (self.softcap_missing or self.softcap_after_mask):
+            if self.softcap_before_scale:
+                unscaled = r(s.astype(acc) / acc(scale))
+                s = r(self._softcap(unscaled, cfg.softcap, r, acc).astype(acc) * acc(scale))
+            else:
+                s = self._softcap(s, cfg.softcap, r, acc)
+        add = self._additive(case, acc, r)
+        return s if add is None else r(s.astype(acc) + r(add).astype(acc))
+
+    def _score_mod(self, s, case, r, acc):
+        """FlexAttention's way: one ``score_mod(score, b, h, q_idx, kv_idx)`` on every element, in the
+        accumulator, rounded once: softcap, then bias[b, h, q, kv], then − slope[h]·|q + off − kv|."""
+        cfg = case.config
+        B, H, T, S = s.shape
+        b, h, q_idx, kv_idx = np.ogrid[:B, :H, :T, :S]
+        bias = None if case.inputs.bias is None else r(case.inputs.bias).astype(acc)
+        slopes = alibi_slope_values(cfg)
+        off = 0 if cfg.causal_alignment == "top_left" else S - T
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if cfg.softcap is not None:
+                score = acc(cfg.softcap) * np.tanh(score / acc(cfg.softcap))
+            if bias is not None:
+                score = score + bias[b % bias.shape[0], h % bias.shape[1], q_idx, kv_idx]
+            if slopes is not None:
+                score = score - slopes.astype(acc)[h] * np.abs(q_idx + off - kv_idx).astype(acc)
+            return score
+
+        return r(score_mod(s.astype(acc), b, h, q_idx, kv_idx))
+
+    def _block_mods(self, sb, case, scale, acc, j0: int, j1: int):
+        """A block of keys j0 … j1 − 1 of the online softmax: its scores sb (B, H, T, j1 − j0), kept in
+        the accumulator, with softcap, bias and ALiBi (FlashAttention's score modifications)."""
+        cfg = case.config
+        if cfg.softcap is not None:
+            sb = acc(cfg.softcap) * np.tanh(sb / acc(cfg.softcap))
+        add = self._additive(case, acc, lambda x: np.asarray(x).astype(DT[case.dtype]), j0, j1)
+        return sb if add is None else sb + add
+
+    def _window(self, cfg, T: int, S: int):
+        """(T, S) bool of the sliding window, or None: i + off − left ≤ j ≤ i + off + right."""
+        left, right = cfg.window_left, cfg.window_right
+        if left is None and right is None:
+            return None
+        off = 0 if (cfg.causal_alignment == "top_left" or self.window_top_left) else S - T
+        d = np.arange(S)[None, :] - (np.arange(T)[:, None] + off)
+        seen = np.ones((T, S), dtype=bool)
+        if left is not None:
+            seen &= (d > -left) if self.window_left_off_by_one else (d >= -left)
+        if right is not None:
+            seen &= (d <= right + 1) if self.window_right_off_by_one else (d <= right)
+        return seen
+
+    def _tiled(self, Q, K, V, allowed, scale, r, acc, mod=None, sinks=None):
         """FlashAttention-2's forward: blocks of ``block`` keys, running max m, sum l and accumulator
         in the accumulator type; each block's unnormalised weights rounded to the dtype before P·V
-        (as FlashAttention does); one division at the end.  Exposes no scores or weights, unless
-        ``weights_from_lse``: then the blocks' scores, and the weights recomputed from the final
-        log-sum-exp, P = exp(s − LSE), as FlashAttention's backward does: not the weights that
-        made the head outputs."""
+        (as FlashAttention does); one division at the end.  ``mod(sb, j0, j1)`` applies the softcap,
+        bias and ALiBi to a block's scores; the sink logits (1, H, 1, 1) start the running max and
+        sum (m = sink, l = 1: FlashAttention 4's sinks).  Returns (scores, weights, head outputs, lse);
+        the scores and weights only with ``weights_from_lse``: then the blocks' scores, and the
+        weights recomputed from the final log-sum-exp, P = exp(s − LSE), as FlashAttention's
+        backward does: not the weights that made the head outputs."""
         B, H, T, _ = Q.shape
         S, E = K.shape[2], V.shape[-1]
-        m = np.full((B, H, T, 1), -np.inf, dtype=acc)
-        l = np.zeros((B, H, T, 1), dtype=acc)
+        if sinks is None:
+            m = np.full((B, H, T, 1), -np.inf, dtype=acc)
+            l = np.zeros((B, H, T, 1), dtype=acc)
+        else:
+            m = np.broadcast_to(sinks, (B, H, T, 1)).astype(acc)
+            l = np.ones((B, H, T, 1), dtype=acc)
         o = np.zeros((B, H, T, E), dtype=acc)
         blocks = []
         for j0 in range(0, S, self.block):
-            kb, vb = K[:, :, j0:j0 + self.block].astype(acc), V[:, :, j0:j0 + self.block].astype(acc)
+            j1 = min(j0 + self.block, S)
+            kb, vb = K[:, :, j0:j1].astype(acc), V[:, :, j0:j1].astype(acc)
             sb = (Q.astype(acc) @ np.swapaxes(kb, -1, -2)) * acc(scale)
+            if mod is not None:
+                sb = mod(sb, j0, j1).astype(acc)
             blocks.append(sb)
-            seen = allowed[..., j0:j0 + self.block]
+            seen = allowed[..., j0:j1]
             sb = np.where(seen, sb, -np.inf)
             m_new = np.maximum(m, np.max(sb, axis=-1, keepdims=True))
             m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(acc)
@@ -223,26 +411,35 @@ class Variant:
             o = (o if self.stale_accumulator else alpha * o) + r(pb).astype(acc) @ vb
             m = m_new
         o = np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(acc)
-        if not self.weights_from_lse:
-            return None, None, r(o)
-        s = np.concatenate(blocks, axis=-1)
+        any_key = allowed.any(axis=-1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), np.inf).astype(acc)  # +inf: no key seen
-            p = np.where(allowed, np.exp(s - lse), 0).astype(acc)
-        return r(s), r(p), r(o)
+            lse = np.where(any_key & (l > 0), m + np.log(np.where(l > 0, l, 1)), -np.inf).astype(acc)  # (B, H, T, 1)
+        if not self.weights_from_lse:
+            return None, None, r(o), lse[..., 0]
+        s = np.concatenate(blocks, axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            p = np.where(allowed, np.exp(s - np.where(any_key, lse, np.inf)), 0).astype(acc)
+        return r(s), r(p), r(o), lse[..., 0]
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b), sinks=None,
+                    premasked=False):
+        """(weights, head outputs, lse (B, H, T) or None) of the scores s; the sink logits (1, H, 1, 1)
+        as one more logit column (gpt-oss's reference), whose weight is dropped after the softmax.
+        ``premasked``: s had its mask applied already (softcap_after_mask): nothing masked again."""
         x = s.astype(acc)
         if self.mask_after_softmax:
             pass  # the bug: every key enters the softmax; masked weights are zeroed afterwards
         elif self.finfo_fill:
             x = np.where(allowed, x, np.finfo(np.float32 if acc != np.float64 else np.float64).min)
-        else:
+        elif not premasked:
             x = np.where(allowed, x, -np.inf)
         axis = -2 if self.softmax_axis_t else -1
         keep = allowed if not self.mask_after_softmax else np.ones_like(allowed)
         x = np.where(keep | self.finfo_fill, x, -np.inf) if self.mask_after_softmax else x
+        if sinks is not None:
+            x = np.concatenate([x, np.broadcast_to(sinks, x.shape[:-1] + (1,)).astype(acc)], axis=-1)  # (B, H, T, S + 1)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            peak = np.zeros_like(x[..., :1])
             if self.no_max_subtraction:
                 e = np.exp(x.astype(acc))
             else:
@@ -251,16 +448,21 @@ class Variant:
                 e = np.exp(x - peak)
             total = np.sum(e, axis=axis, keepdims=True)
             if self.log_sum_exp:
-                lse = (peak + np.log(total)).astype(acc)
-                p = np.exp(x - lse)
+                p = np.exp(x - (peak + np.log(total)).astype(acc))
             else:
                 p = e / total
+            lse = None if axis != -1 else (peak + np.log(total))[..., 0]
+        p_sink = None
+        if sinks is not None:
+            p, p_sink, e = p[..., :S], p[..., S:], e[..., :S]
         none_visible = ~allowed.any(axis=-1, keepdims=True)
+        if lse is not None:
+            lse = np.where(none_visible[..., 0], -np.inf, lse).astype(acc)
         if self.uniform_masked_rows:
             p = np.where(none_visible, 1.0 / S, p)
         elif self.nan_masked_rows:
             p = np.where(none_visible, np.nan, p)
-        else:
+        elif not premasked:
             p = np.where(none_visible | ~allowed, 0.0, p)
         if self.dropout_left_on:
             keep_bits = np.random.default_rng(0).random(p.shape) >= 0.1
@@ -274,7 +476,9 @@ class Variant:
             o = np.stack([mm(weights[:, h], V[:, h]) for h in range(V.shape[1])], axis=1)
         else:
             o = r(product(lambda a, b: np.einsum("bhts,bhse->bhte", a, b), weights.astype(acc), V.astype(acc)))
-        return p, o
+        if self.sink_with_value and p_sink is not None:  # the sink's share times the first key's value
+            o = r(o.astype(acc) + r(p_sink).astype(acc) * V[:, :, :1].astype(acc))
+        return p, o, lse
 
 
 def output_only(v: Variant) -> Variant:
@@ -332,6 +536,54 @@ BUGS = {
 
 #: The same bugs in a kernel that exposes only "output" (where fused kernels hide them).
 OUTPUT_ONLY_BUGS = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in BUGS.items()}
+
+
+# -- the attention variants (docs/spec.md §2a, issue 31) ------------------------------------------
+#    Every implementation above computes them (HF's eager way by default); these are the correct
+#    alternatives and the kill list.  Not in CORRECT and BUGS: those are proved on the spec-1.1
+#    catalog (tests/test_tolerance_model.py), these on the variant cases (tests/test_variant_proofs.py).
+
+#: Correct implementations of the variants, written differently.
+VARIANT_CORRECT = {
+    "hf_eager": Variant(name="hf_eager"),  # every variant step rounded to the dtype
+    # FlashAttention-style: online softmax over blocks of 4 keys, sinks starting the running max and
+    # sum, the window and score modifications per block, P recomputed from the LSE
+    "online_softmax_sinks_window_lse_weights": Variant(name="online4_lse_p", tiled_online_softmax=True, block=4,
+                                                       weights_from_lse=True),
+    "rope_complex": Variant(name="rope_complex", rope_complex=True),  # Meta's view_as_complex
+    "score_mod": Variant(name="score_mod", alibi_score_mod=True),  # FlexAttention: bias, ALiBi per element
+    "softcap_reciprocal": Variant(name="softcap_recip", softcap_reciprocal=True),
+    "fused_float32": Variant(name="fused_float32_variants", fused_float32=True, rope_complex=True),
+}
+
+#: The kill list of issue 31: bug name -> (adapter, the stages where it may first be caught, in pipeline
+#: order).  A bug must first be caught at the first of them that it changes in float64 among those the
+#: adapter returns (tests/test_variant_proofs.py): a window bug shows first in the LSE (which comes
+#: before the weights in the pipeline), RoPE positions that ignore the offset in q_rot where the query
+#: offset is not 0, else in k_rot.
+KILL_LIST = {
+    "window_left_off_by_one": (Variant(name="window_left_obo", window_left_off_by_one=True), ("lse", "attn_weights")),
+    "window_right_off_by_one": (Variant(name="window_right_obo", window_right_off_by_one=True), ("lse", "attn_weights")),
+    "window_aligned_top_left": (Variant(name="window_top_left", window_top_left=True), ("lse", "attn_weights")),
+    "softcap_missing": (Variant(name="no_softcap", softcap_missing=True), ("scores",)),
+    # masked keys get e^(−c − max) of the weight, fully masked rows 1/S each: the LSE and the weights see
+    # it; the visible scores only where a bias or ALiBi, added before the mask, is capped too
+    "softcap_after_mask": (Variant(name="softcap_after_mask", softcap_after_mask=True), ("scores", "lse", "attn_weights")),
+    "softcap_before_scale": (Variant(name="softcap_before_scale", softcap_before_scale=True), ("scores",)),
+    "alibi_wrong_sign": (Variant(name="alibi_sign", alibi_wrong_sign=True), ("scores",)),
+    # + slope·j: in a causal row only a constant off (scores and lse see it; the weights do not)
+    "alibi_wrong_anchor": (Variant(name="alibi_anchor", alibi_column_anchor=True), ("scores",)),
+    "sink_missing_from_denominator": (Variant(name="no_sink", sink_missing=True), ("lse", "attn_weights")),
+    "sink_with_a_value": (Variant(name="sink_value", sink_with_value=True), ("head_outputs",)),
+    "rope_styles_swapped": (Variant(name="rope_swapped", rope_style_swapped=True), ("q_rot",)),
+    "rope_offset_ignored": (Variant(name="rope_no_offset", rope_no_offset=True), ("q_rot", "k_rot")),
+    "rope_rotary_dim_ignored": (Variant(name="rope_full_dim", rope_full_dim=True), ("q_rot",)),
+    "lse_in_base_2": (Variant(name="lse_base2", lse_base2=True), ("lse",)),
+}
+
+#: The kill list in a kernel that returns only "output"; the LSE in base 2 leaves the output right.
+OUTPUT_ONLY_KILL_LIST = {f"{name}+output_only": (output_only(v), ("output",))
+                         for name, (v, _) in KILL_LIST.items() if name != "lse_in_base_2"}
 
 
 # -- look-alikes and more bugs for the diagnosis (src/mhaspec/conformance/diagnose.py,
@@ -416,13 +668,15 @@ class SoftmaxFloat32(Variant):
 
     name: str = "softmax_float32"
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b), sinks=None,
+                    premasked=False):
         if acc != np.float64:
-            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product)
-        p, _ = super()._softmax_pv(s.astype(np.float32), V, allowed, np.float32,
-                                   lambda x: np.asarray(x).astype(np.float32), mm, S)
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product, sinks, premasked)
+        p, _, lse = super()._softmax_pv(s.astype(np.float32), V, allowed, np.float32,
+                                        lambda x: np.asarray(x).astype(np.float32), mm, S, sinks=sinks,
+                                        premasked=premasked)
         p = p.astype(np.float64)
-        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64))
+        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64)), lse
 
 
 @dataclass(frozen=True)
@@ -434,9 +688,10 @@ class Float32Exp(Variant):
 
     name: str = "float32_exp"
 
-    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b)):
-        if acc != np.float64:
-            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product)
+    def _softmax_pv(self, s, V, allowed, acc, r, mm, S, product=lambda op, a, b: op(a, b), sinks=None,
+                    premasked=False):
+        if acc != np.float64 or sinks is not None:
+            return super()._softmax_pv(s, V, allowed, acc, r, mm, S, product, sinks, premasked)
         x = np.where(allowed, s, -np.inf)
         peak = np.max(x, axis=-1, keepdims=True)
         peak = np.where(np.isfinite(peak), peak, 0.0)
@@ -444,7 +699,7 @@ class Float32Exp(Variant):
             e = np.exp((x - peak).astype(np.float32)).astype(np.float64)
         total = np.sum(e, axis=-1, keepdims=True)
         p = np.where(allowed & (total > 0), e / np.where(total > 0, total, 1.0), 0.0)
-        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64))
+        return p, np.einsum("bhts,bhse->bhte", p, V.astype(np.float64)), None
 
 
 #: Not implementations, or correct ones: they must get no diagnosis.
