@@ -39,7 +39,7 @@ def test_each_bug_changes_float64_first_at_its_stage_where_it_applies(name):
     changed = {}
     for case in CASES:
         spec = spec_of(case)
-        stage = first_changed_stage(adapter, spec, exact(case))
+        stage = first_changed_stage(adapter, spec.case("float64"), exact(case))
         uses = not NEEDS[feature] or any(getattr(spec.config, f) is not None and getattr(spec.config, f) is not False
                                          for f in NEEDS[feature])
         if stage is not None:
@@ -64,7 +64,7 @@ def test_each_bug_changes_float64_first_at_its_stage_where_it_applies(name):
 def test_named_cases_see_the_bug(name, cases):
     adapter, _ = KILL_LIST[name]
     for case in cases:
-        assert first_changed_stage(adapter, spec_of(case), exact(case)) is not None, case
+        assert first_changed_stage(adapter, spec_of(case).case("float64"), exact(case)) is not None, case
 
 
 def test_alibi_anchored_at_column_0_changes_only_the_scores_and_lse_of_a_causal_case():
@@ -75,7 +75,7 @@ def test_alibi_anchored_at_column_0_changes_only_the_scores_and_lse_of_a_causal_
     assert error_in_units(got["attn_weights"], want["attn_weights"], U) <= 8
     assert error_in_units(got["output"], want["output"], U) <= 8
     assert error_in_units(got["lse"], want["lse"], U) > 1e6
-    assert first_changed_stage(adapter, spec_of("alibi_list_br"), exact("alibi_list_br")) == "scores"
+    assert first_changed_stage(adapter, spec_of("alibi_list_br").case("float64"), exact("alibi_list_br")) == "scores"
 
 
 def test_the_online_softmax_crosses_key_blocks_with_sinks_and_a_window():

@@ -10,12 +10,13 @@ the stage where it must first be caught.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
 
 from mhaspec.spec import Case
-from mhaspec.spec.variants import alibi_slope_values
+from mhaspec.spec.variants import VARIANTS, alibi_slope_values
 
 DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -58,6 +59,7 @@ def reduced_product(op, a: np.ndarray, b: np.ndarray, how: str) -> np.ndarray:
 class Variant:
     """An adapter; every field off = a correct, straightforward implementation."""
 
+    variants: ClassVar[frozenset[str]] = frozenset(VARIANTS)  # it computes every attention variant
     name: str = "variant"
     # correct alternatives
     per_head_loop: bool = False  # explicit loop over heads instead of einsum
