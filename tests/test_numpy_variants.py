@@ -71,3 +71,17 @@ def test_the_backward_of_a_variant_case_is_refused_by_name():
     spec = spec_of("softcap")
     with pytest.raises(NotImplementedError, match="case softcap: .*config.softcap"):
         NumpyMHA().backward(spec.case("float64"))
+
+
+def test_the_variant_stages_travel_from_a_worker():
+    """An isolated adapter's q_rot, k_rot and lse reach the runner as arrays (the worker once sent only
+    the spec-1.1 and backward stages, and the rest by name: judged as dtype object)."""
+    from mhaspec.protocol.wire import returned_reply, unpack_returned
+
+    returned = NumpyMHA().run(spec_of("everything").case("float32"))
+    header, parts = returned_reply("run", returned, 0.0)
+    payload = bytes(parts)
+    back = unpack_returned(header, payload)
+    assert {"q_rot", "k_rot", "lse"} <= set(back)
+    for stage, value in returned.items():
+        assert back[stage].dtype == value.dtype and np.array_equal(back[stage], value), stage
