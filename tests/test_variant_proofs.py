@@ -65,3 +65,14 @@ def test_a_kill_list_bug_is_caught_at_its_stage_in_every_dtype(name):
     assert not wrong, f"{name}: first failing stage (case, dtype, got, expected) on {len(wrong)}: {wrong[:8]}"
     unchanged = [r for r in by.values() if r.case not in expected and r.verdict != PASS]
     assert not unchanged, f"{name} fails where it does not change the float64 result: {unchanged[:3]}"
+
+
+def test_the_numpy_adapter_conforms_on_every_variant_case_and_dtype():
+    from mhaspec.adapters.numpy_mha import NumpyMHA
+
+    report = variant_report(NumpyMHA())
+    assert report.ok and all(r.verdict == PASS for r in report.results), report.table()
+    judged = {st.stage for r in report.results for st in r.stages if st.verdict == PASS}
+    assert {"q_rot", "k_rot", "lse"} <= judged, judged
+    worst = worst_ratio(report)
+    assert worst <= 0.5, f"numpy: worst error/tolerance {worst:.3g} (margin {1 / worst:.3g}x)"
