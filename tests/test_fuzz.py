@@ -80,3 +80,25 @@ def test_cli_prints_the_minimal_case_and_exits_1(tmp_path, capsys):
     assert json.loads(case_json)[0]["id"] == "fuzz"
     assert main(["run", f"{module}:BUGGY", "--catalog", str(tmp_path / "case.json"), "--dtype", "float32"]) == 1
     assert main(["fuzz", "numpy", "--examples", "0"]) == 2
+
+
+@pytest.mark.parametrize("bug, variant", [("softcap_missing", "softcap"), ("rope_styles_swapped", "rope"),
+                                          ("window_left_off_by_one", "window"),
+                                          ("sink_missing_from_denominator", "sinks"), ("alibi_wrong_sign", "alibi")])
+def test_variant_bugs_are_found_and_shrunk_to_the_variant_they_need(bug, variant, monkeypatch, tmp_path):
+    from mhaspec.spec import variants
+
+    from .variants import KILL_LIST
+
+    monkeypatch.setattr(variants, "NOT_JUDGED_YET", frozenset())  # a no-op once they are judged on main
+    adapter, stages = KILL_LIST[bug]
+    outcome = fuzz(adapter, examples=150, seed=0, dtypes=["float32"])
+    assert outcome.found, bug
+    spec = outcome.spec
+    assert variants.variants_used(spec) == [variant], (bug, spec)  # the other variants shrunk away
+    assert outcome.results[0].first_failing_stage in stages, outcome.results[0]
+    assert spec.batch == 1 and spec.config.d_model <= 4, spec
+    path = tmp_path / "case.json"
+    path.write_text(outcome.catalog_json())
+    report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
+    assert [r.first_failing_stage for r in report.results] == [outcome.results[0].first_failing_stage]

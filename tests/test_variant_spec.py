@@ -386,18 +386,44 @@ def test_a_catalog_built_in_python_refuses_too():
     assert refusal(_spec("plain")) is None
 
 
-def test_fuzz_never_draws_a_variant():
+def _drawn(n: int = 150) -> list[CaseSpec]:
+    """``n`` cases the fuzzer draws (derandomized)."""
     pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings
 
     from mhaspec.fuzz import case_specs
 
-    @settings(max_examples=60, derandomize=True, suppress_health_check=list(HealthCheck), deadline=None)
+    drawn: list[CaseSpec] = []
+
+    @settings(max_examples=n, derandomize=True, suppress_health_check=list(HealthCheck), deadline=None, database=None)
     @given(case_specs(max_len=6, max_heads=4, max_head_dim=8, max_features=32))
     def draw(spec):
-        assert refusal(spec) is None and not spec.config.has_variants
+        drawn.append(spec)
 
     draw()
+    return drawn
+
+
+def test_fuzz_draws_no_variant_that_is_not_judged_yet():
+    for spec in _drawn(60):
+        assert refusal(spec) is None, refusal(spec)
+
+
+def test_fuzz_draws_every_variant_once_judged(monkeypatch):
+    from mhaspec.spec import variants
+
+    monkeypatch.setattr(variants, "NOT_JUDGED_YET", frozenset())
+    drawn = _drawn()
+    used = {field for spec in drawn for field in variants.features(spec)}
+    assert used == {"config.window_left", "config.window_right", "config.softcap", "config.alibi_slopes",
+                    "config.sinks", "config.rope", "bias"}, used
+    windows = [(spec.config.window_left, spec.src_len) for spec in drawn if spec.config.window_left is not None]
+    assert any(w == 0 for w, _ in windows) and any(w >= S for w, S in windows), windows
+    assert {s.config.rope.style for s in drawn if s.config.rope} == {"half", "interleaved"}
+    assert any(s.config.rope.rotary_dim < s.config.D_k for s in drawn if s.config.rope)
+    assert any(s.config.rope.query_offset or s.config.rope.key_offset for s in drawn if s.config.rope)
+    assert {type(s.config.alibi_slopes) for s in drawn if s.config.alibi_slopes} == {str, tuple}
+    assert any(not spec.config.has_variants and spec.bias is None for spec in drawn)  # and plain cases
 
 
 @pytest.mark.xfail(strict=True, reason="why windows are refused (NOT_JUDGED_YET): the fast reference, which judges "

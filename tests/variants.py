@@ -561,8 +561,8 @@ VARIANT_CORRECT = {
 #: The kill list of issue 31: bug name -> (adapter, the stages where it may first be caught, in pipeline
 #: order).  A bug must first be caught at the first of them that it changes in float64 among those the
 #: adapter returns (tests/test_variant_proofs.py): a window bug shows first in the LSE (which comes
-#: before the weights in the pipeline), RoPE positions that ignore the offset in q_rot where the query
-#: offset is not 0, else in k_rot.
+#: before the weights in the pipeline); a RoPE bug in q_rot, or in k_rot where the queries do not turn
+#: (one query at position 0) or the query offset that is ignored is 0.
 KILL_LIST = {
     "window_left_off_by_one": (Variant(name="window_left_obo", window_left_off_by_one=True), ("lse", "attn_weights")),
     "window_right_off_by_one": (Variant(name="window_right_obo", window_right_off_by_one=True), ("lse", "attn_weights")),
@@ -577,9 +577,9 @@ KILL_LIST = {
     "alibi_wrong_anchor": (Variant(name="alibi_anchor", alibi_column_anchor=True), ("scores",)),
     "sink_missing_from_denominator": (Variant(name="no_sink", sink_missing=True), ("lse", "attn_weights")),
     "sink_with_a_value": (Variant(name="sink_value", sink_with_value=True), ("head_outputs",)),
-    "rope_styles_swapped": (Variant(name="rope_swapped", rope_style_swapped=True), ("q_rot",)),
+    "rope_styles_swapped": (Variant(name="rope_swapped", rope_style_swapped=True), ("q_rot", "k_rot")),
     "rope_offset_ignored": (Variant(name="rope_no_offset", rope_no_offset=True), ("q_rot", "k_rot")),
-    "rope_rotary_dim_ignored": (Variant(name="rope_full_dim", rope_full_dim=True), ("q_rot",)),
+    "rope_rotary_dim_ignored": (Variant(name="rope_full_dim", rope_full_dim=True), ("q_rot", "k_rot")),
     "lse_in_base_2": (Variant(name="lse_base2", lse_base2=True), ("lse",)),
 }
 

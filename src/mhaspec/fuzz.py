@@ -4,7 +4,11 @@ Configurations are drawn with hypothesis (extra ``fuzz``): sizes including 1
 and odd lengths, T = S and T != S, head sizes 1–256, D_v != D_k, GQA/MQA
 ratios, kdim/vdim, bias on/off, causal in both alignments, key-padding and
 random masks with fully masked rows, self-attention, cross-attention with one
-memory tensor (key = value) or three distinct inputs, custom scales.  Each is
+memory tensor (key = value) or three distinct inputs, custom scales; and the
+attention variants of docs/spec.md §2a that are judged (windows of 0 to S + 1
+keys, softcap, standard and custom ALiBi, an additive bias input, sinks, RoPE in
+both styles with partial rotary_dim and position offsets), each off unless drawn
+on, so that a shrunk case keeps only the variants its failure needs.  Each is
 computed by the fast reference (:mod:`mhaspec.reference.onthefly`) and judged
 through the same :class:`~mhaspec.conformance.Session` as ``mhaspec run``.
 
@@ -24,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from .errors import MhaspecError
-from .spec import Catalog, CaseSpec, MaskSpec, MHAConfig
+from .spec import Catalog, CaseSpec, MaskSpec, MHAConfig, variants
+from .spec.variants import BiasSpec
 
 #: Verdicts that count as a find.
 FINDS = ("fail", "error")
@@ -94,13 +99,52 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
             density = draw(st.sampled_from([0.75, 0.5, 0.25, 1.0]))
             rows = draw(st.lists(st.tuples(st.integers(0, batch - 1), st.integers(0, T - 1)), max_size=3, unique=True))
             mask = MaskSpec(kind="random", density=density, fully_masked=tuple(sorted(rows)))
+        config.update(draw_variants(draw, st, H, D_k, S))
+        bias = None
+        if judged("bias") and draw(st.booleans()):
+            bias = BiasSpec(per_batch=draw(st.booleans()), per_head=draw(st.booleans()),
+                            exponent=draw(st.sampled_from([4, 2, 6])))
         return CaseSpec(
             id="fuzz", description="found by mhaspec fuzz", config=MHAConfig(**config),
             batch=batch, tgt_len=T, src_len=S, inputs=inputs, mask=mask,
-            seed=draw(st.integers(0, 1000)), weight_shift=draw(st.integers(-1, 1)),
+            seed=draw(st.integers(0, 1000)), weight_shift=draw(st.integers(-1, 1)), bias=bias,
         )
 
     return draw_spec()
+
+
+def judged(field: str) -> bool:
+    """Whether the variant field ``field`` (``config.softcap``, …, ``bias``) is judged, so drawn: a field
+    still in :data:`~mhaspec.spec.variants.NOT_JUDGED_YET` is never drawn (a case using it is refused)."""
+    return field not in variants.NOT_JUDGED_YET
+
+
+def draw_variants(draw: Callable[[Any], Any], st: Any, H: int, D_k: int, S: int) -> dict[str, Any]:
+    """The config fields of the attention variants (docs/spec.md §2a), each drawn only where judged and
+    each off unless a boolean says on (so that shrinking turns them off): a window of 0 … S + 1 keys a
+    side (0 and >= S included), a softcap, standard or custom ALiBi slopes, sinks, RoPE in either style
+    with a partial rotary_dim and position offsets."""
+    out: dict[str, Any] = {}
+    for side in ("window_left", "window_right"):
+        if judged(f"config.{side}") and draw(st.booleans()):
+            out[side] = draw(st.integers(0, S + 1))
+    if judged("config.softcap") and draw(st.booleans()):
+        out["softcap"] = draw(st.sampled_from([5.0, 1.0, 50.0, 0.5, 30.0]))
+    if judged("config.alibi_slopes") and draw(st.booleans()):
+        custom = draw(st.booleans())
+        out["alibi_slopes"] = "standard" if not custom else tuple(
+            draw(st.lists(st.sampled_from([0.5, 0.25, 1.0, 0.125, 2.0**-6]), min_size=H, max_size=H)))
+    if judged("config.sinks") and draw(st.booleans()):
+        out["sinks"] = True
+    if judged("config.rope") and D_k >= 2 and draw(st.booleans()):
+        dims = [d for d in range(2, D_k + 1, 2)]
+        rope: dict[str, Any] = {"style": draw(st.sampled_from(["half", "interleaved"])),
+                                "theta": draw(st.sampled_from([10000.0, 100.0, 500000.0]))}
+        if D_k % 2 or draw(st.booleans()):  # partial rotary (an odd head_dim needs it)
+            rope["rotary_dim"] = draw(st.sampled_from(dims[::-1]))
+        rope["query_offset"], rope["key_offset"] = draw(st.integers(0, 40)), draw(st.integers(0, 40))
+        out["rope"] = rope
+    return out
 
 
 @dataclass
