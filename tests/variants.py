@@ -123,6 +123,7 @@ class Variant:
     rope_no_offset: bool = False  # positions from 0: query_offset and key_offset ignored
     rope_full_dim: bool = False  # rotary_dim ignored: every feature of D_k turns
     lse_base2: bool = False  # the LSE returned in base 2 (the Triton tutorial's, FlashInfer's)
+    expose_lse: bool = True  # return lse in a variant case (spec1_only: not, for the spec-1.1 bugs)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         cfg = case.config
@@ -241,7 +242,7 @@ class Variant:
             y = bias(y, w.b_o)
         stages = {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v, **rotated, "scores": s, "attn_weights": p,
                   "head_outputs": o, "concat": c, "output": y}
-        if uses_variants(case) and lse is not None:  # a spec-1.1 fixture has no golden lse
+        if self.expose_lse and uses_variants(case) and lse is not None:  # spec-1.1 cases: no lse, as before
             stages["lse"] = r(lse / np.log(2) if self.lse_base2 else lse)
         if self.output_only:
             stages = {"output": y}
@@ -490,6 +491,18 @@ def output_only(v: Variant) -> Variant:
     return replace(v, name=v.name + "+output_only", output_only=True)
 
 
+def spec1_only(zoo: dict) -> dict:
+    """``zoo`` (name -> adapter, or (adapter, stage)) with each adapter returning no ``lse``: the spec-1.1
+    bugs are named by the spec-1.1 stage where they are first caught, and a masking bug would be caught
+    first at the lse (which comes before attn_weights) of a variant case of the catalog."""
+    from dataclasses import replace
+
+    def without(v):
+        return replace(v, expose_lse=False) if isinstance(v, Variant) else v
+
+    return {k: (without(v[0]), *v[1:]) if isinstance(v, tuple) else without(v) for k, v in zoo.items()}
+
+
 CORRECT = {
     "einsum": Variant(name="einsum"),
     "per_head_loop": Variant(name="per_head_loop", per_head_loop=True),
@@ -506,9 +519,9 @@ CORRECT = {
 
 #: Correct in the dtype, outside the standard precision contract: every partial sum rounded to
 #: the dtype (the worst correct order).  Fails as "imprecise" by default; passes --precision worst-case.
-NATIVE = {
+NATIVE = spec1_only({
     "native_low_precision_accumulation": Variant(name="native_acc", native_accumulation=True),
-}
+})
 
 #: bug name -> (adapter, the stage where it must first be caught)
 BUGS = {
@@ -535,6 +548,7 @@ BUGS = {
     "uniform_weights_on_fully_masked_rows": (Variant(name="uniform_rows", uniform_masked_rows=True), "attn_weights"),
     "nan_on_fully_masked_rows": (Variant(name="nan_rows", nan_masked_rows=True), "attn_weights"),
 }
+BUGS = spec1_only(BUGS)
 
 #: The same bugs in a kernel that exposes only "output" (where fused kernels hide them).
 OUTPUT_ONLY_BUGS = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in BUGS.items()}
@@ -721,6 +735,7 @@ DIAGNOSED_BUGS = {
     "softmax_in_float32_when_float64_asked": (SoftmaxFloat32(), "attn_weights"),
     "float32_exp_when_float64_asked": (Float32Exp(), "attn_weights"),
 }
+DIAGNOSED_BUGS = spec1_only(DIAGNOSED_BUGS)
 
 
 # -- subtle bugs (issue 36): small enough to hide in a loose tolerance, each a real kernel's mistake.
@@ -736,6 +751,7 @@ SUBTLE_BUGS = {
     "tf32_matmuls": (Variant(name="tf32", matmul="tf32"), "scores"),  # x, W exact in TF32: q_proj is right
     "bfloat16x3_matmuls": (Variant(name="bf16x3", matmul="bf16x3"), "scores"),
 }
+SUBTLE_BUGS = spec1_only(SUBTLE_BUGS)
 
 #: The same subtle bugs in a kernel that exposes only "output".
 OUTPUT_ONLY_SUBTLE = {f"{name}+output_only": (output_only(v), "output") for name, (v, _) in SUBTLE_BUGS.items()}
