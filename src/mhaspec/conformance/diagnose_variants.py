@@ -19,6 +19,9 @@ The signatures, each at the stage where the bug is first seen (the first failing
   feature turned;
 - *softcap missing* (``scores``): scale·Q_rot K_rotᵀ (+ bias, ALiBi) uncapped; *softcap before the
   scale*: scale·c·tanh(Q_rot K_rotᵀ / c);
+- *a wrong scale* (``scores``, in a case with softcap, bias or ALiBi, where the scores are no constant
+  multiple of the golden's): the scores recomputed with the scale × k, k the median of the returned
+  scores' scale·QKᵀ (bias and ALiBi taken off, the softcap undone where not saturated) over the golden's;
 - *ALiBi sign* (``scores``): + slope·|i + off − j|; *ALiBi anchored at column 0*: + slope·j (HF
   BLOOM's form, which only the scores and the lse see in a causal row);
 - *LSE in base 2* (``lse``): lse / ln 2;
@@ -56,10 +59,11 @@ def with_sink(golden: GoldenCase, s: np.ndarray, visible: np.ndarray) -> tuple[n
             np.concatenate([visible, visible.any(axis=-1, keepdims=True)], axis=-1))
 
 
-def weights_and_lse(golden: GoldenCase, visible: np.ndarray, sinks: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(attn_weights (B, H, T, S), lse (B, H, T)) of the golden scores over ``visible``, with the case's
-    sink in the denominator where ``sinks``; lse −inf where a row sees no key."""
-    s = golden.stages[STAGE.scores]
+def weights_and_lse(golden: GoldenCase, visible: np.ndarray, sinks: bool,
+                    s: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(attn_weights (B, H, T, S), lse (B, H, T)) of the scores ``s`` (default: the golden's) over
+    ``visible``, with the case's sink in the denominator where ``sinks``; lse −inf where a row sees no key."""
+    s = golden.stages[STAGE.scores] if s is None else s
     S = s.shape[-1]
     if sinks:
         s, visible = with_sink(golden, s, visible)
@@ -94,6 +98,26 @@ def rope_with(golden: GoldenCase, stage: str, **rope: Any) -> np.ndarray:
     return variant_ops.rope(golden.stages[STAGE.k_proj], cfg.H_kv, k_pos, changed)
 
 
+def turned(golden: GoldenCase, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, k) (B, T, H·D_k), (B, S, H_kv·D_k) turned by the case's RoPE in float64 (as they are without)."""
+    cfg = golden.spec.config
+    if cfg.rope is None:
+        return q, k
+    q_pos, k_pos = variant_ops.rope_positions(cfg, q.shape[1], k.shape[1], golden.row_offset)
+    return variant_ops.rope(q, cfg.H, q_pos, cfg), variant_ops.rope(k, cfg.H_kv, k_pos, cfg)
+
+
+def modified(golden: GoldenCase, s: np.ndarray) -> np.ndarray:
+    """scale·QKᵀ (B, H, T, S) with the case's softcap, bias and ALiBi, in float64."""
+    cfg = golden.spec.config
+    return (s if cfg.softcap is None else variant_ops.softcap(s, cfg.softcap)) + bias_and_alibi(golden)
+
+
+def weights(golden: GoldenCase, s: np.ndarray) -> np.ndarray:
+    """The softmax (B, H, T, S) of the scores ``s`` over the golden's visible keys, with the case's sink."""
+    return weights_and_lse(golden, golden.visible, golden.spec.config.sinks, s)[0]
+
+
 def raw_scores(golden: GoldenCase) -> np.ndarray:
     """(B, H, T, S) scale·Q_rot K_rotᵀ in float64 from the golden (turned) projections, before the softcap."""
     cfg = golden.spec.config
@@ -106,9 +130,10 @@ def raw_scores(golden: GoldenCase) -> np.ndarray:
 
 
 def bias_and_alibi(golden: GoldenCase) -> np.ndarray:
-    """The terms added after the softcap: bias + (−slope·|i + off − j|), broadcast (…, T, S); 0 without."""
+    """The terms added after the softcap: bias + (−slope·|i + off − j|), broadcast (…, T, S); 0 without
+    (a block of query rows: its rows of the whole case's)."""
     _, _, T, S = golden.visible.shape
-    alibi = variant_ops.alibi(golden.spec.config, T, S, T)
+    alibi = variant_ops.alibi(golden.spec.config, T, S, golden.whole_tgt_len, golden.row_offset)
     total: Any = 0.0 if golden.inputs.get("bias") is None else golden.inputs["bias"]
     return total + (0.0 if alibi is None else alibi[None])
 
@@ -126,7 +151,32 @@ def alibi_replaced(golden: GoldenCase, sign: float, column: bool) -> np.ndarray 
     return golden.stages[STAGE.scores] + slopes[None, :, None, None] * (distance + moved)[None, None]
 
 
-# -- the hypotheses: (name, the stages it is read at, the alternative of a stage) ------------------
+def wrong_scale(golden: GoldenCase, got: np.ndarray, sel: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """(k, the golden scores recomputed with the scale × k) where the returned scores, with the bias and
+    ALiBi taken off and the softcap undone (where it is not saturated), are the golden's scale·QKᵀ × one
+    constant k; None in a case without softcap, bias or ALiBi (diagnose.constant_factor reads it there)
+    or without the evidence."""
+    from .diagnose import MIN_VALUES
+
+    cfg = golden.spec.config
+    if cfg.softcap is None and golden.inputs.get("bias") is None and cfg.alibi_slopes is None:
+        return None
+    raw, added = raw_scores(golden), bias_and_alibi(golden)
+    x = got - added
+    if cfg.softcap is not None:
+        c = cfg.softcap
+        x = np.where(np.abs(x) < c * (1 - 2.0**-10), c * np.arctanh(np.clip(x / c, -1.0, 1.0)), np.nan)
+    big = sel & np.isfinite(x) & (np.abs(raw) > 1e-3 * float(np.max(np.abs(raw[sel]), initial=0.0)))
+    if np.count_nonzero(big) < MIN_VALUES:
+        return None
+    k = float(np.median(x[big] / raw[big]))
+    if not np.isfinite(k) or k <= 0 or k == 1.0:
+        return None
+    scaled = k * raw
+    return k, (scaled if cfg.softcap is None else variant_ops.softcap(scaled, cfg.softcap)) + added
+
+
+# -- the hypotheses: (name, the alternative of a stage) -------------------------------------------
 
 def window_visibilities(golden: GoldenCase) -> list[tuple[str, np.ndarray]]:
     """(name, the visibility (B, H, T, S) the bug attends with) of each window bug that applies."""
@@ -155,9 +205,10 @@ def window_visibilities(golden: GoldenCase) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def hypotheses(golden: GoldenCase, stage: str) -> list[tuple[str, np.ndarray]]:
+def hypotheses(golden: GoldenCase, stage: str, got: np.ndarray, sel: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """(name, the alternative (the golden's shape)) of every bug of the variants seen first at ``stage``
-    that applies to ``golden``'s case."""
+    that applies to ``golden``'s case (``got``, ``sel``: the returned stage and its compared entries,
+    from which a wrong scale's factor is read)."""
     cfg = golden.spec.config
     out: list[tuple[str, np.ndarray]] = []
     if stage in (STAGE.lse, STAGE.attn_weights):
@@ -184,6 +235,13 @@ def hypotheses(golden: GoldenCase, stage: str) -> list[tuple[str, np.ndarray]]:
             out.append((f"rotary_dim ignored (all {cfg.D_k} features turned, rotary_dim={rope.rotary_dim} asked)",
                         rope_with(golden, stage, rotary_dim=cfg.D_k)))
     if stage == STAGE.scores:
+        scaled = wrong_scale(golden, got, sel)
+        if scaled is not None:
+            k, alt = scaled
+            inverse = f" (1/{1 / k:.4g})" if k < 1 else ""
+            out.append((f"a wrong scale: the scores are those of the scale × {k:.4g}{inverse}, softcap, bias and "
+                        f"ALiBi applied after it (the spec's scale is multiplied in once, before them; "
+                        f"1/sqrt(D_k) unless the config sets it)", alt))
         if cfg.softcap is not None:
             c, raw = cfg.softcap, raw_scores(golden)
             out.append(("softcap missing (the scores uncapped; spec: s ← c·tanh(s/c) after the scale)",
@@ -242,7 +300,7 @@ def variant_hints(golden: GoldenCase, returned: Mapping[str, Any], dtype: str,
             gold, tol = golden.stages[stage], np.asarray(ev.tol(stage))
             sel = ev.selected(stage) & np.isfinite(gold) & np.isfinite(got)
             found = []
-            for name, alt in hypotheses(golden, stage):
+            for name, alt in hypotheses(golden, stage, got, sel):
                 keep = sel & np.isfinite(alt)
                 tol_alt = alternative_tolerance(alt, gold, tol, EPS[dtype])
                 fits = bool(np.all(_ratio(np.abs(got[keep] - alt[keep]), tol_alt[keep]) <= FIT))
