@@ -41,6 +41,7 @@ class Declared:
 
     def __init__(self, variant: Variant, deviations: list[Deviation]) -> None:
         self.variant, self.name, self.known_deviations = variant, variant.name, deviations
+        self.variants = getattr(variant, "variants", frozenset())  # the attention variants it computes
 
     def run(self, case):
         return self.variant.run(case)
