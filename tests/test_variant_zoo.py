@@ -52,10 +52,10 @@ def test_each_bug_changes_float64_first_at_its_stage_where_it_applies(name):
 @pytest.mark.parametrize("name, cases", [
     ("window_left_off_by_one", {"window", "mistral", "gemma2", "gpt_oss", "window_zero"}),
     ("window_right_off_by_one", {"window", "window_zero"}),
-    ("window_aligned_top_left", {"window_causal_br", "window_t_gt_s_br", "gpt_oss_long"}),
+    ("window_aligned_top_left", {"window_causal_br", "window_t_gt_s", "gpt_oss_long"}),
     ("softcap_missing", {"softcap", "softcap_large_logits", "gemma2"}),
     ("softcap_after_mask", {"gemma2"}),  # a softcap with masked keys
-    ("alibi_wrong_anchor", {"alibi_standard_causal", "alibi_list_br", "bloom"}),
+    ("alibi_wrong_anchor", {"alibi_standard", "alibi_list_br", "bloom"}),
     ("sink_with_a_value", {"sinks", "sinks_masked_rows", "gpt_oss"}),
     ("rope_offset_ignored", {"rope_offsets_gqa", "llama3_partial"}),
     ("rope_rotary_dim_ignored", {"rope_interleaved_partial", "llama3_partial"}),

@@ -16,47 +16,26 @@ from typing import Any
 
 import numpy as np
 
-from mhaspec.spec import CaseSpec, MHAConfig
+from mhaspec.spec import CaseSpec
 
 
-def variant_spec(case_id: str, seed: int = 31, T: int = 5, S: int = 7, batch: int = 2, **config: Any) -> CaseSpec:
-    """A CaseSpec of d_model=10, H=3, D_k=6 (overridable) with the variant fields ``config``
-    (``bias`` and ``mask`` go to the case, the rest to the config)."""
-    fields = {k: config.pop(k) for k in ("bias", "mask", "inputs") if k in config}
-    return CaseSpec(id=case_id, config=MHAConfig(**{"d_model": 10, "num_heads": 3, "head_dim": 6, **config}),
-                    batch=batch, tgt_len=T, src_len=S, seed=seed, **fields)
+from .test_variant_spec import VARIANTS as SPEC_VARIANTS  # the exact reference's own variant cases
+from .test_variant_spec import _spec as variant_spec  # noqa: F401 (B=2, T=5, S=7, H=3, D_k=6 by default)
 
-
-#: name -> the variant fields: every feature alone, edge cases, and the models' combinations.
+#: name -> the variant fields (``bias`` and ``mask`` go to the case): test_variant_spec.py's cases (every
+#: feature alone, the models' combinations, everything at once) and the edge cases: windows of 0 and
+#: >= S keys, softcap with large logits, gpt-oss across key blocks (S = 19), Llama 3 with partial rotary
+#: and offsets, BLOOM (ALiBi bottom-right, causal), T5 (a bias per head).
 CASES: dict[str, dict[str, Any]] = {
-    "window": dict(window_left=2, window_right=1),
+    **SPEC_VARIANTS,
     "window_zero": dict(window_left=0, window_right=0),
-    "window_causal_br": dict(window_left=1, causal=True, causal_alignment="bottom_right", T=4, S=7),
-    "window_t_gt_s_br": dict(window_left=1, causal=True, causal_alignment="bottom_right", T=7, S=4),
     "window_ge_s": dict(window_left=9, window_right=9),
-    "softcap": dict(softcap=0.75),
     "softcap_large_logits": dict(softcap=5.0, scale=4.0),
-    "alibi_standard_causal": dict(alibi_slopes="standard", causal=True),
-    "alibi_list_br": dict(alibi_slopes=(0.5, 0.125, 1.5), causal_alignment="bottom_right", T=4),
-    "bias": dict(bias={"per_head": True, "per_batch": True}),
-    "bias_shared": dict(bias={"per_head": False}),
-    "sinks": dict(sinks=True),
-    "sinks_masked_rows": dict(sinks=True, mask={"kind": "random", "density": 0.6, "fully_masked": ((0, 1),)}),
-    "rope_half": dict(rope={"theta": 100.0}),
-    "rope_interleaved_partial": dict(rope={"style": "interleaved", "rotary_dim": 4, "theta": 50.0}),
-    "rope_offsets_gqa": dict(rope={"query_offset": 3, "key_offset": 1, "theta": 1000.0}, num_heads=4, num_kv_heads=2,
-                             d_model=12),
-    "mistral": dict(window_left=3, causal=True, num_heads=4, num_kv_heads=2, d_model=12),
-    "gemma2": dict(softcap=1.5, window_left=2, causal=True),
-    "gpt_oss": dict(sinks=True, window_left=2, causal=True, rope={"theta": 150.0}),
-    "gpt_oss_long": dict(sinks=True, window_left=5, causal=True, causal_alignment="bottom_right", T=6, S=19,
-                         batch=1),
+    "gpt_oss_long": dict(sinks=True, window_left=5, causal=True, causal_alignment="bottom_right", T=6, S=19),
     "llama3_partial": dict(rope={"theta": 500000.0, "rotary_dim": 4, "query_offset": 5, "key_offset": 2},
                            causal=True, causal_alignment="bottom_right", num_heads=4, num_kv_heads=2, d_model=12, T=3),
     "bloom": dict(alibi_slopes="standard", causal=True, causal_alignment="bottom_right"),
     "t5": dict(bias={"per_head": True}),
-    "everything": dict(rope={"style": "interleaved", "query_offset": 2}, softcap=2.0, alibi_slopes="standard",
-                       bias={}, sinks=True, window_left=3, window_right=0, causal_alignment="bottom_right"),
 }
 
 
