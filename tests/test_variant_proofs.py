@@ -76,3 +76,28 @@ def test_the_numpy_adapter_conforms_on_every_variant_case_and_dtype():
     assert {"q_rot", "k_rot", "lse"} <= judged, judged
     worst = worst_ratio(report)
     assert worst <= 0.5, f"numpy: worst error/tolerance {worst:.3g} (margin {1 / worst:.3g}x)"
+
+
+def test_the_figures_per_dtype(capsys):
+    """The issue's "done when": per dtype, the share of the kill list caught at its stage where it changes
+    the float64 result (every stage exposed and output only), and the correct implementations' smallest
+    margin (tolerance / error at the worst element).  benchmarks/variant_figures.py prints them in full."""
+    caught = {d: [0, 0] for d in DTYPES}
+    for adapter, _ in {**KILL_LIST, **OUTPUT_ONLY_KILL_LIST}.values():
+        expected = expected_stages(adapter)
+        by = {(r.case, r.dtype): r for r in variant_report(adapter).results}
+        for case, stage in expected.items():
+            for d in DTYPES:
+                r = by[case, d]
+                caught[d][0] += r.verdict == ERROR or (r.verdict == FAIL and r.first_failing_stage == stage)
+                caught[d][1] += 1
+    margin = {}
+    for d in DTYPES:
+        worst = max((st.worst_ratio or 0.0) for a in [*ALL_CORRECT.values(), *_OUTPUT_ONLY.values()]
+                    for r in variant_report(a).results if r.dtype == d for st in r.stages if st.verdict in (PASS, FAIL))
+        margin[d] = 1 / worst
+    with capsys.disabled():
+        print("\nkill list caught at its stage: " + ", ".join(f"{d} {a}/{b} = {a / b:.1%}" for d, (a, b) in caught.items())
+              + "\ncorrect implementations' smallest margin: " + ", ".join(f"{d} {m:.3g}x" for d, m in margin.items()))
+    assert all(a == b > 0 for a, b in caught.values()), caught
+    assert all(m >= 2 for m in margin.values()), margin
