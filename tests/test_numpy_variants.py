@@ -47,7 +47,8 @@ def test_float64_agrees_with_the_exact_reference_within_a_few_ulps(name):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("name", ["everything", "gpt_oss", "llama3_partial", "softcap_large_logits", "sinks_masked_rows"])
+@pytest.mark.parametrize("name", ["everything", "gpt_oss", "llama3_partial", "softcap_large_logits",
+                                  "sinks_masked_rows"])
 def test_every_stage_comes_in_the_dtype_near_the_float64_result(name, dtype):
     got = NumpyMHA().run(spec_of(name).case(dtype))
     want = exact(name)

@@ -97,7 +97,8 @@ def test_the_figures_per_dtype(capsys):
                     for r in variant_report(a).results if r.dtype == d for st in r.stages if st.verdict in (PASS, FAIL))
         margin[d] = 1 / worst
     with capsys.disabled():
-        print("\nkill list caught at its stage: " + ", ".join(f"{d} {a}/{b} = {a / b:.1%}" for d, (a, b) in caught.items())
+        print("\nkill list caught at its stage: "
+              + ", ".join(f"{d} {a}/{b} = {a / b:.1%}" for d, (a, b) in caught.items())
               + "\ncorrect implementations' smallest margin: " + ", ".join(f"{d} {m:.3g}x" for d, m in margin.items()))
     assert all(a == b > 0 for a, b in caught.values()), caught
     assert all(m >= 2 for m in margin.values()), margin

@@ -268,7 +268,8 @@ class Variant:
         if self.rope_style_swapped:
             style = "interleaved" if style == "half" else "half"
         angle_dt = np.float64 if dt == np.float64 else np.float32
-        inv_freq = (1.0 / (angle_dt(spec.theta) ** (np.arange(0, rd, 2).astype(angle_dt) / angle_dt(rd)))).astype(angle_dt)
+        exponents = np.arange(0, rd, 2).astype(angle_dt) / angle_dt(rd)  # (rd/2,): HF's arange(0, dim, 2) / dim
+        inv_freq = (1.0 / (angle_dt(spec.theta) ** exponents)).astype(angle_dt)
         freqs = positions.astype(angle_dt)[:, None] * inv_freq[None, :]  # (L, rd/2)
         h = np.asarray(x).reshape(B, L, n, D)
         xr, rest = h[..., :rd], h[..., rd:]
@@ -440,7 +441,8 @@ class Variant:
         keep = allowed if not self.mask_after_softmax else np.ones_like(allowed)
         x = np.where(keep | self.finfo_fill, x, -np.inf) if self.mask_after_softmax else x
         if sinks is not None:
-            x = np.concatenate([x, np.broadcast_to(sinks, x.shape[:-1] + (1,)).astype(acc)], axis=-1)  # (B, H, T, S + 1)
+            column = np.broadcast_to(sinks, x.shape[:-1] + (1,)).astype(acc)
+            x = np.concatenate([x, column], axis=-1)  # (B, H, T, S + 1)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             peak = np.zeros_like(x[..., :1])
             if self.no_max_subtraction:
@@ -579,12 +581,14 @@ VARIANT_CORRECT = {
 #: (one query at position 0) or the query offset that is ignored is 0.
 KILL_LIST = {
     "window_left_off_by_one": (Variant(name="window_left_obo", window_left_off_by_one=True), ("lse", "attn_weights")),
-    "window_right_off_by_one": (Variant(name="window_right_obo", window_right_off_by_one=True), ("lse", "attn_weights")),
+    "window_right_off_by_one": (Variant(name="window_right_obo", window_right_off_by_one=True),
+                                ("lse", "attn_weights")),
     "window_aligned_top_left": (Variant(name="window_top_left", window_top_left=True), ("lse", "attn_weights")),
     "softcap_missing": (Variant(name="no_softcap", softcap_missing=True), ("scores",)),
     # masked keys get e^(−c − max) of the weight, fully masked rows 1/S each: the LSE and the weights see
     # it; the visible scores only where a bias or ALiBi, added before the mask, is capped too
-    "softcap_after_mask": (Variant(name="softcap_after_mask", softcap_after_mask=True), ("scores", "lse", "attn_weights")),
+    "softcap_after_mask": (Variant(name="softcap_after_mask", softcap_after_mask=True),
+                           ("scores", "lse", "attn_weights")),
     "softcap_before_scale": (Variant(name="softcap_before_scale", softcap_before_scale=True), ("scores",)),
     "alibi_wrong_sign": (Variant(name="alibi_sign", alibi_wrong_sign=True), ("scores",)),
     # + slope·j: in a causal row only a constant off (scores and lse see it; the weights do not)

@@ -201,7 +201,8 @@ def window_visibilities(golden: GoldenCase) -> list[tuple[str, np.ndarray]]:
         if cfg.causal:
             moved = moved & visibility_with(golden, window_left=None, window_right=None)
         out.append((f"window aligned {other.replace('_', '-')} instead of {cfg.causal_alignment.replace('_', '-')} "
-                    f"(its diagonal is key i + {'S − T' if other == 'bottom_right' else '0'} for query row i)", moved))
+                    f"(its diagonal is key i + {'S − T' if other == 'bottom_right' else '0'} for query row i)",
+                    moved))
     return out
 
 
@@ -251,7 +252,8 @@ def hypotheses(golden: GoldenCase, stage: str, got: np.ndarray, sel: np.ndarray)
                         + bias_and_alibi(golden)))
         flipped = alibi_replaced(golden, 1.0, column=False)
         if flipped is not None:
-            out.append(("ALiBi with the wrong sign (+slope·|i + off − j|; spec: −slope·|i + off − j|)", flipped))
+            out.append(("ALiBi with the wrong sign (+slope·|i + off − j|; spec: −slope·|i + off − j|)",
+                        flipped))
             out.append(("ALiBi anchored at column 0 (+slope·j, HF BLOOM's form; spec: −slope·|i + off − j|, "
                         "which differs by a constant per row where j ≤ i + off)",
                         alibi_replaced(golden, 1.0, column=True)))  # type: ignore[arg-type]
