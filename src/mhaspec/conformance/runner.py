@@ -17,7 +17,7 @@ from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import STAGE, STAGES, compared_entries
-from ..spec.variants import undeclared
+from ..spec.variants import undeclared, variants_used
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import judge_in_blocks
@@ -34,6 +34,11 @@ from .tolerance import backward_bounds, local_checks
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
 DEFAULT_TIMEOUT = 60.0
+
+#: Why a golden case has no backward stages, as ``--backward`` reports it.
+CATALOG_FORWARD_ONLY = "the cases of --catalog are computed on the fly, forward only: docs/backward.md"
+VARIANT_FORWARD_ONLY = ("the cases with an attention variant are judged forward only: the backward of the variants "
+                        "has no golden yet, docs/spec.md §2a")
 
 #: A case of up to this much attention work (B·H·T·S·(D_k + D_v) multiply-adds: T = S = 512 with
 #: H = 8 and D = 64) gets the timeout as given; a larger one (``run --catalog``, ``fuzz``)
@@ -116,7 +121,8 @@ class Session:
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
-        self._no_backward_golden = 0  # case×dtype judged with --backward whose golden has no backward stages
+        # case×dtype judged with --backward whose golden has no backward stages, by why (NO_BACKWARD_GOLDEN)
+        self._no_backward_golden: dict[str, int] = {}
         self._results: dict[tuple[str, str], CaseResult] = {}
 
     def close(self) -> None:
@@ -360,7 +366,8 @@ class Session:
         """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
         if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
             if self._has_backward:
-                self._no_backward_golden += 1
+                why = VARIANT_FORWARD_ONLY if variants_used(golden.spec) else CATALOG_FORWARD_ONLY
+                self._no_backward_golden[why] = self._no_backward_golden.get(why, 0) + 1
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
@@ -419,10 +426,10 @@ class Session:
         warnings = self.deviation_warnings()
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
-        elif self.backward and self._no_backward_golden:
-            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden (the cases "
-                            f"of --catalog are computed on the fly, forward only: docs/backward.md); their backward "
-                            f"stages were not judged")
+        elif self.backward:
+            for why, count in self._no_backward_golden.items():
+                warnings.append(f"--backward: {count} case×dtype have no backward golden ({why}); their backward "
+                                f"stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,
