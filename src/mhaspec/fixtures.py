@@ -10,11 +10,17 @@ see :func:`write_folder_atomically`.
 Tensor names inside a file::
 
     input.query  input.key  input.value  [input.mask]      float64 / bool
-    weight.w_q … weight.b_o                                float64
+    [input.bias]                                           float64 (B|1, H|1, T, S)
+    weight.w_q … weight.b_o  [weight.sink_logits]          float64
     stage.q_proj … stage.output                            float64
     grad.d_output                                          float64 (B, T, d_out)
     stage.d_concat … stage.d_b_o                           float64 (the case's backward stages)
     visible                                                bool (B, H, T, S)
+
+A case using a variant (docs/spec.md §2a, :func:`forward_only`) stores the forward stages with
+``stage.lse`` (and ``stage.q_rot``, ``stage.k_rot`` with RoPE) and no ``grad.d_output`` nor backward
+stages.  A spec-1.1 fixture stores no ``lse``: :func:`load_case` computes it from the exact scores,
+with its error bound in ``reference_error`` (:class:`StageErrors`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ on numpy 2.4, tests/test_fast_reference.py checks it), the row sum is any-order
 :func:`sum_bound` (n + 2)-bounds of their BLAS dot products plus the propagated error.  Every
 bound is multiplied by :data:`SAFETY` to cover the float64 rounding of the
 bound's own arithmetic (valid while n·u < 2^-21, i.e. n < 2^32).
+
+The variants (docs/spec.md §2a), in their order: RoPE (:func:`rope_with_error`: ``q_rot``, ``k_rot``;
+the scores of turned Q and K are never proven exact), softcap (:func:`softcap_with_error`), bias and
+ALiBi (:func:`add_bias_with_error`), the window (in the visibility), sinks in the softmax denominator
+and ``lse`` (:func:`softmax_with_lse`, :func:`lse_error`), for every case.  numpy's tanh, cos, sin,
+log and power are assumed within :data:`ELEMENTARY_ULPS` ulps (tests/test_fast_reference.py).
 """
 
 from __future__ import annotations
