@@ -157,3 +157,19 @@ def test_custom_catalog_generates_and_runs(tmp_path, capsys):
     assert main(["generate", "--catalog", str(catalog), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "cases.json: case 0 (mine) is invalid" in err and "d_model=6 is not divisible by num_heads=4" in err
+
+
+def test_every_input_and_weight_is_exact_in_float16_and_bfloat16():
+    """The variants' additive bias input and sink logits too: the float64 golden is then the exact answer
+    for the very same inputs in every dtype under test (docs/spec.md §3)."""
+    from mhaspec.conformance.compare import representable
+
+    seen = set()
+    for golden in GoldenSet():
+        for name, value in {**golden.inputs, **golden.weights}.items():
+            if value is None or value.dtype == np.bool_:
+                continue
+            seen.add(name)
+            for dtype in ("float16", "bfloat16"):
+                assert representable(value, dtype).all(), (golden.id, name, dtype)
+    assert {"bias", "sink_logits", "query", "w_q"} <= seen
