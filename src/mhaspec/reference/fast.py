@@ -63,7 +63,7 @@ U = 2.0**-53  # float64 unit roundoff
 EXP_ULPS = 2
 #: numpy's float64 tanh, cos, sin, log and power (``**``) are assumed within this many ulps of their
 #: correctly rounded values (the variants: softcap, RoPE, lse; measured on numpy 2.4: at most 1 ulp,
-#: tests/test_fast_reference.py checks each against decimal at 40 digits).
+#: tests/test_fast_reference.py checks each against mpmath).
 ELEMENTARY_ULPS = 4
 #: Covers the float64 rounding of the bounds' own sums and products.
 SAFETY = 1.0 + 2.0**-20
@@ -278,13 +278,14 @@ def softmax_with_lse(s: np.ndarray, visible: np.ndarray | None, sink: np.ndarray
     return peak, total, p_sink, lse
 
 
-def shift_rounding(s: np.ndarray, visible: np.ndarray | None, sink: np.ndarray | float | None,
+def shift_rounding(s: np.ndarray, sink: np.ndarray | float | None,
                    peak: np.ndarray) -> tuple[np.ndarray, np.ndarray | float]:
-    """(u·|s_j − peak| on the visible entries (…, S), u·|sink − peak| (…, 1) or 0.0): the rounding of
-    the shifted arguments, which the exact reference's log-sum-exp does not have."""
-    t = np.abs(s - peak) * U
-    if visible is not None:
-        np.copyto(t, 0.0, where=~visible)
+    """(u·|s_j − peak| (…, S), u·|sink − peak| (…, 1) or 0.0): the rounding of the shifted arguments,
+    which the exact reference's log-sum-exp does not have (on the masked entries too, whose weight is
+    0: a larger maximum for :func:`lse_error`'s e^(max t), never a smaller bound)."""
+    t = np.subtract(s, peak)
+    np.abs(t, out=t)
+    t *= U
     return t, (0.0 if sink is None else U * np.abs(sink - peak))
 
 
@@ -297,7 +298,7 @@ def lse_of_exact_scores(scores: np.ndarray, visible: np.ndarray,
     sink = None if sink_logits is None else np.asarray(sink_logits, dtype=np.float64)[None, :, None, None]
     p = np.empty_like(scores)
     peak, total, p_sink, lse = softmax_with_lse(scores, visible, sink, p)
-    t, t_sink = shift_rounding(scores, visible, sink, peak)
+    t, t_sink = shift_rounding(scores, sink, peak)
     rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S + (sink is not None))
     return lse[..., 0], lse_error(p, t, p_sink, t_sink, total, lse, rel_round)[..., 0]
 
@@ -314,7 +315,7 @@ def lse_error(p: np.ndarray, t: np.ndarray, p_sink: np.ndarray | float, t_sink: 
     here are the fast weights), ln (ELEMENTARY_ULPS ulps of |ln total|), the addition of the peak and
     the exact reference's own rounding (u·|lse| each)."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        spread = np.sum(p * t, axis=-1, keepdims=True) + p_sink * t_sink  # (n, 1)
+        spread = np.einsum("...j,...j->...", p, t)[..., None] + p_sink * t_sink  # (n, 1)
         grow = np.exp(np.minimum(np.maximum(t.max(axis=-1, keepdims=True), t_sink), 700.0))
         rounding = 2 * rel_round + 2 * U * (ELEMENTARY_ULPS * np.abs(np.log(total)) + np.abs(lse))
         error = SAFETY * (grow * spread + rounding)
@@ -494,7 +495,7 @@ class FastRows:
             c_rel = rel_round * SAFETY
             np.multiply(p, c_rel, out=e_p)
             np.add(e_p, SUBNORMAL, out=e_p, where=vis)
-            t, t_sink = shift_rounding(s, None if all_vis else vis, sink, peak)
+            t, t_sink = shift_rounding(s, sink, peak)
         else:
             assert e_s is not None
             t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(peak)), 0.0)

@@ -297,7 +297,7 @@ CATALOG = Catalog(
         ),
         # -- the combinations real models ship -------------------------------------------------------
         _case(
-            "mistral_window_gqa",
+            "mistral_sliding_window",
             "Mistral: sliding window (HF sliding_window=4: window_left=3) + GQA (H=8, H_kv=2), causal",
             dict(d_model=32, num_heads=8, num_kv_heads=2, window_left=3, causal=True),
             batch=1, tgt_len=11, src_len=11, inputs="self", seed=39,
@@ -315,7 +315,7 @@ CATALOG = Catalog(
             batch=3, tgt_len=10, src_len=10, inputs="self", seed=41,
         ),
         _case(
-            "llama3_rope_gqa",
+            "llama3_rope",
             "Llama 3: RoPE (half, theta = 500000) + GQA (H=6, H_kv=2), causal",
             dict(d_model=24, num_heads=6, num_kv_heads=2, rope=dict(style="half", theta=500000.0), causal=True),
             batch=1, tgt_len=7, src_len=7, inputs="self", seed=42,
