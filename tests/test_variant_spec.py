@@ -483,3 +483,34 @@ def test_the_plain_variant_operations_agree_with_the_exact_reference_row_block_b
             np.testing.assert_allclose(s[:, :, t0:t1] + term[None], whole[:, :, t0:t1], rtol=1e-15, atol=1e-14)
     if cfg.softcap is not None:
         np.testing.assert_allclose(variant_ops.softcap(s, cfg.softcap), exact.softcap(s, cfg.softcap), rtol=4e-16, atol=0)
+
+
+def test_backward_on_a_variant_fixture_judges_the_forward_and_says_why_not_the_backward():
+    """A variant case's fixture holds no backward stages: with --backward its forward is judged and
+    the run says once, with the reason, that its backward stages were not judged."""
+    import mhaspec
+
+    class PlainNumpy:  # every variant, in float64 (the plain implementation above)
+        name = "plain-numpy"
+        variants = frozenset({"window", "softcap", "alibi", "bias", "sinks", "rope"})
+
+        def run(self, case):
+            inputs = {"query": case.inputs.query, "key": case.inputs.key, "value": case.inputs.value,
+                      "mask": case.inputs.mask, "bias": case.inputs.bias}
+            weights = {name: getattr(case.weights, name) for name in
+                       ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sink_logits")}
+            return {"output": naive_forward(case.config, inputs, {k: v for k, v in weights.items() if v is not None})["output"]}
+
+        def backward(self, case):
+            raise AssertionError("never asked: the case has no backward golden")
+
+    report = mhaspec.check(PlainNumpy(), dtypes=["float64"], cases=["sinks", "window_zero"], backward=True,
+                           timeout=None, isolate=False)
+    assert [r.case for r in report.results] == ["sinks", "window_zero"]
+    for r in report.results:  # the forward judged (output), no backward stage
+        names = [s.stage for s in r.stages]
+        assert set(STAGES) <= set(names) and not [n for n in names if n.startswith("d_")], names
+        assert r.stage("output").verdict in ("pass", "fail")
+    assert [w for w in report.warnings if "no backward golden" in w] == [
+        "--backward: 2 case×dtype have no backward golden (the cases with an attention variant are judged forward "
+        "only: the backward of the variants has no golden yet, docs/spec.md §2a); their backward stages were not judged"]
