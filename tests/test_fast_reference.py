@@ -410,3 +410,16 @@ def test_numpy_elementary_functions_are_within_the_assumed_ulps():
         rounded = np.array([float(v) for v in want])
         ulps = np.abs(got - rounded) / np.spacing(np.abs(rounded))
         assert np.max(ulps) <= ELEMENTARY_ULPS, (name, np.max(ulps))
+
+
+def test_a_block_of_a_spec_1_1_fixture_keeps_its_lse_and_its_exact_stages():
+    """blocks.block_case slices the lse computed at load and its bound by query row; the stages the
+    fixture stores stay exact (reference_error names only lse: every other stage reads 0.0)."""
+    from mhaspec.conformance.blocks import block_case
+
+    golden = GoldenSet().load("long_sequence")  # B = 1, H = 2, T = S = 128
+    block = block_case(golden, 0, 32, 64)
+    assert block.stages["lse"].shape == (1, 2, 32) and block.reference_error["lse"].shape == (1, 2, 32)
+    assert np.array_equal(block.stages["lse"], golden.stages["lse"][:, :, 32:64])
+    assert np.array_equal(block.reference_error["lse"], golden.reference_error["lse"][:, :, 32:64])
+    assert block.reference_error["scores"] == 0.0 and block.reference_error["output"] == 0.0
