@@ -278,15 +278,26 @@ def softmax_with_lse(s: np.ndarray, visible: np.ndarray | None, sink: np.ndarray
     return peak, total, p_sink, lse
 
 
-def shift_rounding(s: np.ndarray, sink: np.ndarray | float | None,
-                   peak: np.ndarray) -> tuple[np.ndarray, np.ndarray | float]:
-    """(u·|s_j − peak| (…, S), u·|sink − peak| (…, 1) or 0.0): the rounding of the shifted arguments,
-    which the exact reference's log-sum-exp does not have (on the masked entries too, whose weight is
-    0: a larger maximum for :func:`lse_error`'s e^(max t), never a smaller bound)."""
-    t = np.subtract(s, peak)
-    np.abs(t, out=t)
-    t *= U
-    return t, (0.0 if sink is None else U * np.abs(sink - peak))
+def shift_spread(p: np.ndarray, s: np.ndarray, peak: np.ndarray, p_sink: np.ndarray | float,
+                 sink: np.ndarray | float | None, rel_round: float) -> np.ndarray:
+    """(…, 1): a bound of Σ_j p_j·u·|s_j − peak| (+ the sink's p_sink·u·|sink − peak|), what the
+    rounding of the shifted arguments s_j − peak, which the exact reference's log-sum-exp does not have,
+    moves the lse by (:func:`lse_error`), from exact scores, in one pass over the row.
+
+    Where p_j > 0, s_j <= peak, so Σ_j p_j |s_j − peak| = peak·Σ_j p_j − Σ_j p_j s_j, and Σ_j p_j is
+    1 − p_sink within ``rel_round``.  Evaluated in float64 the difference is off by at most
+    |peak|·(rel_round + u) + γ(S)·Σ_j p_j |s_j| <= |peak|·(rel_round + u + γ(S)) + γ(S)·(the sum itself)
+    (|s_j| <= |peak| + (peak − s_j)).  Each p_j·(e^(u·|s_j − peak|) − 1) is p_j·u·|s_j − peak| within a
+    factor 1 + 2^-40 where p_j is a normal number (|s_j − peak| < 746); a p_j that underflows to 0
+    stands for at most u·e^-745 each: ``SUBNORMAL`` per key."""
+    S = s.shape[-1]
+    g = gamma(S + 4)
+    dot = np.einsum("...j,...j->...", p, s)[..., None]  # Σ_j p_j s_j
+    difference = np.maximum(peak * (1.0 - p_sink) - dot, 0.0)
+    spread = U * (difference + np.abs(peak) * (rel_round + g)) / (1.0 - g) + S * SUBNORMAL
+    if sink is not None:
+        spread = spread + p_sink * U * np.abs(sink - peak)
+    return spread
 
 
 def lse_of_exact_scores(scores: np.ndarray, visible: np.ndarray,
@@ -298,25 +309,24 @@ def lse_of_exact_scores(scores: np.ndarray, visible: np.ndarray,
     sink = None if sink_logits is None else np.asarray(sink_logits, dtype=np.float64)[None, :, None, None]
     p = np.empty_like(scores)
     peak, total, p_sink, lse = softmax_with_lse(scores, visible, sink, p)
-    t, t_sink = shift_rounding(scores, sink, peak)
     rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S + (sink is not None))
-    return lse[..., 0], lse_error(p, t, p_sink, t_sink, total, lse, rel_round)[..., 0]
+    spread = shift_spread(p, scores, peak, p_sink, sink, rel_round)
+    return lse[..., 0], lse_error(spread, 1.0, total, lse, rel_round)[..., 0]
 
 
-def lse_error(p: np.ndarray, t: np.ndarray, p_sink: np.ndarray | float, t_sink: np.ndarray | float,
-              total: np.ndarray, lse: np.ndarray, rel_round: float) -> np.ndarray:
+def lse_error(spread: np.ndarray, grow: np.ndarray | float, total: np.ndarray, lse: np.ndarray,
+              rel_round: float) -> np.ndarray:
     """(n, 1): bound of |fast lse − exact lse| of n rows (0 where no key is visible: −inf in both).
 
     The fast lse is peak + ln(total), total the row's sum of e^(s_j − peak) (and of the sink's); the
     exact reference rounds the log-sum-exp of its scores once.  The log-sum-exp's gradient is the
-    softmax, so arguments off by at most t_j (n, S) (the scores' error and the rounding of s_j − peak;
-    t_sink for the sink) move it by at most ln Σ p_j e^(t_j) <= e^(max t)·Σ p_j t_j (p the weights of
-    the row, sink included, which sum to 1).  Then: the exps and the row sum (``rel_round``, twice: p
-    here are the fast weights), ln (ELEMENTARY_ULPS ulps of |ln total|), the addition of the peak and
-    the exact reference's own rounding (u·|lse| each)."""
+    softmax, so arguments off by at most t_j (the scores' error and the rounding of s_j − peak; the
+    sink's alike) move it by at most ln Σ p_j e^(t_j) <= ``grow``·``spread``, spread = Σ p_j t_j and
+    grow = e^(max t) (p the weights of the row, sink included, which sum to 1; :func:`shift_spread`
+    for exact scores).  Then: the exps and the row sum (``rel_round``, twice: p here are the fast
+    weights), ln (ELEMENTARY_ULPS ulps of |ln total|), the addition of the peak and the exact
+    reference's own rounding (u·|lse| each)."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        spread = np.einsum("...j,...j->...", p, t)[..., None] + p_sink * t_sink  # (n, 1)
-        grow = np.exp(np.minimum(np.maximum(t.max(axis=-1, keepdims=True), t_sink), 700.0))
         rounding = 2 * rel_round + 2 * U * (ELEMENTARY_ULPS * np.abs(np.log(total)) + np.abs(lse))
         error = SAFETY * (grow * spread + rounding)
     return np.where(np.isfinite(lse), error, 0.0)
@@ -495,7 +505,7 @@ class FastRows:
             c_rel = rel_round * SAFETY
             np.multiply(p, c_rel, out=e_p)
             np.add(e_p, SUBNORMAL, out=e_p, where=vis)
-            t, t_sink = shift_rounding(s, sink, peak)
+            spread, grow = shift_spread(p, s, peak, p_sink, sink, rel_round), 1.0
         else:
             assert e_s is not None
             t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(peak)), 0.0)
@@ -507,12 +517,15 @@ class FastRows:
                 up = np.sum(p * et, axis=-1, keepdims=True) + p_sink * et_sink
                 down = np.sum(p / et, axis=-1, keepdims=True) + p_sink / et_sink
                 pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
+                # the lse moves by at most ln Σ p_j e^(t_j) = ln(up) (:func:`lse_error`), up computed
+                # with the fast weights (rel_round) and rounded (γ(S + 2))
+                spread, grow = np.maximum(np.log(up), 0.0) + rel_round + gamma(self.S + 2), 1.0
             rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
             e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
         l_dst, e_l = dst["l"], dst["e_l"]
         assert l_dst is not None and e_l is not None
         l_dst[...] = lse[:, 0]
-        e_l[...] = lse_error(p, t, p_sink, t_sink, total, lse, rel_round)[:, 0]
+        e_l[...] = lse_error(spread, grow, total, lse, rel_round)[:, 0]
         # head outputs: the propagated weight error plus the dot's own rounding
         o, e_o_dst = dst["o"], dst["e_o"]
         assert o is not None and e_o_dst is not None
