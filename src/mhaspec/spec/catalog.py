@@ -244,14 +244,14 @@ CATALOG = Catalog(
         _case(
             "window_both_sides",
             "sliding window on both sides (window_left=1, window_right=2), T < S, top-left: i - 1 <= j <= i + 2",
-            dict(d_model=10, num_heads=2, window_left=1, window_right=2),
+            dict(d_model=12, num_heads=2, window_left=1, window_right=2),
             batch=3, tgt_len=5, src_len=9, seed=30,
         ),
         _case(
             "softcap",
             "logit softcap c = 2: s <- 2 tanh(s / 2), after the scale",
-            dict(d_model=12, num_heads=2, softcap=2.0),
-            batch=2, tgt_len=6, src_len=6, inputs="self", seed=31, weight_shift=1,
+            dict(d_model=15, num_heads=3, softcap=2.0),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=31,
         ),
         _case(
             "alibi_standard",
@@ -287,13 +287,13 @@ CATALOG = Catalog(
             "rope_half",
             "RoPE, style half (NeoX/Llama rotate_half), D_k = 8",
             dict(d_model=16, num_heads=2, rope=dict(style="half")),
-            batch=2, tgt_len=7, src_len=7, inputs="self", seed=37,
+            batch=3, tgt_len=7, src_len=7, inputs="self", seed=37,
         ),
         _case(
             "rope_interleaved",
             "RoPE, style interleaved (GPT-J), theta = 500, D_k = 6, T != S",
             dict(d_model=12, num_heads=2, rope=dict(style="interleaved", theta=500.0)),
-            batch=2, tgt_len=5, src_len=6, seed=38,
+            batch=3, tgt_len=5, src_len=7, seed=38,
         ),
         # -- the combinations real models ship -------------------------------------------------------
         _case(
@@ -322,9 +322,9 @@ CATALOG = Catalog(
         ),
         _case(
             "llama3_partial_rotary",
-            "RoPE on part of each head (rotary_dim=4 of D_k=8) + MQA, causal",
-            dict(d_model=32, num_heads=4, num_kv_heads=1, rope=dict(style="half", rotary_dim=4), causal=True),
-            batch=2, tgt_len=6, src_len=6, inputs="self", seed=43,
+            "RoPE on part of each head (rotary_dim=6 of D_k=8) + MQA, causal",
+            dict(d_model=32, num_heads=4, num_kv_heads=1, rope=dict(style="half", rotary_dim=6), causal=True),
+            batch=3, tgt_len=5, src_len=5, inputs="self", seed=43,
         ),
         _case(
             "bloom_alibi",
@@ -355,13 +355,13 @@ CATALOG = Catalog(
             "window_bottom_right_t_gt_s",
             "a window (2 left, 1 right) with T > S bottom-right: the first rows see no key",
             dict(d_model=12, num_heads=2, window_left=2, window_right=1, causal_alignment="bottom_right"),
-            batch=2, tgt_len=7, src_len=4, seed=48,
+            batch=3, tgt_len=7, src_len=4, seed=48,
         ),
         _case(
             "softcap_large_logits",
             "softcap c = 4 with |scores| in the hundreds: the cap saturates",
             dict(d_model=16, num_heads=2, softcap=4.0),
-            batch=2, tgt_len=6, src_len=6, inputs="self", seed=49, input_exponent=3, weight_shift=1,
+            batch=3, tgt_len=6, src_len=6, inputs="self", seed=49, input_exponent=3, weight_shift=1,
         ),
         _case(
             "sink_dominates",
@@ -373,9 +373,9 @@ CATALOG = Catalog(
             "rope_offset_decode",
             "RoPE with position offsets like a decode step: T = 2 queries at positions 12, 13 against keys "
             "at 5 … 13, causal bottom-right",
-            dict(d_model=12, num_heads=2, rope=dict(style="half", query_offset=12, key_offset=5), causal=True,
+            dict(d_model=12, num_heads=3, rope=dict(style="half", query_offset=12, key_offset=5), causal=True,
                  causal_alignment="bottom_right"),
-            batch=2, tgt_len=2, src_len=9, seed=51,
+            batch=3, tgt_len=2, src_len=9, seed=51,
         ),
     ]
 )
