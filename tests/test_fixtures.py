@@ -173,3 +173,25 @@ def test_every_input_and_weight_is_exact_in_float16_and_bfloat16():
             for dtype in ("float16", "bfloat16"):
                 assert representable(value, dtype).all(), (golden.id, name, dtype)
     assert {"bias", "sink_logits", "query", "w_q"} <= seen
+
+
+def test_a_spec_1_1_golden_folder_is_still_read_and_another_version_is_refused(tmp_path):
+    """A golden folder written by spec 1.1 (its cases without variants, byte-identical in spec 1.2)
+    loads; a folder of an unknown spec version is refused, naming both versions."""
+    from mhaspec.spec.variants import variants_used
+
+    manifest = json.loads((DEFAULT_GOLDEN / "manifest.json").read_text())
+    assert manifest["spec_version"] == "1.2"
+    for version in ("1.1", "0.9"):
+        folder = tmp_path / version
+        folder.mkdir()
+        cases = [c for c in manifest["cases"] if not variants_used(CATALOG[c["spec"]["id"]])]
+        for entry in cases:
+            shutil.copy(DEFAULT_GOLDEN / entry["file"], folder / entry["file"])
+        (folder / "manifest.json").write_text(json.dumps({**manifest, "spec_version": version, "cases": cases}))
+        if version == "1.1":
+            golden = GoldenSet(folder).load("gqa")
+            assert "lse" in golden.stages and len(GoldenSet(folder)) == 28
+        else:
+            with pytest.raises(FixtureError, match="spec version 0.9, this mhaspec implements 1.2"):
+                GoldenSet(folder)
