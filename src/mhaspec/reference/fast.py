@@ -311,24 +311,22 @@ def lse_of_exact_scores(scores: np.ndarray, visible: np.ndarray,
     peak, total, p_sink, lse = softmax_with_lse(scores, visible, sink, p)
     rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S + (sink is not None))
     spread = shift_spread(p, scores, peak, p_sink, sink, rel_round)
-    return lse[..., 0], lse_error(spread, 1.0, total, lse, rel_round)[..., 0]
+    return lse[..., 0], lse_error(spread, total, lse, rel_round)[..., 0]
 
 
-def lse_error(spread: np.ndarray, grow: np.ndarray | float, total: np.ndarray, lse: np.ndarray,
-              rel_round: float) -> np.ndarray:
+def lse_error(spread: np.ndarray, total: np.ndarray, lse: np.ndarray, rel_round: float) -> np.ndarray:
     """(n, 1): bound of |fast lse − exact lse| of n rows (0 where no key is visible: −inf in both).
 
     The fast lse is peak + ln(total), total the row's sum of e^(s_j − peak) (and of the sink's); the
     exact reference rounds the log-sum-exp of its scores once.  The log-sum-exp's gradient is the
     softmax, so arguments off by at most t_j (the scores' error and the rounding of s_j − peak; the
-    sink's alike) move it by at most ln Σ p_j e^(t_j) <= ``grow``·``spread``, spread = Σ p_j t_j and
-    grow = e^(max t) (p the weights of the row, sink included, which sum to 1; :func:`shift_spread`
-    for exact scores).  Then: the exps and the row sum (``rel_round``, twice: p here are the fast
+    sink's alike) move it by at most ln Σ p_j e^(t_j) (p the weights of the row, sink included, which
+    sum to 1): ``spread`` (n, 1) bounds that (:func:`shift_spread` for exact scores).  Then: the exps and the row sum (``rel_round``, twice: p here are the fast
     weights), ln (ELEMENTARY_ULPS ulps of |ln total|), the addition of the peak and the exact
     reference's own rounding (u·|lse| each)."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         rounding = 2 * rel_round + 2 * U * (ELEMENTARY_ULPS * np.abs(np.log(total)) + np.abs(lse))
-        error = SAFETY * (grow * spread + rounding)
+        error = SAFETY * (spread + rounding)
     return np.where(np.isfinite(lse), error, 0.0)
 
 
@@ -505,7 +503,7 @@ class FastRows:
             c_rel = rel_round * SAFETY
             np.multiply(p, c_rel, out=e_p)
             np.add(e_p, SUBNORMAL, out=e_p, where=vis)
-            spread, grow = shift_spread(p, s, peak, p_sink, sink, rel_round), 1.0
+            spread = shift_spread(p, s, peak, p_sink, sink, rel_round)
         else:
             assert e_s is not None
             t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(peak)), 0.0)
@@ -519,13 +517,13 @@ class FastRows:
                 pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
                 # the lse moves by at most ln Σ p_j e^(t_j) = ln(up) (:func:`lse_error`), up computed
                 # with the fast weights (rel_round) and rounded (γ(S + 2))
-                spread, grow = np.maximum(np.log(up), 0.0) + rel_round + gamma(self.S + 2), 1.0
+                spread = np.maximum(np.log(up), 0.0) + rel_round + gamma(self.S + 2)
             rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
             e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
         l_dst, e_l = dst["l"], dst["e_l"]
         assert l_dst is not None and e_l is not None
         l_dst[...] = lse[:, 0]
-        e_l[...] = lse_error(spread, grow, total, lse, rel_round)[:, 0]
+        e_l[...] = lse_error(spread, total, lse, rel_round)[:, 0]
         # head outputs: the propagated weight error plus the dot's own rounding
         o, e_o_dst = dst["o"], dst["e_o"]
         assert o is not None and e_o_dst is not None
