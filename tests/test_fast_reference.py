@@ -423,3 +423,28 @@ def test_a_block_of_a_spec_1_1_fixture_keeps_its_lse_and_its_exact_stages():
     assert np.array_equal(block.stages["lse"], golden.stages["lse"][:, :, 32:64])
     assert np.array_equal(block.reference_error["lse"], golden.reference_error["lse"][:, :, 32:64])
     assert block.reference_error["scores"] == 0.0 and block.reference_error["output"] == 0.0
+
+
+def test_a_variant_case_made_one_block_at_a_time_has_the_whole_case_s_numbers(monkeypatch):
+    """onthefly.row_blocks of a case with every variant: each block (its bias rows, its q_rot rows, its
+    lse, …) is those rows of the case computed whole (golden_case), and it knows its place in the case."""
+    from mhaspec.conformance.blocks import block_case
+    from mhaspec.reference import fast as fast_module
+    from mhaspec.reference import onthefly
+    from mhaspec.spec import CaseSpec
+
+    monkeypatch.setattr(fast_module, "FAST_ROWS", 4)
+    monkeypatch.setattr(onthefly, "FAST_ROWS", 4)
+    monkeypatch.setattr(onthefly, "ROW_BLOCK_ELEMENTS", 2 * 8 * 11)  # blocks of 8 rows
+    spec = CaseSpec(id="every", config=MHAConfig(**{"d_model": 12, "num_heads": 2, **VARIANT_CONFIGS[9]}),
+                    batch=2, tgt_len=13, src_len=11, seed=9, bias={"per_head": True, "per_batch": True})
+    lazy, whole = onthefly.row_blocks(spec), onthefly.golden_case(spec)
+    assert lazy.block_rows == 8 and set(lazy.stages) == set(whole.stages) >= {"q_rot", "k_rot", "lse"}
+    for b, t0, t1 in ((0, 0, 8), (1, 8, 13)):
+        block, want = lazy.block(b, t0, t1), block_case(whole, b, t0, t1)
+        assert (block.row_offset, block.whole_tgt_len) == (want.row_offset, want.whole_tgt_len) == (t0, 13)
+        assert np.array_equal(block.inputs["bias"], want.inputs["bias"])
+        for stage in whole.stages:
+            assert np.array_equal(block.stages[stage], want.stages[stage]), stage
+            assert np.array_equal(np.broadcast_to(block.reference_error[stage], want.stages[stage].shape),
+                                  np.broadcast_to(want.reference_error[stage], want.stages[stage].shape)), stage
