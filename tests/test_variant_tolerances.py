@@ -1,0 +1,161 @@
+"""The variants' tolerance rules, two-sided per dtype (docs/tolerances.md "The variants"): a plain
+implementation of each variant in the dtype under test (the second opinion's, float32 sums and softmax for
+16-bit dtypes: :func:`mhaspec.conformance.second_opinion.plain_forward`) passes every stage, with margin,
+in float64, float32, float16 and bfloat16 under both precision contracts; and the bugs of issue 31's kill
+list fail at the right first stage.  A bug is a correct implementation of another function: the same plain
+implementation on a case whose config differs where the bug lies (softcap dropped, ALiBi slopes negated, no
+sink, RoPE style swapped, window one wider), or a stage transformed (the LSE in base 2).
+
+Golden cases come from the exact reference (:func:`mhaspec.reference.mha.forward`) until the fast
+reference and the catalog judge the variants (wt-golden); a variant case is refused by ``Catalog`` until
+``NOT_JUDGED_YET`` is lifted, so these tests build their GoldenCases directly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mhaspec.conformance.compare import FAIL, PASS
+from mhaspec.conformance.runner import Session
+from mhaspec.conformance.second_opinion import plain_forward
+from mhaspec.fixtures import GoldenCase
+from mhaspec.reference.mha import forward
+from mhaspec.spec import CaseSpec, MHAConfig
+from mhaspec.spec.masks import visibility
+from mhaspec.spec.variants import alibi_slope_values
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def golden_of(spec: CaseSpec) -> GoldenCase:
+    """The exact reference's golden case of ``spec`` (every stage, ``lse`` and, with rope, ``q_rot``/``k_rot``)."""
+    inputs, weights = spec.make_inputs(), spec.make_weights()
+    visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
+    return GoldenCase(spec=spec, inputs=inputs, weights=weights, stages=forward(spec.config, inputs, weights),
+                      visible=visible, path=Path(f"<{spec.id}>"))
+
+
+def _spec(case_id: str, T: int = 9, S: int = 11, seed: int = 5, bias: Any = None, **config: Any) -> CaseSpec:
+    return CaseSpec(id=case_id, config=MHAConfig(**{"d_model": 16, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6,
+                                                     **config}),
+                    batch=2, tgt_len=T, src_len=S, seed=seed, **({} if bias is None else {"bias": bias}))
+
+
+#: A few small cases per variant (and the combinations real models ship).
+CASES = {
+    "window": _spec("window", window_left=3, window_right=1),
+    "window_causal_br": _spec("window_causal_br", window_left=2, causal=True, causal_alignment="bottom_right"),
+    "softcap": _spec("softcap", softcap=2.0),
+    "softcap_large": _spec("softcap_large", softcap=8.0, scale=4.0, seed=9),
+    "alibi": _spec("alibi", alibi_slopes="standard", causal=True, T=11),
+    "alibi_cross": _spec("alibi_cross", alibi_slopes="standard", T=7, S=23, seed=7),
+    "bias": _spec("bias", bias={"per_head": True, "per_batch": True}),
+    "sinks": _spec("sinks", sinks=True),
+    "sinks_window": _spec("sinks_window", sinks=True, window_left=2, causal=True, seed=8),
+    "rope": _spec("rope", rope={"theta": 10000.0}),
+    "rope_interleaved_offset": _spec("rope_interleaved_offset", rope={"style": "interleaved", "query_offset": 300,
+                                                                      "key_offset": 290}, causal=True),
+    "rope_partial": _spec("rope_partial", rope={"rotary_dim": 4, "theta": 500000.0}),
+    "gemma2": _spec("gemma2", softcap=5.0, window_left=3, causal=True),
+    "gpt_oss": _spec("gpt_oss", sinks=True, window_left=4, causal=True, rope={"theta": 150000.0}),
+}
+
+
+def _with(spec: CaseSpec, **config: Any) -> CaseSpec:
+    return spec.model_copy(update={"config": spec.config.model_copy(update=config)})
+
+
+def _flipped_style(spec: CaseSpec) -> CaseSpec:
+    rope = spec.config.rope
+    return _with(spec, rope=rope.model_copy(update={"style": "interleaved" if rope.style == "half" else "half"}))
+
+
+#: Issue 31's kill list (the forward part this suite can state as another function): name -> (applies to the
+#: case, the wrong case it computes or a stage transform, the first stage where it shows).
+BUGS = {
+    "softcap missing": (lambda s: s.config.softcap is not None, lambda s: _with(s, softcap=None), "scores"),
+    "ALiBi wrong sign": (lambda s: s.config.alibi_slopes is not None,
+                         lambda s: _with(s, alibi_slopes=[-float(x) for x in alibi_slope_values(s.config)]), "scores"),
+    "sink missing from the denominator": (lambda s: s.config.sinks, lambda s: _with(s, sinks=False), "lse"),
+    "RoPE style swapped": (lambda s: s.config.rope is not None, _flipped_style, "q_rot"),
+    "window off by one": (lambda s: s.config.window_left is not None,
+                          lambda s: _with(s, window_left=s.config.window_left + 1), "lse"),
+    "LSE in base 2": (lambda s: True, "lse2", "lse"),
+}
+
+
+def implementation(golden: GoldenCase, dtype: str, bug: str | None = None, order: str = "scale-after") -> dict:
+    """The stages of a plain implementation of ``golden``'s case in ``dtype`` (with ``bug``), as float64."""
+    spec, how = golden.spec, None if bug is None else BUGS[bug][1]
+    if callable(how):  # another function: the plain implementation of the wrong case, on the same inputs
+        wrong = how(spec)
+        weights = dict(golden.weights)
+        if not wrong.config.sinks:
+            weights.pop("sink_logits", None)
+        golden = GoldenCase(spec=wrong, inputs=golden.inputs, weights=weights, stages={}, path=golden.path,
+                            visible=visibility(wrong.config, golden.inputs.get("mask"), spec.batch, spec.tgt_len,
+                                               spec.src_len))
+    stages = {k: np.asarray(v, dtype=np.float64) for k, v in dict(next(
+        st for o, st in plain_forward(golden, dtype, (order,)) if o == order)).items()}
+    if how == "lse2":
+        stages["lse"] = stages["lse"] / math.log(2.0)
+    return stages
+
+
+class _Adapter:  # the Session's adapter slot (never called: the tests hand it each result)
+    name, dtypes, variants = "plain", DTYPES, ("window", "softcap", "alibi", "bias", "sinks", "rope")
+
+    def run(self, case: Any) -> dict:  # pragma: no cover
+        raise AssertionError("not called")
+
+
+def judge(golden: GoldenCase, dtype: str, returned: dict, precision: str = "standard") -> list:
+    with Session(_Adapter(), precision=precision, isolate=False) as session:
+        stages = session.judge_stages(golden, dtype, returned)
+    from mhaspec.conformance import second_opinion
+    for st in stages:
+        second_opinion.fold(st)
+    return stages
+
+
+def first_failure(stages: list) -> str | None:
+    return next((st.stage for st in stages if st.verdict == FAIL), None)
+
+
+def worst_ratio(stages: list) -> float:
+    return max(max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0) for st in stages)
+
+
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_correct_plain_implementation_passes_with_margin(name: str, dtype: str, precision: str) -> None:
+    golden = golden_of(CASES[name])
+    for order in ("scale-after", "log-sum-exp"):
+        stages = judge(golden, dtype, implementation(golden, dtype, order=order), precision)
+        bad = [(st.stage, st.message) for st in stages if st.verdict != PASS]
+        assert not bad, (name, dtype, order, bad)
+        assert worst_ratio(stages) <= 0.5, (name, dtype, order, worst_ratio(stages))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_each_bug_fails_at_its_stage(bug: str, dtype: str) -> None:
+    applies, _, where = BUGS[bug]
+    judged = 0
+    for name, spec in CASES.items():
+        if not applies(spec):
+            continue
+        golden = golden_of(spec)
+        wrong = implementation(golden, "float64", bug)
+        if np.allclose(wrong["output"], golden.stages["output"], rtol=0, atol=0) and bug != "LSE in base 2":
+            continue  # the bug does not change this case's float64 result
+        judged += 1
+        stages = judge(golden, dtype, implementation(golden, dtype, bug))
+        assert first_failure(stages) == where, (bug, name, dtype, [(s.stage, s.verdict, s.message) for s in stages])
+    assert judged
