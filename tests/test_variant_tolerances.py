@@ -13,6 +13,8 @@ reference and the catalog judge the variants (wt-golden); a variant case is refu
 
 from __future__ import annotations
 
+import dataclasses
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from mhaspec.conformance.runner import Session
 from mhaspec.conformance.second_opinion import plain_forward
 from mhaspec.fixtures import GoldenCase
 from mhaspec.reference.mha import forward
-from mhaspec.spec import CaseSpec, MHAConfig
+from mhaspec.spec import REGISTRY, CaseSpec, MHAConfig
 from mhaspec.spec.masks import visibility
 from mhaspec.spec.variants import alibi_slope_values
 
@@ -159,3 +161,71 @@ def test_each_bug_fails_at_its_stage(bug: str, dtype: str) -> None:
         stages = judge(golden, dtype, implementation(golden, dtype, bug))
         assert first_failure(stages) == where, (bug, name, dtype, [(s.stage, s.verdict, s.message) for s in stages])
     assert judged
+
+
+def test_a_variant_case_takes_the_models_general_rule_and_a_spec11_case_keeps_its_figures() -> None:
+    from mhaspec.conformance.model import variants as variant_rules
+    from mhaspec.conformance.model.vocabulary import rounding
+    from mhaspec.conformance.tolerance import golden_bounds
+    from mhaspec.spec.tolerance import DEFAULT_TOLERANCES
+
+    golden = golden_of(CASES["gpt_oss"])
+    assert variant_rules.variant_case(golden)
+    r = rounding("bfloat16", "standard", DEFAULT_TOLERANCES)
+    general = variant_rules.golden_errors(golden, r)
+    bounds = golden_bounds(golden, "bfloat16")
+    assert list(bounds) == ["q_proj", "k_proj", "v_proj", "q_rot", "k_rot", "scores", "lse", "attn_weights",
+                            "head_outputs", "concat", "output"]
+    np.testing.assert_array_equal(bounds["lse"].sigma, general["lse"].bound(r.floor).sigma)
+    # a spec-1.1 case (a window alone changes only visibility): the engines' bounds, unchanged by lse
+    plain = golden_of(_spec("plain", causal=True))
+    assert not variant_rules.variant_case(plain) and not variant_rules.variant_case(golden_of(CASES["window"]))
+    without = {k: v for k, v in plain.stages.items() if k != "lse"}
+    before = golden_bounds(dataclasses.replace(plain, stages=without), "float16")
+    after = golden_bounds(plain, "float16")
+    assert list(after) == [*before][:4] + ["lse"] + [*before][4:]
+    for name, b in before.items():
+        np.testing.assert_array_equal(b.sigma, after[name].sigma)
+        np.testing.assert_array_equal(b.worst, after[name].worst)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lse_of_a_row_that_sees_no_key_must_be_minus_inf(dtype: str) -> None:
+    spec = _spec("blind", T=13, S=9, causal=True, causal_alignment="bottom_right", sinks=True)
+    golden = golden_of(spec)
+    blind = ~golden.visible.any(-1)
+    assert blind.any() and np.isneginf(golden.stages["lse"][blind]).all()
+    got = implementation(golden, dtype)
+    assert first_failure(judge(golden, dtype, got)) is None
+    for wrong in (np.inf, 0.0):  # FA2's +inf, or a finite value
+        bad = dict(got, lse=np.where(blind, wrong, got["lse"]))
+        assert first_failure(judge(golden, dtype, bad)) == "lse"
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "alibi_cross", "rope_interleaved_offset", "bias"])
+def test_a_block_of_query_rows_gets_the_whole_cases_bounds(name: str) -> None:
+    """Positions, ALiBi distances and windows by the block's place in the case (``row_offset``)."""
+    from mhaspec.conformance.blocks import block_case
+    from mhaspec.conformance.tolerance import golden_bounds, local_references
+
+    golden = golden_of(CASES[name])
+
+    def rows_of(stage: str, x: np.ndarray) -> np.ndarray:  # batch entry 1, query rows 3..6 (every key)
+        axis = REGISTRY[stage].rows
+        index = [slice(1, 2)] + ([] if axis is None else [slice(None)] * (axis - 1) + [slice(3, 7)])
+        return np.broadcast_to(x, golden.stages[stage].shape)[tuple(index)]
+
+    blk = block_case(golden, 1, 3, 7)
+    whole, block = golden_bounds(golden, "bfloat16"), golden_bounds(blk, "bfloat16")
+    for stage, b in block.items():
+        for part in ("sigma", "worst"):
+            np.testing.assert_allclose(getattr(b, part), rows_of(stage, getattr(whole[stage], part)),
+                                       rtol=1e-6, atol=0, err_msg=f"{name} {stage} {part}")
+    own = implementation(golden, "bfloat16")
+    whole_l = local_references(golden, own, "bfloat16")
+    block_l = local_references(blk, {k: rows_of(k, v) for k, v in own.items()}, "bfloat16")
+    assert set(block_l) == set(whole_l)
+    for stage, (ref, bound) in block_l.items():
+        np.testing.assert_allclose(ref, rows_of(stage, whole_l[stage][0]), rtol=1e-12, err_msg=f"{name} local {stage}")
+        np.testing.assert_allclose(bound.tolerance(8.0), rows_of(stage, whole_l[stage][1].tolerance(8.0)), rtol=1e-6,
+                                   err_msg=f"{name} local {stage} bound")

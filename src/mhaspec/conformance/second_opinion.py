@@ -321,6 +321,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             y = linear(c, "o", separate)
             computed[separate, kind] = {**projections, STAGE.scores: s, STAGE.lse: lse, STAGE.attn_weights: p,
                                         STAGE.head_outputs: o, STAGE.concat: c, STAGE.output: y}
+            if STAGE.lse not in golden.stages:  # a golden without it (before the variants): the stages it has
+                del computed[separate, kind][STAGE.lse]
         yield order, computed[separate, kind]
         for done in [k for k in computed if k != (False, "scale-after")]:
             del computed[done]  # one order's arrays at a time, and the one the others may reuse
