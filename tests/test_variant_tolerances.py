@@ -31,6 +31,8 @@ from mhaspec.spec import REGISTRY, CaseSpec, MHAConfig
 from mhaspec.spec.masks import visibility
 from mhaspec.spec.variants import alibi_slope_values
 
+pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
+
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
@@ -99,7 +101,7 @@ def implementation(golden: GoldenCase, dtype: str, bug: str | None = None, order
         weights = dict(golden.weights)
         if not wrong.config.sinks:
             weights.pop("sink_logits", None)
-        golden = GoldenCase(spec=wrong, inputs=golden.inputs, weights=weights, stages={}, path=golden.path,
+        golden = GoldenCase(spec=wrong, inputs=golden.inputs, weights=weights, stages=golden.stages, path=golden.path,
                             visible=visibility(wrong.config, golden.inputs.get("mask"), spec.batch, spec.tgt_len,
                                                spec.src_len))
     stages = {k: np.asarray(v, dtype=np.float64) for k, v in dict(next(
@@ -229,3 +231,17 @@ def test_a_block_of_query_rows_gets_the_whole_cases_bounds(name: str) -> None:
         np.testing.assert_allclose(ref, rows_of(stage, whole_l[stage][0]), rtol=1e-12, err_msg=f"{name} local {stage}")
         np.testing.assert_allclose(bound.tolerance(8.0), rows_of(stage, whole_l[stage][1].tolerance(8.0)), rtol=1e-6,
                                    err_msg=f"{name} local {stage} bound")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_hidden_the_local_scores_turn_the_adapters_own_projections(dtype: str) -> None:
+    """Without q_rot and k_rot the local scores come from the adapter's q_proj and k_proj, turned in float64."""
+    golden = golden_of(CASES["rope_interleaved_offset"])
+    hide = ("q_rot", "k_rot")
+    got = {k: v for k, v in implementation(golden, dtype).items() if k not in hide}
+    stages = judge(golden, dtype, got)
+    scores = next(st for st in stages if st.stage == "scores")
+    assert first_failure(stages) is None and scores.local_worst_ratio is not None
+    assert scores.local_worst_ratio <= 0.5
+    bad = {k: v for k, v in implementation(golden, dtype, "RoPE style swapped").items() if k not in hide}
+    assert first_failure(judge(golden, dtype, bad)) == "scores"

@@ -39,7 +39,8 @@ from ...fixtures import GoldenCase
 from ...spec import STAGE
 from ...spec import variant_ops
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
-from .forward import AttentionConstants, head_outputs, projection, scores, weights, worst_case_allowed
+from .forward import (AttentionConstants, head_outputs, projection, scores, weights, worst_case_allowed,
+                      worst_case_linear)
 from .softmax import softmax_rounding, softmax_worst, visible_row_max
 from .vocabulary import (EXACT, LAMBDA, LINEAR, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge,
                          product, stored, swap)
@@ -401,15 +402,8 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
     N = B * H
     vis = golden.visible.reshape(N, T, S)
 
-    def linear(x_abs: np.ndarray, e_x: np.ndarray | None, wm: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-        x_hi = x_abs if e_x is None else x_abs + e_x
-        mag = x_hi @ np.abs(wm) + (0.0 if b is None else np.abs(b))
-        local = gamma(wm.shape[0] + kx, u) * mag
-        return local if e_x is None else e_x @ np.abs(wm) + local
-
     def projected(letter: str, e_x: np.ndarray | None = None) -> np.ndarray:
-        m = LINEAR[letter]
-        return linear(np.abs(m.input_of(golden)), e_x, wts[m.weight], wts.get(m.bias))
+        return worst_case_linear(golden, letter, u, kx, e_x)
 
     errors: dict[str, np.ndarray] = {}
     with np.errstate(invalid="ignore", over="ignore"):
