@@ -54,6 +54,8 @@ def _spec(case_id: str, T: int = 9, S: int = 11, seed: int = 5, bias: Any = None
 CASES = {
     "window": _spec("window", window_left=3, window_right=1),
     "window_causal_br": _spec("window_causal_br", window_left=2, causal=True, causal_alignment="bottom_right"),
+    "window_br_long": _spec("window_br_long", window_left=3, window_right=2, causal_alignment="bottom_right", T=6,
+                            S=13),
     "softcap": _spec("softcap", softcap=2.0),
     "softcap_large": _spec("softcap_large", softcap=8.0, scale=4.0, seed=9),
     "alibi": _spec("alibi", alibi_slopes="standard", causal=True, T=11),
@@ -89,6 +91,17 @@ BUGS = {
     "RoPE style swapped": (lambda s: s.config.rope is not None, _flipped_style, "q_rot"),
     "window off by one": (lambda s: s.config.window_left is not None,
                           lambda s: _with(s, window_left=s.config.window_left + 1), "lse"),
+    "window right off by one": (lambda s: s.config.window_right is not None,
+                                lambda s: _with(s, window_right=s.config.window_right + 1), "lse"),
+    "window aligned top-left instead of bottom-right": (
+        lambda s: s.config.window_left is not None and s.config.causal_alignment == "bottom_right" and s.tgt_len != s.src_len,
+        lambda s: _with(s, causal_alignment="top_left"), "lse"),
+    "RoPE positions ignore the offset": (lambda s: s.config.rope is not None and s.config.rope.query_offset > 0,
+                                         lambda s: _with(s, rope=s.config.rope.model_copy(
+                                             update={"query_offset": 0, "key_offset": 0})), "q_rot"),
+    "rotary_dim ignored": (lambda s: s.config.rope is not None and s.config.rope.rotary_dim < s.config.D_k,
+                           lambda s: _with(s, rope=s.config.rope.model_copy(update={"rotary_dim": s.config.D_k})),
+                           "q_rot"),
     "LSE in base 2": (lambda s: True, "lse2", "lse"),
 }
 
@@ -245,3 +258,13 @@ def test_rope_hidden_the_local_scores_turn_the_adapters_own_projections(dtype: s
     assert scores.local_worst_ratio <= 0.5
     bad = {k: v for k, v in implementation(golden, dtype, "RoPE style swapped").items() if k not in hide}
     assert first_failure(judge(golden, dtype, bad)) == "scores"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_worst_case_lse_of_a_spec11_case_is_the_general_rules(dtype: str) -> None:
+    from mhaspec.conformance.model import variants as variant_rules
+    from mhaspec.conformance.tolerance import worst_case
+
+    golden = golden_of(_spec("plain_masked", causal=True, causal_alignment="bottom_right", T=13, S=9))
+    np.testing.assert_allclose(worst_case(golden, dtype)["lse"],
+                               variant_rules.worst_case_tolerances(golden, dtype)["lse"], rtol=1e-9)

@@ -101,8 +101,8 @@ def worst_case(golden: GoldenCase, dtype: str, table: ToleranceTable = DEFAULT_T
     if variant_rules.variant_case(golden):
         return _ordered(golden, variant_rules.worst_case_tolerances(golden, dtype, table))
     out = worst_case_tolerances(golden, dtype, table)
-    if STAGE.lse in golden.stages:
-        out[STAGE.lse] = variant_rules.worst_case_tolerances(golden, dtype, table)[STAGE.lse]
+    if STAGE.lse in golden.stages:  # from the scores' worst-case error (their tolerance less the floor)
+        out[STAGE.lse] = variant_rules.spec11_lse_worst(golden, out[STAGE.scores], dtype, table)
     return _ordered(golden, out)
 
 

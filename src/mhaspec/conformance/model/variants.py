@@ -390,6 +390,23 @@ def spec11_lse(golden: GoldenCase, scores_bound: Any, r: Rounding) -> Error:
     return Error(e.var.reshape(B, H, T), e.acc.reshape(B, H, T))
 
 
+def spec11_lse_worst(golden: GoldenCase, scores_tolerance: np.ndarray, dtype: str,
+                     table: ToleranceTable = DEFAULT_TOLERANCES) -> np.ndarray:
+    """The worst-case contract's ``lse`` tolerance of a case without value-changing variants, from its scores'
+    worst-case tolerance (:func:`.forward.worst_case_tolerances`; less the floor, the scores' error):
+    :func:`lse_worst` + the floor, 0 where lse = −inf.  -> (B, H, T)."""
+    B, H, T, S = golden.visible.shape
+    N, rule = B * H, table.dtypes[dtype]
+    vis = golden.visible.reshape(N, T, S)
+    e_s = np.where(vis, np.maximum(np.broadcast_to(scores_tolerance, (B, H, T, S)).reshape(N, T, S) - rule.floor, 0.0),
+                   0.0)
+    lse_ = golden.stages[STAGE.lse]
+    out = lse_worst(golden.stages[STAGE.attn_weights].reshape(N, T, S), e_s,
+                    np.abs(golden.stages[STAGE.scores].reshape(N, T, S)), vis, lse_.reshape(N, T, 1),
+                    gamma(S + table.extra_ops, rule.unit_roundoff), rule.unit_roundoff).reshape(B, H, T)
+    return np.where(np.isfinite(lse_), np.nan_to_num(out, nan=np.inf) + rule.floor, 0.0)
+
+
 def worst_case_tolerances(golden: GoldenCase, dtype: str,
                           table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
     """The ``precision="worst-case"`` tolerances of a case with variants (and of ``lse`` in any case):
