@@ -268,3 +268,22 @@ def test_the_worst_case_lse_of_a_spec11_case_is_the_general_rules(dtype: str) ->
     golden = golden_of(_spec("plain_masked", causal=True, causal_alignment="bottom_right", T=13, S=9))
     np.testing.assert_allclose(worst_case(golden, dtype)["lse"],
                                variant_rules.worst_case_tolerances(golden, dtype)["lse"], rtol=1e-9)
+
+
+def test_backward_asked_a_variant_case_is_judged_forward_and_the_report_says_so() -> None:
+    golden = golden_of(CASES["gpt_oss"])
+
+    class WithBackward(_Adapter):
+        def run(self, case: Any) -> dict:
+            return implementation(golden, "float32")
+
+        def backward(self, case: Any) -> dict:  # pragma: no cover
+            raise AssertionError("a variant case has no backward golden: never asked")
+
+    with Session(WithBackward(), isolate=False, backward=True) as session:
+        verdict = session._judge(golden, "float32")  # (not a case of the golden folder: judged directly)
+        report = session.report([verdict], ["float32"], 0.0)
+    assert verdict.verdict == PASS and {s.stage for s in verdict.stages} >= {"q_rot", "lse", "output"}
+    assert [w for w in report.warnings if "no backward golden" in w] == [
+        "--backward: 1 case×dtype have no backward golden (1 use an attention variant, whose backward mhaspec does "
+        "not judge yet: docs/spec.md §2a); their backward stages were not judged"]

@@ -430,11 +430,13 @@ class Session:
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         elif self.backward and self._no_backward_golden:
-            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden (the cases "
-                            f"of --catalog are computed on the fly, forward only: docs/backward.md"
-                            + (f"; {self._no_backward_variant} of them use an attention variant, whose backward "
-                               f"mhaspec does not judge yet: docs/spec.md §2a" if self._no_backward_variant else "")
-                            + "); their backward stages were not judged")
+            why = "the cases of --catalog are computed on the fly, forward only: docs/backward.md"
+            if self._no_backward_variant:
+                others = self._no_backward_golden - self._no_backward_variant
+                why = (f"{self._no_backward_variant} use an attention variant, whose backward mhaspec does not judge "
+                       f"yet: docs/spec.md §2a" + (f"; the other {others}: {why}" if others else ""))
+            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden ({why}); "
+                            f"their backward stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,

@@ -14,6 +14,11 @@ the element-wise check), with at least :data:`MIN_ELEMENTS` of them.  ``e_min`` 
 rounding of the exact result, the least error any implementation that stores the stage in the
 dtype has.  Only under the standard contract.
 
+The plain implementations compute the attention variants of the case too (docs/spec.md §2a), in the
+dtype: RoPE with its angles and cos/sin in the working precision, cast to the dtype; softcap with s/c,
+tanh and c·t each rounded; the bias and an ALiBi tensor (the slope rounded to the dtype) added, each sum
+rounded; the sink in the softmax's denominator; and ``lse``.
+
 The plain orders are the correct places for the scale that frameworks use (each is a correct
 implementation in the dtype, so the rule holds for the largest of their errors):
 

@@ -5,7 +5,9 @@ is :mod:`mhaspec.conformance.model` (docs/tolerances.md).  This module composes 
 a case and chooses, for each chunk of heads × query rows of the (B, H, T, S) stages, what
 computes it: the compiled loop (:mod:`.engine.compiled`: a large case, numba installed) → the
 in-place NumPy path (:mod:`.engine.inplace`) → the model's general rule (a chunk with a value
-that is not finite, and the worst-case contract's local checks).  Chunks: :mod:`.engine.chunks`.
+that is not finite, and the worst-case contract's local checks).  A case with an attention variant that
+changes values (RoPE, softcap, bias, ALiBi, sinks) takes the model's general rule whole
+(:mod:`.model.variants`): the engines compute the spec-1.1 formulas only.  Chunks: :mod:`.engine.chunks`.
 
 * :func:`golden_bounds` — every golden stage's :class:`Bound`;
 * :func:`judging_bounds` — those and the runner's tolerances (with the golden's reference error);
