@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_variant_tolerances import (BUGS, CASES, DTYPES, first_failure, golden_of, implementation,  # noqa: E402
-                                           judge, worst_ratio)
+from tests.test_variant_tolerances import (BUGS, CASES, DTYPES, expected_stage, first_failure, golden_of,  # noqa: E402
+                                           implementation, judge, worst_ratio)
 from mhaspec.conformance.compare import NOT_EXPOSED, PASS, UNINFORMATIVE  # noqa: E402
 
 
@@ -43,8 +43,8 @@ def main() -> None:
             print(f"{dtype:9} {precision:10} {worst:12.3f} {worst_out:12.3f} {rms:8.3f} {bad:8d} {unsure:22d}  {where}")
     print()
     print("kill list (standard contract), every stage exposed: caught at the expected first stage / cases where the "
-          "bug changes the float64 result; output only: caught")
-    for bug, (applies, _, where) in BUGS.items():
+          "bug changes the float64 result (the stage: tests/test_variant_tolerances.py BUGS); output only: caught")
+    for bug, (applies, _, _) in BUGS.items():
         row = []
         for dtype in DTYPES:
             n = right = out_caught = 0
@@ -58,6 +58,7 @@ def main() -> None:
                 n += 1
                 got = implementation(golden, dtype, bug)
                 first = first_failure(judge(golden, dtype, got))
+                where = expected_stage(bug, golden.spec)
                 right += first == where
                 if first != where:
                     wrong_at.add(f"{name}:{first}")
@@ -66,7 +67,7 @@ def main() -> None:
             extra = f" ({', '.join(sorted(wrong_at))})" if wrong_at else ""
             only = "" if bug == "LSE in base 2" else f", output only {out_caught}/{n}"
             row.append(f"{dtype} {right}/{n}{only}{extra}")
-        print(f"  {bug} (at {where}): " + "; ".join(row))
+        print(f"  {bug}: " + "; ".join(row))
 
 
 if __name__ == "__main__":
