@@ -300,3 +300,23 @@ def test_backward_asked_a_variant_case_is_judged_forward_and_the_report_says_so(
     assert [w for w in report.warnings if "no backward golden" in w] == [
         "--backward: 1 case×dtype have no backward golden (1 use an attention variant, whose backward mhaspec does "
         "not judge yet: docs/spec.md §2a); their backward stages were not judged"]
+
+
+@pytest.mark.parametrize("variant", [False, True])
+def test_a_reference_error_that_names_only_lse_leaves_the_other_stages_exact(variant: bool) -> None:
+    """An exact spec-1.1 fixture gets its lse at load, with that computation's bound as its only reference
+    error: every other stage is judged as exact."""
+    from mhaspec.conformance.tolerance import judging_bounds, stage_tolerances
+
+    golden = golden_of(CASES["sinks"] if variant else _spec("plain", causal=True))
+    bound = np.full(golden.stages["lse"].shape, 1e-3)
+    widened = dataclasses.replace(golden, reference_error={"lse": bound})
+    for dtype in ("float64", "bfloat16"):
+        for precision in ("standard", "worst-case"):
+            _, exact = judging_bounds(golden, dtype, precision)
+            _, tols = judging_bounds(widened, dtype, precision)
+            for stage in exact:  # (lse: LAMBDA·sigma + (worst + R), another order of the same sum)
+                np.testing.assert_allclose(tols[stage], exact[stage] + (bound if stage == "lse" else 0.0),
+                                           rtol=0 if stage != "lse" else 1e-15, atol=0)
+        np.testing.assert_array_equal(stage_tolerances(widened, dtype, reference_error=True)["scores"],
+                                      stage_tolerances(golden, dtype)["scores"])
