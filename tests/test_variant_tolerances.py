@@ -297,9 +297,8 @@ def test_backward_asked_a_variant_case_is_judged_forward_and_the_report_says_so(
         verdict = session._judge(golden, "float32")  # (not a case of the golden folder: judged directly)
         report = session.report([verdict], ["float32"], 0.0)
     assert verdict.verdict == PASS and {s.stage for s in verdict.stages} >= {"q_rot", "lse", "output"}
-    assert [w for w in report.warnings if "no backward golden" in w] == [
-        "--backward: 1 case×dtype have no backward golden (1 use an attention variant, whose backward mhaspec does "
-        "not judge yet: docs/spec.md §2a); their backward stages were not judged"]
+    said = [w for w in report.warnings if "no backward golden" in w]  # (its words: the runner's, wt-golden's)
+    assert len(said) == 1 and said[0].startswith("--backward: 1 case×dtype") and "not judged" in said[0]
 
 
 @pytest.mark.parametrize("variant", [False, True])

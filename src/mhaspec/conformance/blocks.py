@@ -34,8 +34,9 @@ from .second_opinion import SecondOpinion
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
 MAX_BLOCK_ELEMENTS = 1 << 22
 
-#: Axis of the query rows (T) in each forward stage; None: the stage has none (key/value projections).
-ROW_AXIS = {name: s.rows for name, s in REGISTRY.items() if s.direction == "forward"}  # the variants' too
+#: Axis of the query rows (T) in each forward stage (the variants' q_rot, k_rot and lse too); None: the
+#: stage has none (key/value projections).
+ROW_AXIS = {name: stage.rows for name, stage in REGISTRY.items() if stage.direction == "forward"}
 
 
 def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]:

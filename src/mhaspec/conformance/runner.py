@@ -18,7 +18,7 @@ from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transpo
                                    validate_timeout)
 from ..spec import REGISTRY, STAGE, compared_entries
 from ..spec.stages import forward_stages, local_inputs
-from ..spec.variants import undeclared, variants_used
+from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import judge_in_blocks
@@ -118,7 +118,6 @@ class Session:
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
         self._no_backward_golden = 0  # case×dtype judged with --backward whose golden has no backward stages
-        self._no_backward_variant = 0  # of them, cases with an attention variant (forward judged only)
         self._results: dict[tuple[str, str], CaseResult] = {}
 
     def close(self) -> None:
@@ -369,8 +368,6 @@ class Session:
         if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
             if self._has_backward:
                 self._no_backward_golden += 1
-                if variants_used(golden.spec):
-                    self._no_backward_variant += 1
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
@@ -430,13 +427,9 @@ class Session:
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         elif self.backward and self._no_backward_golden:
-            why = "the cases of --catalog are computed on the fly, forward only: docs/backward.md"
-            if self._no_backward_variant:
-                others = self._no_backward_golden - self._no_backward_variant
-                why = (f"{self._no_backward_variant} use an attention variant, whose backward mhaspec does not judge "
-                       f"yet: docs/spec.md §2a" + (f"; the other {others}: {why}" if others else ""))
-            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden ({why}); "
-                            f"their backward stages were not judged")
+            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden (the cases "
+                            f"of --catalog are computed on the fly, forward only: docs/backward.md); their backward "
+                            f"stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,
