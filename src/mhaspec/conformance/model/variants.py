@@ -36,14 +36,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...fixtures import GoldenCase
-from ...spec import STAGE
-from ...spec import variant_ops
+from ...spec import STAGE, variant_ops
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
-from .forward import (AttentionConstants, head_outputs, projection, scores, weights, worst_case_allowed,
+from .forward import (AttentionConstants, head_outputs, output, projection, scores, weights, worst_case_allowed,
                       worst_case_linear)
 from .softmax import softmax_rounding, softmax_worst, visible_row_max
-from .vocabulary import (EXACT, LAMBDA, LINEAR, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge,
-                         product, stored, swap)
+from .vocabulary import LAMBDA, U64, Bound, Error, Pair, Rounding, gamma, heads, inf_for_nan, merge, stored, swap
 
 #: Ulps (of the compute precision) of a correct cos, sin, tanh or log: libm's and the GPUs' are within 1–2.
 FUNCTION_ULPS = 2.0
@@ -287,17 +285,6 @@ def lse_worst(p: np.ndarray, e_s: np.ndarray, abs_s: np.ndarray, vis: np.ndarray
 
 # --- a whole case -----------------------------------------------------------------------------------
 
-class Attention(NamedTuple):
-    """A case's attention operands (N = B·H rows of heads, the sink as key S when the case has sinks)."""
-
-    Q: np.ndarray  # (N, T, D) of q_rot (or q_proj)
-    tQ2: np.ndarray
-    K: np.ndarray  # (N, S, D) of k_rot (or k_proj)
-    tK2: np.ndarray
-    s0: np.ndarray  # (N, T, S) scale·Q Kᵀ in float64, before softcap and bias
-    sink: np.ndarray | None  # (N, 1, 1) sink logits
-
-
 def sink_logits(golden: GoldenCase, N: int) -> np.ndarray | None:
     """(N, 1, 1) the sink logit of each (batch entry, head) row block, or None without sinks."""
     cfg = golden.spec.config
@@ -305,6 +292,40 @@ def sink_logits(golden: GoldenCase, N: int) -> np.ndarray | None:
     if z is None:
         return None
     return np.tile(np.asarray(z, dtype=np.float64), N // cfg.H)[:, None, None]
+
+
+def per_row(x: np.ndarray | None, shape: tuple[int, int, int, int]) -> np.ndarray | None:
+    """``x`` broadcast to (B, H, T, S) = ``shape`` and seen as (N, T, S), or None."""
+    B, H, T, S = shape
+    return None if x is None else np.broadcast_to(x, shape).reshape(B * H, T, S)
+
+
+def score_errors(golden: GoldenCase, q: np.ndarray, e_q: Error, k: np.ndarray, e_k: Error,
+                 r: Rounding) -> tuple[np.ndarray, Error]:
+    """(scores (N, T, S) in float64, their error) from q (B, T, H·D) and k (B, S, G·D) carrying ``e_q``,
+    ``e_k`` (q_rot, k_rot with RoPE): :func:`.forward.scores` of scale·Q Kᵀ, then :func:`capped`,
+    then :func:`biased` — each where the case has it."""
+    cfg = golden.spec.config
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    shape = golden.visible.shape
+    B, _, T, S = shape
+    N = B * H
+    Q, K = heads(q, H).reshape(N, T, -1), heads(k, G, group).reshape(N, S, -1)
+    tQ2 = heads(np.broadcast_to(e_q.total_var, q.shape), H).reshape(N, T, -1)
+    tK2 = heads(np.broadcast_to(e_k.total_var, k.shape), G, group).reshape(N, S, -1)
+    c = AttentionConstants.of(golden, r)
+    s0 = c.scale * (Q @ swap(K))
+    KK = Pair.of(swap(np.concatenate([K * K, tK2 / r.u**2], axis=-1)))
+    e_s = scores(c, Q, tQ2, KK, Pair.of(swap(np.abs(K))), s0)
+    s = s0
+    if cfg.softcap is not None:
+        s, e_s = capped(s0, e_s, float(cfg.softcap), r)
+    bias, alibi = (per_row(x, shape) for x in score_terms(golden))
+    if bias is not None or alibi is not None:
+        s_c = s
+        s = s_c + (0.0 if bias is None else bias) + (0.0 if alibi is None else alibi)
+        e_s = biased(s_c, e_s, bias, alibi, s, r)
+    return s, Error(np.broadcast_to(e_s.var, s.shape), np.broadcast_to(e_s.acc, s.shape))
 
 
 def golden_errors(golden: GoldenCase, r: Rounding) -> dict[str, Any]:
@@ -325,23 +346,10 @@ def golden_errors(golden: GoldenCase, r: Rounding) -> dict[str, Any]:
         q, e_q = rope(q, e_q, H, q_pos, cfg, r, g.get(STAGE.q_rot))
         k, e_k = rope(k, e_k, G, k_pos, cfg, r, g.get(STAGE.k_rot))
         out.update({STAGE.q_rot: e_q, STAGE.k_rot: e_k})
-    Q = heads(q, H).reshape(N, T, -1)
-    tQ2 = heads(np.broadcast_to(e_q.total_var, q.shape), H).reshape(N, T, -1)
-    K = heads(k, G, group).reshape(N, S, -1)
-    tK2 = heads(np.broadcast_to(e_k.total_var, k.shape), G, group).reshape(N, S, -1)
+    s, e_s = score_errors(golden, q, e_q, k, e_k, r)
+    s = g[STAGE.scores].reshape(N, T, S)  # the golden's (the softmax's rules read it)
     c = AttentionConstants.of(golden, r)
     u2 = r.u**2
-    KK = Pair.of(swap(np.concatenate([K * K, tK2 / u2], axis=-1)))
-    s0 = c.scale * (Q @ swap(K))
-    e_s = scores(c, Q, tQ2, KK, Pair.of(swap(np.abs(K))), s0)
-    s_c = s0
-    if cfg.softcap is not None:
-        s_c, e_s = capped(s0, e_s, float(cfg.softcap), r)
-    s = g[STAGE.scores].reshape(N, T, S)
-    bias, alibi = score_terms(golden)
-    if bias is not None or alibi is not None:
-        flat = (lambda a: None if a is None else np.broadcast_to(a, (B, H, T, S)).reshape(N, T, S))
-        e_s = biased(s_c, e_s, flat(bias), flat(alibi), s, r)
     vis = golden.visible.reshape(N, T, S)
     p = g[STAGE.attn_weights].reshape(N, T, S)
     o = g[STAGE.head_outputs].reshape(N, T, -1)
@@ -365,13 +373,7 @@ def golden_errors(golden: GoldenCase, r: Rounding) -> dict[str, Any]:
     if STAGE.lse in g:
         e_l = lse(p_k, w.ts2, np.abs(s_k), vis_k, g[STAGE.lse].reshape(N, T, 1), c.a_s, r)
         out[STAGE.lse] = Error(e_l.var.reshape(B, H, T), e_l.acc.reshape(B, H, T))
-    e_c = e_o.map(merge)
-    lin, wts = LINEAR["o"], golden.weights
-    y, wo, bo = g[lin.y], wts[lin.weight], wts.get(lin.bias)
-    cw = y if bo is None else y - bo
-    out[STAGE.concat] = e_c
-    out[STAGE.output] = product(g[STAGE.concat], e_c, wo, EXACT, 1.0, r.u, stored_as=(cw, y),
-                                bias=bo).accumulated(r.accumulation(wo.shape[0]))
+    out.update(output(golden, e_o, r))
     return out
 
 
@@ -413,7 +415,7 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
     :func:`.forward.worst_case_tolerances`'s propagation with this module's rules at full size, every sum
     in the dtype (γ_d(n + k)), RoPE's angle in the dtype."""
     u, kx = table.dtypes[dtype].unit_roundoff, table.extra_ops
-    cfg, g, wts = golden.spec.config, golden.stages, golden.weights
+    cfg, g = golden.spec.config, golden.stages
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
     B, _, T, S = golden.visible.shape
     N = B * H
@@ -444,9 +446,8 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
             s_c = s0
             if cfg.softcap is not None:
                 e_s, s_c = capped_worst(s0, e_s, float(cfg.softcap), u), variant_ops.softcap(s0, float(cfg.softcap))
-            bias, alibi = score_terms(golden)
-            flat = (lambda a: None if a is None else np.broadcast_to(a, (B, H, T, S)).reshape(N, T, S))
-            e_s = biased_worst(e_s, s_c, flat(bias), flat(alibi), s, u)
+            bias, alibi = (per_row(x, (B, H, T, S)) for x in score_terms(golden))
+            e_s = biased_worst(e_s, s_c, bias, alibi, s, u)
         p = g[STAGE.attn_weights].reshape(N, T, S)
         z = sink_logits(golden, N)
         s_k, p_k, vis_k, e_sk = s, p, vis, np.where(vis, e_s, 0.0)
@@ -497,31 +498,14 @@ def local_scores(golden: GoldenCase, q: np.ndarray, k: np.ndarray, turn: bool, r
     from .local import local_bound
 
     cfg = golden.spec.config
-    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
-    B, _, T, S = golden.visible.shape
-    N = B * H
+    B, H, T, S = golden.visible.shape
     e_q, e_k = Error(stored(r.u, q)), Error(stored(r.u, k))
     if turn:
         q_pos, k_pos = variant_ops.rope_positions(cfg, T, S, golden.row_offset)
         q, e_q = rope(q, e_q, H, q_pos, cfg, r)
-        k, e_k = rope(k, e_k, G, k_pos, cfg, r)
-    Q, K = heads(q, H).reshape(N, T, -1), heads(k, G, group).reshape(N, S, -1)
-    tQ2 = heads(np.broadcast_to(e_q.total_var, q.shape), H).reshape(N, T, -1)
-    tK2 = heads(np.broadcast_to(e_k.total_var, k.shape), G, group).reshape(N, S, -1)
-    c = AttentionConstants.of(golden, r)
-    s0 = c.scale * (Q @ swap(K))
-    KK = Pair.of(swap(np.concatenate([K * K, tK2 / r.u**2], axis=-1)))
-    e_s = scores(c, Q, tQ2, KK, Pair.of(swap(np.abs(K))), s0)
-    s = s0
-    if cfg.softcap is not None:
-        s, e_s = capped(s0, e_s, float(cfg.softcap), r)
-    bias, alibi = score_terms(golden)
-    if bias is not None or alibi is not None:
-        flat = (lambda a: None if a is None else np.broadcast_to(a, (B, H, T, S)).reshape(N, T, S))
-        s_c = s
-        s = s_c + (0.0 if bias is None else flat(bias)) + (0.0 if alibi is None else flat(alibi))
-        e_s = biased(s_c, e_s, flat(bias), flat(alibi), s, r)
-    b = local_bound(Error(np.broadcast_to(e_s.var, s.shape), np.broadcast_to(e_s.acc, s.shape)), r, worst_case)
+        k, e_k = rope(k, e_k, cfg.H_kv, k_pos, cfg, r)
+    s, e_s = score_errors(golden, q, e_q, k, e_k, r)
+    b = local_bound(e_s, r, worst_case)
     return s.reshape(B, H, T, S), Bound(b.sigma.reshape(B, H, T, S), b.worst.reshape(B, H, T, S))
 
 
