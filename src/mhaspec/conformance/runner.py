@@ -29,7 +29,7 @@ from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, St
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, golden_bounds,
-                        judging_bounds, local_references, worst_case)
+                        judging_bounds, local_references, worst_case_tolerances)
 from .tolerance import backward_bounds, local_checks
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
@@ -326,7 +326,7 @@ class Session:
 
     @staticmethod
     def _worst_case(golden: GoldenCase, dtype: str) -> dict[str, np.ndarray]:
-        return judging.derived(golden, ("worst-case", dtype), lambda: worst_case(golden, dtype))
+        return judging.derived(golden, ("worst-case", dtype), lambda: worst_case_tolerances(golden, dtype))
 
     @staticmethod
     def _backward_bounds(golden: GoldenCase, dtype: str, precision: str,

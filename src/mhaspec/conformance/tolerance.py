@@ -28,8 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import STAGE
-from ..spec import variant_ops
+from ..spec import STAGE, variant_ops
 from ..spec.stages import forward_stages, local_inputs
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from . import judging
@@ -39,7 +38,6 @@ from .engine.compiled import NUMBA_ENV
 from .model import backward as backward_rules, forward as forward_rules, local as local_rules
 from .model import variants as variant_rules
 from .model.backward_local import local_checks
-from .model.forward import worst_case_tolerances
 from .model.local import LOCAL_INPUTS
 from .model.vocabulary import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, Error, Pair, gamma, heads,
                                merge, nonnegative_product, rounding, swap)
@@ -92,17 +90,18 @@ def _worst_case(precision: str) -> bool:
 
 
 def _worst_case_bounds(golden: GoldenCase, dtype: str, table: ToleranceTable) -> dict[str, Bound]:
-    """:func:`worst_case` as bounds: all worst-case, no noise part."""
-    return {k: Bound.worst_case(v) for k, v in worst_case(golden, dtype, table).items()}
+    """:func:`worst_case_tolerances` as bounds: all worst-case, no noise part."""
+    return {k: Bound.worst_case(v) for k, v in worst_case_tolerances(golden, dtype, table).items()}
 
 
-def worst_case(golden: GoldenCase, dtype: str, table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
+def worst_case_tolerances(golden: GoldenCase, dtype: str,
+                          table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
     """The worst-case contract's tolerances of every forward stage of ``golden``: those of
     :func:`~.model.forward.worst_case_tolerances`, or of :func:`~.model.variants.worst_case_tolerances` for
     a case with a variant (and for ``lse``, which only that rule bounds)."""
     if variant_rules.variant_case(golden):
         return _ordered(golden, variant_rules.worst_case_tolerances(golden, dtype, table))
-    out = worst_case_tolerances(golden, dtype, table)
+    out = forward_rules.worst_case_tolerances(golden, dtype, table)
     if STAGE.lse in golden.stages:  # from the scores' worst-case error (their tolerance less the floor)
         out[STAGE.lse] = variant_rules.spec11_lse_worst(golden, out[STAGE.scores], dtype, table)
     return _ordered(golden, out)
