@@ -42,6 +42,7 @@ from .io import atomic, safetensors
 from .spec import (
     MANIFEST_NAME,
     SPEC_VERSION,
+    STAGE,
     BACKWARD_STAGES,
     Case,
     CaseSpec,
@@ -423,11 +424,12 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
     stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
     error = None
-    if "lse" not in stages:  # a spec-1.1 fixture: its lse from its exact scores, with a bound
+    if STAGE.lse not in stages:  # a spec-1.1 fixture: its lse from its exact scores, with a bound
         from .reference.fast import lse_of_exact_scores  # (the reference imports this module's users)
 
-        stages["lse"], lse_error = lse_of_exact_scores(stages["scores"], tensors["visible"], weights.get("sink_logits"))
-        error = StageErrors(lse=lse_error)
+        stages[STAGE.lse], lse_error = lse_of_exact_scores(stages[STAGE.scores], tensors["visible"],
+                                                           weights.get("sink_logits"))
+        error = StageErrors({STAGE.lse: lse_error})
     stages = {s: stages[s] for s in forward_stages(entry.spec.config) + BACKWARD_STAGES if s in stages}  # pipeline order
     return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors.get("grad.d_output"),
                       reference_error=error, sha256=digest)
