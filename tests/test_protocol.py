@@ -20,7 +20,7 @@ from mhaspec.conformance import ERROR, PASS, UNSUPPORTED
 from mhaspec.errors import AdapterError
 from mhaspec.io import safetensors
 from mhaspec.protocol import wire
-from mhaspec.spec import BACKWARD_STAGES, DTYPES, STAGES, Case, MHAConfig
+from mhaspec.spec import BACKWARD_STAGES, DTYPES, REGISTRY, STAGES, Case, MHAConfig
 
 SCHEMA = json.loads((resources.files("mhaspec.protocol") / "schema" / "messages.schema.json").read_text())
 DEFS = SCHEMA["$defs"]
@@ -178,7 +178,7 @@ def _check_all(log) -> set[tuple[str, ...]]:
             assert names and set(names) <= tensor_names, names
             assert not set(header["case"]["aliases"]) & {n.split(".", 1)[1] for n in names}
         elif kind in ("returned", "not_a_mapping"):
-            assert set(names) <= set(STAGES + BACKWARD_STAGES) and set(names) <= set(header.get("keys", ()))
+            assert set(names) <= set(REGISTRY) and set(names) <= set(header.get("keys", ()))  # every stage
         else:
             assert names == [], (kind, names)
         detail = header.get("op") or header.get("reply")
