@@ -67,6 +67,13 @@ def test_native_low_precision_accumulation_is_imprecise_not_wrong():
     assert lenient.ok, lenient.table()
 
 
+#: (bug, case, dtype) where the bug is caught, but after its stage, which cannot resolve it there: measured
+#: 2026-12-06, the stale online-softmax accumulator on the decode case with RoPE (T = 2, S = 9, blocks of 8:
+#: one key in the second block) in float16: head_outputs within its tolerance (worst ratio 0.40, local 0.54),
+#: the output failing the systematic-error test (imprecise, worst 0.58).
+CAUGHT_LATER = {("online_softmax_stale_accumulator", "rope_offset_decode", "float16"): "output"}
+
+
 @pytest.mark.parametrize("name", sorted(BUGS) + sorted(OUTPUT_ONLY_BUGS))
 def test_bug_is_rejected_at_the_right_stage(name):
     adapter, stage = {**BUGS, **OUTPUT_ONLY_BUGS}[name]
@@ -78,7 +85,8 @@ def test_bug_is_rejected_at_the_right_stage(name):
             # a bug in which keys a row sees changes the log-sum-exp first, where the adapter returns it (lse
             # comes before attn_weights: both are computed from the scores)
             lse_first = stage == STAGE.attn_weights and r.first_failing_stage == STAGE.lse
-            assert r.first_failing_stage == stage or lse_first, (
+            later = CAUGHT_LATER.get((name, r.case, r.dtype)) == r.first_failing_stage
+            assert r.first_failing_stage == stage or lse_first or later, (
                 f"bug {name} on {r.case} [{r.dtype}]: first failing stage should be {stage}, "
                 f"got {r.first_failing_stage}"
             )

@@ -15,7 +15,8 @@ The forward computes every attention variant of docs/spec.md §2a, in its order:
 RoPE as the usual implementations do it: the angles, cos and sin in float32 (float64 in a float64
 run), cast to the dtype, the rotation in the dtype.  The scores' softcap, bias and ALiBi are taken
 in the accumulator (float32 for the 16-bit dtypes) and rounded once to the dtype; the softmax and
-its log-sum-exp in the accumulator.  The backward covers spec-1.1 cases only.
+its log-sum-exp in the accumulator (``lse`` returned in every case).  The backward covers spec-1.1
+cases only.
 """
 
 from __future__ import annotations
