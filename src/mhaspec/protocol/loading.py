@@ -58,6 +58,8 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "torch.nn.MultiheadAttention, need_weights=False (the production SDPA path)"),
         BuiltinAdapter("torch-sdpa", "mhaspec.adapters.torch_sdpa:TorchSDPAAdapter", "torch",
                        "torch.nn.functional.scaled_dot_product_attention between nn.Linear projections"),
+        BuiltinAdapter("torch-flex", "mhaspec.adapters.torch_flex:TorchFlexAdapter", "torch",
+                       "torch.nn.attention.flex_attention (score_mod, block_mask, lse) between nn.Linear; forward only"),
         BuiltinAdapter("keras", "mhaspec.adapters.keras_mha:KerasMHAAdapter", "keras",
                        "keras.layers.MultiHeadAttention / GroupQueryAttention, default (fused) path"),
         BuiltinAdapter("keras-scores", "mhaspec.adapters.keras_mha:KerasMHAScoresAdapter", "keras",
