@@ -17,6 +17,7 @@ from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import STAGE, STAGES, compared_entries
+from ..spec.stages import forward_stages
 from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
@@ -207,10 +208,11 @@ class Session:
         if not isinstance(returned, Mapping):
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() returned {type(returned).__name__}, expected a mapping of stage name to array")
-        unknown = [str(k) for k in returned if k not in STAGES]
+        known = forward_stages(golden.spec.config)  # the variant stages (lse; q_rot, k_rot with RoPE) too
+        unknown = [str(k) for k in returned if k not in known]
         if unknown:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
-                              message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+                              message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages are {', '.join(known)}")
         if STAGE.output not in returned:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() did not return the required stage {STAGE.output!r}")
