@@ -36,6 +36,7 @@ MHA_HIDES = FUSED_HIDES | {"d_concat", "d_head_outputs", "d_q_proj", "d_k_proj",
 ADAPTERS = {
     "torch": (("torch",), TORCH, ALL_BACKWARD),
     "torch-sdpa": (("torch",), TORCH, ALL_BACKWARD - FUSED_HIDES),
+    "torch-flex": (("torch",), TORCH, None),  # FlexAttention has no backward on the CPU (docs/torch.md)
     "torch-mha": (("torch",), TORCH, ALL_BACKWARD - MHA_HIDES),
     "torch-mha-fast": (("torch",), TORCH, ALL_BACKWARD - MHA_HIDES),
     "keras": (("keras",), TF, ALL_BACKWARD - FUSED_HIDES),  # the fused path: no scores, no weights
@@ -64,6 +65,7 @@ EVERY_CASE = {
     "torch-onnx-legacy": {"float64": PASS, "float32": PASS, "float16": PASS, "bfloat16": UNSUPPORTED},
     "torch": dict.fromkeys(DTYPES, PASS),
     "torch-sdpa": dict.fromkeys(DTYPES, PASS),
+    "torch-flex": dict.fromkeys(DTYPES, PASS),
     "jax": dict.fromkeys(DTYPES, PASS),
 }
 
