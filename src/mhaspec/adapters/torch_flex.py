@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, and_masks, create_block_mask, flex_attention
 
-from ..spec import Case, MHAConfig, Weights, masks
+from ..spec import Case, Weights, masks
 from ..spec.variants import VARIANTS, alibi_slope_values
 from .backends import torch as backend
 
@@ -176,23 +175,12 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor) 
     return scaled, torch.where(lse == float("-inf"), lse, total)
 
 
-class FlexMultiHeadAttention(nn.Module):
+class FlexMultiHeadAttention(backend.FusedAttentionModule):
     """Four ``nn.Linear`` (and the sinks' logits) around ``flex_attention``.
 
     ``config`` fixes the sizes, the scale, RoPE and the sinks; ``score_mod`` and ``block_mask``
     (softcap, bias, ALiBi; causal, window, mask) are passed through by ``forward``.
     """
-
-    def __init__(self, config: MHAConfig, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        cfg = self.config = config
-        factory = {"device": device, "dtype": dtype}
-        kdim, vdim = int(cfg.kdim), int(cfg.vdim)  # type: ignore[arg-type]
-        self.q_proj = nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=cfg.bias, **factory)  # W^Q
-        self.k_proj = nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=cfg.bias, **factory)  # W^K
-        self.v_proj = nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=cfg.bias, **factory)  # W^V
-        self.out_proj = nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
-        self.sink_logits = nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
 
     def forward(
         self,
@@ -206,30 +194,18 @@ class FlexMultiHeadAttention(nn.Module):
         ``flex_attention`` takes them.  Returns q_proj, k_proj, v_proj, (q_rot, k_rot,) lse,
         head_outputs, concat, output."""
         cfg = self.config
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        stages: dict[str, torch.Tensor] = {}
-        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
-        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
-        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
-        if cfg.rope is not None:
-            q, k = stages["q_rot"], stages["k_rot"] = backend.rope_qk(cfg, q, k)
+        stages, Q, K, V = self.project(query, key, value)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_UNCOMPILED_WARNING, category=UserWarning)
             head_outputs, aux = flex_attention(
-                q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2),  # (B, H, T, D)
-                k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2),  # (B, G, S, D)
-                v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2),  # (B, G, S, E)
-                score_mod=score_mod, block_mask=block_mask, scale=cfg.scale, enable_gqa=cfg.H_kv != cfg.H,
+                Q, K, V, score_mod=score_mod, block_mask=block_mask, scale=cfg.scale, enable_gqa=cfg.H_kv != cfg.H,
                 return_aux=AuxRequest(lse=True),
             )  # (B, H, T, E), lse (B, H, T)
         lse = aux.lse
         if self.sink_logits is not None:
             head_outputs, lse = with_sinks(head_outputs, lse, self.sink_logits)
-        concat = head_outputs.transpose(1, 2).reshape(B, T, cfg.H * cfg.D_v)  # (B, T, H·E)
-        output = self.out_proj(concat)  # (B, T, d_out)
         # lse comes in Flex's working precision (float32 for float16 and bfloat16): rounded to the case's dtype
-        return {**stages, "lse": lse.to(head_outputs.dtype), "head_outputs": head_outputs, "concat": concat,
-                "output": output}
+        return {**stages, "lse": lse.to(head_outputs.dtype), **self.merge(head_outputs)}
 
 
 class TorchFlexAdapter:

@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..spec import Case, MHAConfig, Weights
+from ..spec import Case, Weights
 from ..spec.variants import VARIANTS
 from .backends import torch as backend
 
@@ -55,23 +54,12 @@ def state_dict_to_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str,
     return backend.weights_out(state_dict)
 
 
-class SDPAMultiHeadAttention(nn.Module):
-    """Four ``nn.Linear`` around ``F.scaled_dot_product_attention``.
+class SDPAMultiHeadAttention(backend.FusedAttentionModule):
+    """Four ``nn.Linear`` (and the sinks' logits) around ``F.scaled_dot_product_attention``.
 
     ``config`` fixes the sizes, the scale, RoPE and the sinks; masking, the additive bias and
     ALiBi are SDPA's ``attn_mask`` (and ``is_causal``), passed through by ``forward``.
     """
-
-    def __init__(self, config: MHAConfig, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        cfg = self.config = config
-        factory = {"device": device, "dtype": dtype}
-        kdim, vdim = int(cfg.kdim), int(cfg.vdim)  # type: ignore[arg-type]
-        self.q_proj = nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=cfg.bias, **factory)  # W^Q
-        self.k_proj = nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=cfg.bias, **factory)  # W^K
-        self.v_proj = nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=cfg.bias, **factory)  # W^V
-        self.out_proj = nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
-        self.sink_logits = nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
 
     def forward(
         self,
@@ -85,25 +73,14 @@ class SDPAMultiHeadAttention(nn.Module):
         is_causal as ``F.scaled_dot_product_attention`` takes them (a float mask with sinks).
         Returns the stages it sees: q_proj, k_proj, v_proj, (q_rot, k_rot,) head_outputs, concat, output."""
         cfg = self.config
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        stages: dict[str, torch.Tensor] = {}
-        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
-        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
-        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
-        if cfg.rope is not None:
-            q, k = stages["q_rot"], stages["k_rot"] = backend.rope_qk(cfg, q, k)
-        Q = q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2)  # (B, H, T, D)
-        K = k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2)  # (B, G, S, D)
-        V = v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2)  # (B, G, S, E)
+        stages, Q, K, V = self.project(query, key, value)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
         if self.sink_logits is not None:
-            K, V, attn_mask = with_sink_column(K, V, attn_mask, self.sink_logits, T)  # S + 1 keys
+            K, V, attn_mask = with_sink_column(K, V, attn_mask, self.sink_logits, Q.shape[2])  # S + 1 keys
         head_outputs = F.scaled_dot_product_attention(
             query=Q, key=K, value=V, attn_mask=attn_mask, is_causal=is_causal, scale=cfg.scale,
             **({"enable_gqa": True} if cfg.H_kv != cfg.H else {}),  # keyword exists from torch 2.5
         )  # (B, H, T, E)
-        concat = head_outputs.transpose(1, 2).reshape(B, T, cfg.H * cfg.D_v)  # (B, T, H·E)
-        output = self.out_proj(concat)  # (B, T, d_out)
-        return {**stages, "head_outputs": head_outputs, "concat": concat, "output": output}
+        return {**stages, **self.merge(head_outputs)}
 
 
 def with_sink_column(

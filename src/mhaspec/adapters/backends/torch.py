@@ -292,3 +292,43 @@ def additive_mask(case: Case, dtype: torch.dtype, device: torch.device | str) ->
         return bias
     zero = torch.zeros((), dtype=dtype, device=device)
     return torch.where(allowed, zero if bias is None else bias, float("-inf"))
+
+
+class FusedAttentionModule(torch.nn.Module):
+    """The parts of a module built around one fused attention call (SDPA, FlexAttention): four
+    ``nn.Linear`` (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: W^Q, W^K, W^V, W^O) and, with
+    sinks, their logits ``sink_logits`` (H,) — the state dict of :func:`weights_in` — with the steps
+    before and after the call (:meth:`project`, :meth:`merge`).  ``config`` fixes the sizes, the
+    scale, RoPE and the sinks."""
+
+    def __init__(self, config: Any, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        cfg = self.config = config
+        factory = {"device": device, "dtype": dtype}
+        kdim, vdim = int(cfg.kdim), int(cfg.vdim)
+        self.q_proj = torch.nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=cfg.bias, **factory)  # W^Q
+        self.k_proj = torch.nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=cfg.bias, **factory)  # W^K
+        self.v_proj = torch.nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=cfg.bias, **factory)  # W^V
+        self.out_proj = torch.nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
+        self.sink_logits = torch.nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
+
+    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj,
+        v_proj, and q_rot, k_rot with RoPE; Q (B, H, T, D_k), K (B, H_kv, S, D_k), V (B, H_kv, S, D_v))."""
+        cfg = self.config
+        B, T, S = query.shape[0], query.shape[1], key.shape[1]
+        stages: dict[str, torch.Tensor] = {}
+        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
+        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
+        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
+        if cfg.rope is not None:
+            q, k = stages["q_rot"], stages["k_rot"] = rope_qk(cfg, q, k)
+        return (stages, q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2), k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2),
+                v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2))
+
+    def merge(self, head_outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """head_outputs (B, H, T, D_v) -> the stages head_outputs, concat (B, T, H·D_v) and output (B, T, d_out)."""
+        B, H, T, E = head_outputs.shape
+        concat = head_outputs.transpose(1, 2).reshape(B, T, H * E)  # (B, T, H·E)
+        return {"head_outputs": head_outputs, "concat": concat, "output": self.out_proj(concat)}
