@@ -402,3 +402,22 @@ def test_what_each_adapter_declares() -> None:
     assert torch_sdpa.TorchSDPAAdapter.variants == {"window", "alibi", "bias", "sinks", "rope"}
     for adapter in (torch_mha.TorchMultiheadAttentionAdapter, torch_mha.TorchMultiheadAttentionFastAdapter):
         assert not getattr(adapter, "variants", frozenset())  # nn.MultiheadAttention has none of them
+
+
+def test_torch_lse_in_half_precision_is_rounded_once() -> None:
+    # torch.logsumexp of a bfloat16 tensor rounds x − max, each exp, the sum and its log to bfloat16
+    # (torch/_refs: logsumexp); the adapter takes it in float32 and rounds once, as the standard
+    # contract's "sums in float32 or wider" asks: within half a bfloat16 ulp of the exact lse of its own scores
+    spec = next(s for s in VARIANT_SPECS if s.id == "sinks_window_masked_rows")
+    case = spec.case("bfloat16")
+    got = load_adapter("torch").run(case)
+    scores, lse = np.asarray(got["scores"], np.float64), np.asarray(got["lse"], np.float64)
+    sinks = case.weights.sink_logits  # exact in bfloat16
+    for b, h, i in np.ndindex(lse.shape):
+        seen = scores[b, h, i][case.visible[b, h, i]]
+        if seen.size == 0:
+            assert lse[b, h, i] == -np.inf
+            continue
+        exact = np.logaddexp.reduce(np.append(seen, sinks[h]))
+        half_ulp = 2.0 ** (np.floor(np.log2(abs(exact))) - 8) if exact != 0 else 2.0**-134
+        assert abs(lse[b, h, i] - exact) <= half_ulp * (1 + 2**-10), (b, h, i, lse[b, h, i], exact)

@@ -200,7 +200,9 @@ def softmax_with_sinks(
         sink = sink_logits.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
         logits = torch.cat((logits, sink), dim=-1)  # (B, H, T, S + 1)
     attn_weights = torch.softmax(logits, dim=-1)[..., :S]  # (B, H, T, S)
-    lse = torch.logsumexp(logits, dim=-1)  # (B, H, T)
+    # in float32 (float64 for float64), as softmax sums internally: torch.logsumexp of a float16/bfloat16
+    # tensor rounds x − max, each exp, their sum and its log to that dtype (docs/torch.md)
+    lse = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).to(scores.dtype)
     if allowed is None:
         return attn_weights, lse
     sees_none = ~allowed.any(dim=-1)  # (B|1, H|1, T)
