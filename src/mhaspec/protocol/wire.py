@@ -319,7 +319,7 @@ def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, 
     arrays: dict[str, np.ndarray] = {}
     special: dict[str, Any] = {}
     for key, value in returned.items():
-        if not (isinstance(key, str) and key in REGISTRY):  # every stage, the variants' (lse, q_rot, k_rot) too
+        if not (isinstance(key, str) and key in REGISTRY):  # every stage: spec 1.1's, the variants', backward
             continue  # the runner only needs the name to report it
         try:
             array = np.asarray(value)
