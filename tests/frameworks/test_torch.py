@@ -245,6 +245,8 @@ VARIANT_SPECS = [
           tgt_len=5, src_len=8),
     _spec("window_both_sides_t_gt_s", {"num_heads": 3, "causal_alignment": "bottom_right", "window_left": 1,
                                        "window_right": 1}, tgt_len=8, src_len=5),  # rows 0..1 see no key
+    _spec("window_right_only_shared_kv", {"num_heads": 2, "window_right": 2, "kdim": 7, "vdim": 7},
+          tgt_len=6, src_len=5, inputs="shared_kv"),  # i <= j <= i + 2: the last rows see fewer keys
     _spec("softcap_window", {"num_heads": 3, "causal": True, "softcap": 0.75, "window_left": 3},
           tgt_len=6, src_len=6, weight_shift=2),  # large logits: the cap bites
     _spec("alibi_bias_both_sides", {"num_heads": 3, "alibi_slopes": "standard"}, tgt_len=5, src_len=7,

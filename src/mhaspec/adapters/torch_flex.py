@@ -129,9 +129,12 @@ def causal_mod(offset: int) -> MaskMod:
 def window_mod(offset: int, left: int | None, right: int | None) -> MaskMod:
     """q_idx + offset − left ≤ kv_idx ≤ q_idx + offset + right (an unset side unbounded)."""
     def window(b, h, q_idx, kv_idx):
-        distance = kv_idx - (q_idx + offset)
-        inside = distance >= -left if left is not None else distance == distance
-        return inside & (distance <= right) if right is not None else inside
+        distance = kv_idx - (q_idx + offset)  # of key kv_idx from row q_idx's diagonal key
+        if left is None:
+            return distance <= right
+        if right is None:
+            return distance >= -left
+        return (distance >= -left) & (distance <= right)
     return window
 
 
