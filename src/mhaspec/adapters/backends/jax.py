@@ -49,6 +49,7 @@ import numpy as np
 from ...protocol import contract as cache
 from ...protocol.contract import Deviation
 from ...spec import Case, masks
+from ...spec.variants import CONFIG_VARIANT_DEFAULTS, RopeSpec
 from . import declared
 
 # -- dtype, x64 and device -------------------------------------------------
@@ -262,6 +263,112 @@ def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Map
     k = tap("k_proj", linear(key, w["w_k"], w.get("b_k"), dtype))
     v = tap("v_proj", linear(value, w["w_v"], w.get("b_v"), dtype))
     return q, k, v
+
+
+# -- the attention variants (docs/spec.md §2a), in jnp, traced inside the compiled layer ------------
+#
+# Every static choice (window sides, alignment offset, softcap, the RoPE spec) is a static argument of
+# the compiled layer: one program per case structure, as the sizes already are.  The arrays (the
+# additive bias input, the ALiBi slopes, the sink logits) are arguments.
+
+
+def uses_variants(case: Case) -> bool:
+    """Whether ``case`` uses an attention variant (a config field of §2a on, or the additive ``bias``
+    input): only such a case's fixture has an ``lse`` to compare (a spec-1.1 fixture has none)."""
+    cfg = case.config
+    return case.inputs.bias is not None or any(getattr(cfg, name) != off
+                                               for name, off in CONFIG_VARIANT_DEFAULTS.items())
+
+
+def rope_angles_dtype(dtype: str) -> Any:
+    """Where RoPE's angles, cos and sin are computed: float64 in a float64 run, else float32 (as HF's
+    ``inv_freq`` and its rotary cache are)."""
+    return jnp.dtype("float64") if dtype == "float64" else jnp.dtype("float32")
+
+
+def rope_cos_sin(spec: RopeSpec, positions: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin), each (L, r/2) in ``dtype``: ``inv_freq = 1 / theta^(2k/r)``, the angle
+    position · inv_freq, cos and sin in :func:`rope_angles_dtype`, then cast to the dtype.   positions (L,)."""
+    at, r = rope_angles_dtype(dtype), spec.rotary_dim
+    inv_freq = 1.0 / (jnp.asarray(spec.theta, at) ** (jnp.arange(0, r, 2, dtype=at) / jnp.asarray(r, at)))  # (r/2,)
+    angle = positions.astype(at)[:, None] * inv_freq[None, :]  # (L, r/2)
+    return jnp.cos(angle).astype(jnp.dtype(dtype)), jnp.sin(angle).astype(jnp.dtype(dtype))
+
+
+def rope(x: jax.Array, heads: int, offset: int, spec: RopeSpec, dtype: str) -> jax.Array:
+    """x (B, L, heads·D) turned by RoPE in its dtype, row l at position ``offset + l``: in each head,
+    pair (a, b) -> (a·cos − b·sin, b·cos + a·sin), pairs (k, k + r/2) in style "half" and (2k, 2k + 1)
+    in style "interleaved"; features past rotary_dim pass through.  -> (B, L, heads·D)."""
+    B, L, F = x.shape
+    r, half = spec.rotary_dim, spec.rotary_dim // 2
+    cos, sin = rope_cos_sin(spec, offset + jnp.arange(L), dtype)  # (L, r/2)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, L, 1, r/2)
+    h = x.reshape(B, L, heads, F // heads)  # (B, L, heads, D)
+    turned, rest = h[..., :r], h[..., r:]
+    if spec.style == "half":
+        a, b = turned[..., :half], turned[..., half:]
+        turned = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    else:  # interleaved: (2k, 2k + 1)
+        a, b = turned[..., 0::2], turned[..., 1::2]
+        turned = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(turned.shape)
+    return jnp.concatenate([turned, rest], axis=-1).reshape(B, L, F)
+
+
+def softcap(s: jax.Array, cap: float) -> jax.Array:
+    """cap · tanh(s / cap), in the scores' own dtype."""
+    c = jnp.asarray(cap, s.dtype)
+    return c * jnp.tanh(s / c)
+
+
+def alibi(slopes: jax.Array, tgt_len: int, src_len: int, offset: int) -> jax.Array:
+    """(H, T, S): −slope_h · |i + offset − j|, in the slopes' dtype (offset: 0 top-left, S − T bottom-right)."""
+    distance = jnp.abs(jnp.arange(tgt_len)[:, None] + offset - jnp.arange(src_len)[None, :])  # (T, S)
+    return -slopes[:, None, None] * distance[None].astype(slopes.dtype)
+
+
+def score_bias(bias: jax.Array | None, slopes: jax.Array | None, tgt_len: int, src_len: int, offset: int,
+               acc: Any) -> jax.Array | None:
+    """What is added to the scores in ``acc``: the case's additive ``bias`` input (B|1, H|1, T, S),
+    stored in the dtype, plus ALiBi (1, H, T, S) from ``slopes`` (H,); None when neither."""
+    total = None if bias is None else bias.astype(acc)
+    if slopes is not None:
+        term = alibi(slopes.astype(acc), tgt_len, src_len, offset)[None]
+        total = term if total is None else total + term
+    return total
+
+
+def window_band(tgt_len: int, src_len: int, window: tuple[int | None, int | None], offset: int) -> jax.Array:
+    """(T, S) bool: i + offset − left ≤ j ≤ i + offset + right (a side that is None is unbounded)."""
+    left, right = window
+    distance = jnp.arange(src_len)[None, :] - (jnp.arange(tgt_len)[:, None] + offset)  # (T, S)
+    band = jnp.ones((tgt_len, src_len), dtype=bool)
+    if left is not None:
+        band &= distance >= -left
+    if right is not None:
+        band &= distance <= right
+    return band
+
+
+def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(weights (B, H, T, S), lse (B, H, T)) of the scores ``s`` over the ``allowed`` keys, with the sink
+    logits (H,) in each denominator: p_j = e^(s_j − m) / (Σ e^(s_k − m) + e^(sink − m)), m the row's
+    peak (its visible scores and its sink); lse = m + ln(denominator).  A row that sees no key: weights
+    0, lse −inf.  Computed in the dtype of ``s``; safe under differentiation (no NaN reaches a gradient
+    through the rows that see no key)."""
+    logits = jnp.where(allowed, s, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # (B, H, T, 1)
+    seen = jnp.isfinite(peak)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks.astype(s.dtype)[None, :, None, None])
+    peak = jax.lax.stop_gradient(jnp.where(seen, peak, 0))  # the shift cancels: no gradient through it
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0) - peak), 0)
+    denominator = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.where(seen, jnp.exp(sinks.astype(s.dtype)[None, :, None, None] - peak), 0)
+    safe = jnp.where(seen, denominator, 1)
+    p = jnp.where(seen, e / safe, 0)
+    lse = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
+    return p, lse[..., 0]
 
 
 class CompilingAdapter:
