@@ -74,8 +74,8 @@ def mha(
     s = s * jnp.asarray(scale, dtype=dt).astype(acc)
     if cap is not None:
         s = softcap(s, cap)
-    if taps is not None and "bias" in taps:  # the bias input's own gradient (d_bias), in its shape
-        bias = bias + taps["bias"]
+    if bias is not None:
+        bias = tap("bias", bias)  # the bias input's own gradient (d_bias), in its shape
     added = score_bias(bias, slopes, T, S, offset, acc)
     if added is not None:
         s = s + added

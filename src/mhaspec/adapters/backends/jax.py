@@ -141,13 +141,15 @@ def tree_in(tree: Any, name: str) -> Any:
     return jax.tree.map(lambda x: array_in(x, name), tree)
 
 
-def keep_mask(case: Case, *, causal: bool = False) -> jax.Array | None:
+def keep_mask(case: Case, *, causal: bool = False, window: bool = False) -> jax.Array | None:
     """The case's mask (True = may attend: JAX's and Flax's polarity, the spec's), in its own shape
     (B, 1|H, 1|T, S), on the default device; ANDed with the case's causal band (1, 1, T, S) when
-    ``causal``.  Built in numpy: an eager jnp op on each case's new shape would cost one compilation."""
+    ``causal`` and with its sliding window's band when ``window``.  Built in numpy: an eager jnp op on
+    each case's new shape would cost one compilation."""
     mask = case.inputs.mask
-    if causal:
-        band = masks.causal_visible(case.config, case.tgt_len, case.src_len)
+    bands = [masks.causal_visible(case.config, case.tgt_len, case.src_len) if causal else None,
+             masks.window_visible(case.config, case.tgt_len, case.src_len) if window else None]
+    for band in bands:
         if band is not None:
             mask = band[None, None] if mask is None else mask & band[None, None]
     return array_in(mask)
@@ -250,8 +252,8 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
 
 def tapping(taps: Mapping[str, jax.Array] | None) -> Callable[[str, jax.Array], jax.Array]:
     """``tap(name, x)``: ``x`` plus the zero tap ``taps[name]`` (whose cotangent under ``jax.vjp`` is
-    that stage's gradient), or ``x`` itself when ``taps`` is None (the forward)."""
-    return lambda name, x: x if taps is None else x + taps[name]
+    that stage's gradient), or ``x`` itself when ``taps`` is None (the forward) or has no ``name``."""
+    return lambda name, x: x if taps is None or name not in taps else x + taps[name]
 
 
 def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Mapping[str, jax.Array], dtype: str,
