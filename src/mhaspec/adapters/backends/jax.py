@@ -50,7 +50,7 @@ from ...protocol import contract as cache
 from ...protocol.contract import Deviation
 from ...spec import Case, masks
 from ...spec.variants import CONFIG_VARIANT_DEFAULTS, RopeSpec
-from . import declared
+from . import declared, variants
 
 # -- dtype, x64 and device -------------------------------------------------
 
@@ -282,38 +282,10 @@ def uses_variants(case: Case) -> bool:
                                                for name, off in CONFIG_VARIANT_DEFAULTS.items())
 
 
-def rope_angles_dtype(dtype: str) -> Any:
-    """Where RoPE's angles, cos and sin are computed: float64 in a float64 run, else float32 (as HF's
-    ``inv_freq`` and its rotary cache are)."""
-    return jnp.dtype("float64") if dtype == "float64" else jnp.dtype("float32")
-
-
-def rope_cos_sin(spec: RopeSpec, positions: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin), each (L, r/2) in ``dtype``: ``inv_freq = 1 / theta^(2k/r)``, the angle
-    position · inv_freq, cos and sin in :func:`rope_angles_dtype`, then cast to the dtype.   positions (L,)."""
-    at, r = rope_angles_dtype(dtype), spec.rotary_dim
-    inv_freq = 1.0 / (jnp.asarray(spec.theta, at) ** (jnp.arange(0, r, 2, dtype=at) / jnp.asarray(r, at)))  # (r/2,)
-    angle = positions.astype(at)[:, None] * inv_freq[None, :]  # (L, r/2)
-    return jnp.cos(angle).astype(jnp.dtype(dtype)), jnp.sin(angle).astype(jnp.dtype(dtype))
-
-
 def rope(x: jax.Array, heads: int, offset: int, spec: RopeSpec, dtype: str) -> jax.Array:
-    """x (B, L, heads·D) turned by RoPE in its dtype, row l at position ``offset + l``: in each head,
-    pair (a, b) -> (a·cos − b·sin, b·cos + a·sin), pairs (k, k + r/2) in style "half" and (2k, 2k + 1)
-    in style "interleaved"; features past rotary_dim pass through.  -> (B, L, heads·D)."""
-    B, L, F = x.shape
-    r, half = spec.rotary_dim, spec.rotary_dim // 2
-    cos, sin = rope_cos_sin(spec, offset + jnp.arange(L), dtype)  # (L, r/2)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, L, 1, r/2)
-    h = x.reshape(B, L, heads, F // heads)  # (B, L, heads, D)
-    turned, rest = h[..., :r], h[..., r:]
-    if spec.style == "half":
-        a, b = turned[..., :half], turned[..., half:]
-        turned = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-    else:  # interleaved: (2k, 2k + 1)
-        a, b = turned[..., 0::2], turned[..., 1::2]
-        turned = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(turned.shape)
-    return jnp.concatenate([turned, rest], axis=-1).reshape(B, L, F)
+    """x (B, L, heads·D) turned by RoPE in its dtype, row l at position ``offset + l``, in jnp
+    (:func:`.variants.rope`: cos and sin in float32, float64 in a float64 run, cast to the dtype)."""
+    return variants.rope(x, heads, offset, spec, dtype, jnp, jnp.astype)
 
 
 def softcap(s: jax.Array, cap: float) -> jax.Array:
