@@ -36,8 +36,8 @@ import jax
 import numpy as np
 
 from ..spec import Case, masks
-from ..spec.variants import RopeSpec, alibi_slope_values
-from .backends.jax import (THROUGH_SOFTMAX, CompilingAdapter, accumulator, array_in, array_out, compiled,
+from ..spec.variants import RopeSpec
+from .backends.jax import (THROUGH_SOFTMAX, CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled,
                            computing_in, declared_at, fallback_precision, keep_mask, linear, projections,
                            rejected_algorithm, rope, score_bias, tapping, tree_in, uses_variants, vjp_stages,
                            with_fallback_precision)
@@ -49,14 +49,14 @@ _AFTER_SOFTMAX = ("lse|head_outputs", "concat", "output")
 
 def mha(
     query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-    slopes: jax.Array | None, weights: dict, taps: dict | None = None,
-    *, heads: int, kv_heads: int, scale: float, is_causal: bool, offset: int,
+    alibi: jax.Array | None, weights: dict, taps: dict | None = None,
+    *, heads: int, kv_heads: int, scale: float, is_causal: bool,
     local_window_size: tuple[int, int] | None, rope_spec: RopeSpec | None, dtype: str,
 ) -> dict[str, jax.Array]:
     """The stages around the fused call; ``taps``: zeros added to each (for ``jax.vjp``), None in the forward.
 
-    ``bias`` (B|1, H|1, T, S) the case's bias input, ``slopes`` (H,) ALiBi's, ``offset`` the alignment's
-    offset (ALiBi's diagonal); ``local_window_size`` is passed as it is."""
+    ``bias`` (B|1, H|1, T, S) the case's bias input, ``alibi`` (1, H, T, S) ALiBi's term (both go to the
+    call's ``bias``); ``local_window_size`` is passed as it is."""
     w, tap = weights, tapping(taps)
     q, k, v = projections(query, key, value, w, dtype, tap)  # (B, T, H·D), (B, S, G·D), (B, S, G·E)
     stages = {"q_proj": q, "k_proj": k, "v_proj": v}
@@ -68,7 +68,7 @@ def mha(
         bias = tap("bias", bias)  # the bias input's own gradient (d_bias), in its shape
     encoded, lse = jax.nn.dot_product_attention(
         query=q.reshape(B, T, heads, -1), key=k.reshape(B, S, kv_heads, -1), value=v.reshape(B, S, kv_heads, -1),
-        bias=score_bias(bias, slopes, T, S, offset, accumulator(dtype)), mask=mask, scale=scale,
+        bias=score_bias(bias, alibi, accumulator(dtype)), mask=mask, scale=scale,
         is_causal=is_causal, local_window_size=local_window_size, return_residual=True,
     )  # BTNH, BTN
     if taps is not None:
@@ -85,7 +85,7 @@ def mha(
 #: F16_F16_F32, which JAX refuses to lower for CPU, and the library's fallback to the default
 #: precision only catches that error outside jit; the wrapper applies that same fallback to the
 #: traced function (in the forward and, differentiated, in the backward).
-STATIC = ("heads", "kv_heads", "scale", "is_causal", "offset", "local_window_size", "rope_spec", "dtype")
+STATIC = ("heads", "kv_heads", "scale", "is_causal", "local_window_size", "rope_spec", "dtype")
 
 
 def local_window(case: Case) -> tuple[int, int] | None:
@@ -117,16 +117,14 @@ def dpa_mask(case: Case) -> tuple[jax.Array | None, bool]:
 def static_arguments(case: Case) -> dict[str, Any]:
     """:func:`mha`'s static arguments for ``case`` (but ``is_causal``: :func:`dpa_mask`)."""
     cfg = case.config
-    return dict(heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
-                offset=masks.alignment_offset(cfg, case.tgt_len, case.src_len), local_window_size=local_window(case),
+    return dict(heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale, local_window_size=local_window(case),
                 rope_spec=cfg.rope, dtype=case.dtype)
 
 
 def variant_arrays(case: Case) -> tuple[jax.Array | None, jax.Array | None]:
-    """(bias (B|1, H|1, T, S) in the dtype, ALiBi slopes (H,) in the accumulator), each None when absent
-    (call inside :func:`~.backends.jax.computing_in`)."""
-    return (array_in(case.inputs.bias, case.dtype),
-            array_in(alibi_slope_values(case.config), accumulator(case.dtype).name))
+    """(the bias input (B|1, H|1, T, S) in the dtype, ALiBi's term (1, H, T, S) in the accumulator), each
+    None when absent (call inside :func:`~.backends.jax.computing_in`)."""
+    return array_in(case.inputs.bias, case.dtype), alibi_in(case)
 
 
 class JaxDPAAdapter(CompilingAdapter):
@@ -170,10 +168,10 @@ class JaxDPAAdapter(CompilingAdapter):
         dtype, static = case.dtype, static_arguments(case)
         with computing_in(dtype, self.device):
             mask, is_causal = dpa_mask(case)
-            bias, slopes = variant_arrays(case)
+            bias, alibi = variant_arrays(case)
 
             def output(query, key, value, weights, taps):
-                return mha(query, key, value, mask, bias, slopes, weights, taps, is_causal=is_causal,
+                return mha(query, key, value, mask, bias, alibi, weights, taps, is_causal=is_causal,
                            **static)["output"]
 
             shapes = case.config.stage_shapes(case.batch, case.tgt_len, case.src_len)

@@ -18,7 +18,9 @@ RoPE as the usual implementations do it: the angles, cos and sin in float32
 (float64 in a float64 run), cast to the dtype, the rotation in the dtype.  The
 logits (scale, softcap, bias and ALiBi) are taken in the accumulator and
 rounded once to the dtype (the ``scores`` stage); the softmax and its
-log-sum-exp in the accumulator.
+log-sum-exp in the accumulator.  The window's band goes into the mask and
+ALiBi's term is made in numpy (both handed over by ``device_put``, as the mask
+always was: no compilation per shape).
 """
 
 from __future__ import annotations
@@ -31,29 +33,28 @@ import numpy as np
 
 from ..spec import Case, masks
 from ..spec.stages import REGISTRY
-from ..spec.variants import VARIANTS, RopeSpec, alibi_slope_values
-from .backends.jax import (CompilingAdapter, accumulator, array_in, array_out, compiled, computing_in, keep_mask,
-                           linear, projections, rope, score_bias, softcap, softmax_with_lse, tapping, tree_in,
-                           uses_variants, vjp_stages, window_band)
+from ..spec.variants import VARIANTS, RopeSpec
+from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
+                           keep_mask, linear, projections, rope, score_bias, softcap, softmax_with_lse, tapping,
+                           tree_in, uses_variants, vjp_stages)
 
 #: :func:`mha`'s static arguments: it is jit-compiled by :func:`~.backends.jax.compiled` (the forward)
 #: or inside ``vjp_stages`` (the backward).  One program per case structure.
-STATIC = ("heads", "kv_heads", "scale", "causal_shift", "offset", "window", "cap", "rope_spec", "dtype")
+STATIC = ("heads", "kv_heads", "scale", "causal_shift", "cap", "rope_spec", "dtype")
 
 
 def mha(
     query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-    slopes: jax.Array | None, weights: dict[str, Any], taps: dict[str, jax.Array] | None = None,
-    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, offset: int,
-    window: tuple[int | None, int | None] | None, cap: float | None, rope_spec: RopeSpec | None, dtype: str,
+    alibi: jax.Array | None, weights: dict[str, Any], taps: dict[str, jax.Array] | None = None,
+    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, cap: float | None,
+    rope_spec: RopeSpec | None, dtype: str,
 ) -> dict[str, jax.Array]:
     """Every stage of MHA with the case's variants.
 
-    ``causal_shift``: None (not causal), 0 (top-left) or S − T (bottom-right); ``offset``: the
-    alignment's offset, which places the window and the ALiBi diagonal; ``window``: (left, right) or
-    None; ``cap``: the softcap or None; ``rope_spec``: the resolved RoPE spec or None.  ``mask``
-    (B, 1|H, 1|T, S) True = may attend; ``bias`` (B|1, H|1, T, S) the additive bias input;
-    ``slopes`` (H,) ALiBi's; ``weights["sink_logits"]`` (H,) with sinks.
+    ``causal_shift``: None (not causal), 0 (top-left) or S − T (bottom-right); ``cap``: the softcap
+    or None; ``rope_spec``: the resolved RoPE spec or None.  ``mask`` (B, 1|H, 1|T, S) True = may
+    attend (the case's mask and its sliding window); ``bias`` (B|1, H|1, T, S) the additive bias input;
+    ``alibi`` (1, H, T, S) ALiBi's term in the accumulator; ``weights["sink_logits"]`` (H,) with sinks.
 
     ``taps`` (for the backward pass): zeros added to each intermediate stage, so that
     ``jax.vjp`` with respect to them gives that stage's gradient; None in the forward.
@@ -76,7 +77,7 @@ def mha(
         s = softcap(s, cap)
     if bias is not None:
         bias = tap("bias", bias)  # the bias input's own gradient (d_bias), in its shape
-    added = score_bias(bias, slopes, T, S, offset, acc)
+    added = score_bias(bias, alibi, acc)
     if added is not None:
         s = s + added
     s = stages["scores"] = tap("scores", s.astype(dt))  # the logits the softmax sees, rounded once
@@ -84,8 +85,6 @@ def mha(
     allowed = jnp.ones((B, H, T, S), dtype=bool)
     if causal_shift is not None:
         allowed &= jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + causal_shift
-    if window is not None:
-        allowed &= window_band(T, S, window, offset)
     if mask is not None:
         allowed &= mask
     p, lse = softmax_with_lse(s.astype(acc), allowed, w.get("sink_logits"))
@@ -104,18 +103,15 @@ def mha(
 def static_arguments(case: Case) -> dict[str, Any]:
     """:func:`mha`'s static arguments for ``case``."""
     cfg = case.config
-    window = None if cfg.window_left is None and cfg.window_right is None else (cfg.window_left, cfg.window_right)
     return dict(heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
-                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len),
-                offset=masks.alignment_offset(cfg, case.tgt_len, case.src_len), window=window, cap=cfg.softcap,
+                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len), cap=cfg.softcap,
                 rope_spec=cfg.rope, dtype=case.dtype)
 
 
-def variant_arrays(case: Case) -> tuple[jax.Array | None, jax.Array | None]:
-    """(bias (B|1, H|1, T, S) in the dtype, ALiBi slopes (H,) in the accumulator), each None when absent
-    (call inside :func:`~.backends.jax.computing_in`)."""
-    return array_in(case.inputs.bias, case.dtype), array_in(alibi_slope_values(case.config),
-                                                            accumulator(case.dtype).name)
+def arrays_in(case: Case) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+    """(mask with the sliding window's band, the bias input in the dtype, ALiBi's term in the accumulator),
+    each None when absent (call inside :func:`~.backends.jax.computing_in`)."""
+    return keep_mask(case, window=True), array_in(case.inputs.bias, case.dtype), alibi_in(case)
 
 
 class JaxMHAAdapter(CompilingAdapter):
@@ -132,8 +128,8 @@ class JaxMHAAdapter(CompilingAdapter):
         dtype = case.dtype
         with computing_in(dtype, self.device):
             stages = compiled(mha, STATIC, self.fast)(
-                *case.inputs_as(lambda x: array_in(x, dtype)), keep_mask(case), *variant_arrays(case),
-                tree_in(case.weights.as_dict(), dtype), **static_arguments(case),
+                *case.inputs_as(lambda x: array_in(x, dtype)), *arrays_in(case), tree_in(case.weights.as_dict(), dtype),
+                **static_arguments(case),
             )
             if not uses_variants(case):  # a spec-1.1 case's fixture has no lse to compare
                 del stages["lse"]
@@ -145,11 +141,10 @@ class JaxMHAAdapter(CompilingAdapter):
         ``d_bias``, the bias input's, and ``d_sink_logits`` with the weights', where the spec names them)."""
         dtype, static = case.dtype, static_arguments(case)
         with computing_in(dtype, self.device):
-            mask = keep_mask(case)  # device_put: jnp.asarray would compile a conversion per mask shape
-            bias, slopes = variant_arrays(case)
+            mask, bias, alibi = arrays_in(case)  # device_put: jnp.asarray would compile a conversion per shape
 
             def output(query, key, value, weights, taps):
-                return mha(query, key, value, mask, bias, slopes, weights, taps, **static)["output"]
+                return mha(query, key, value, mask, bias, alibi, weights, taps, **static)["output"]
 
             shapes = case.config.stage_shapes(case.batch, case.tgt_len, case.src_len)
             shapes.update(case.config.variant_stage_shapes(case.batch, case.tgt_len, case.src_len))

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case, masks
+from ..spec import Case
 from ..spec.variant_ops import alibi
 from .backends import declared, variants
 from .backends.tensorflow import array_in, array_out, distinct_inputs, keep_mask, quiet_import, tf

@@ -49,6 +49,7 @@ import numpy as np
 from ...protocol import contract as cache
 from ...protocol.contract import Deviation
 from ...spec import Case, masks
+from ...spec import variant_ops
 from ...spec.variants import CONFIG_VARIANT_DEFAULTS, RopeSpec
 from . import declared, variants
 
@@ -294,33 +295,21 @@ def softcap(s: jax.Array, cap: float) -> jax.Array:
     return c * jnp.tanh(s / c)
 
 
-def alibi(slopes: jax.Array, tgt_len: int, src_len: int, offset: int) -> jax.Array:
-    """(H, T, S): −slope_h · |i + offset − j|, in the slopes' dtype (offset: 0 top-left, S − T bottom-right)."""
-    distance = jnp.abs(jnp.arange(tgt_len)[:, None] + offset - jnp.arange(src_len)[None, :])  # (T, S)
-    return -slopes[:, None, None] * distance[None].astype(slopes.dtype)
+def alibi_in(case: Case) -> jax.Array | None:
+    """ALiBi's term −slope_h·|i + off − j| (1, H, T, S) in the accumulator (float32 for the 16-bit dtypes), on
+    the default device (call inside :func:`computing_in`), or None without ALiBi.  Made in numpy
+    (``mhaspec.spec.variant_ops.alibi``, float64, rounded once to the accumulator) and handed over by
+    ``device_put``, like the mask: no compilation per shape."""
+    term = variant_ops.alibi(case.config, case.T, case.S, case.T)  # (H, T, S)
+    return None if term is None else jax.device_put(term[None].astype(accumulator(case.dtype)))
 
 
-def score_bias(bias: jax.Array | None, slopes: jax.Array | None, tgt_len: int, src_len: int, offset: int,
-               acc: Any) -> jax.Array | None:
-    """What is added to the scores in ``acc``: the case's additive ``bias`` input (B|1, H|1, T, S),
-    stored in the dtype, plus ALiBi (1, H, T, S) from ``slopes`` (H,); None when neither."""
-    total = None if bias is None else bias.astype(acc)
-    if slopes is not None:
-        term = alibi(slopes.astype(acc), tgt_len, src_len, offset)[None]
-        total = term if total is None else total + term
-    return total
-
-
-def window_band(tgt_len: int, src_len: int, window: tuple[int | None, int | None], offset: int) -> jax.Array:
-    """(T, S) bool: i + offset − left ≤ j ≤ i + offset + right (a side that is None is unbounded)."""
-    left, right = window
-    distance = jnp.arange(src_len)[None, :] - (jnp.arange(tgt_len)[:, None] + offset)  # (T, S)
-    band = jnp.ones((tgt_len, src_len), dtype=bool)
-    if left is not None:
-        band &= distance >= -left
-    if right is not None:
-        band &= distance <= right
-    return band
+def score_bias(bias: jax.Array | None, alibi: jax.Array | None, acc: Any) -> jax.Array | None:
+    """What is added to the scores, in ``acc``: the additive ``bias`` input (B|1, H|1, T, S), stored in the
+    dtype, plus ``alibi`` (1, H, T, S) (:func:`alibi_in`); None when neither."""
+    if bias is None:
+        return alibi
+    return bias.astype(acc) if alibi is None else bias.astype(acc) + alibi
 
 
 def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
