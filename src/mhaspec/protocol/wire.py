@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..io import safetensors
-from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case, MHAConfig
+from ..spec import DTYPES, REGISTRY, Case, MHAConfig
 from ..spec.case import Inputs, Weights
 from ..spec.variants import VARIANTS
 
@@ -319,7 +319,7 @@ def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, 
     arrays: dict[str, np.ndarray] = {}
     special: dict[str, Any] = {}
     for key, value in returned.items():
-        if not (isinstance(key, str) and (key in STAGES or key in BACKWARD_STAGES)):
+        if not (isinstance(key, str) and key in REGISTRY):  # a stage, the variants' (q_rot, k_rot, lse) too
             continue  # the runner only needs the name to report it
         try:
             array = np.asarray(value)
