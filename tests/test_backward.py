@@ -14,7 +14,7 @@ import mhaspec
 from mhaspec.cli import main
 from mhaspec.conformance import ERROR, FAIL, NOT_EXPOSED, PASS
 from mhaspec.conformance.compare import UNINFORMATIVE
-from mhaspec.fixtures import GoldenSet
+from mhaspec.fixtures import GoldenSet, forward_only
 from mhaspec.reference import backward as reference_backward
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, STAGES, MHAConfig, backward_stage_shapes
 
@@ -65,10 +65,13 @@ def test_case_carries_d_output_and_fixtures_the_backward_stages():
     for golden in GOLDEN:
         case = golden.case("float32")
         assert np.array_equal(case.d_output, golden.spec.make_d_output())
+        if forward_only(golden.spec):  # a case with an attention variant: no backward golden yet
+            assert golden.d_output is None and not [s for s in golden.stages if s in BACKWARD_STAGES], golden.id
+            continue
         expected = backward_stage_shapes(golden.spec.config, golden.spec.batch, golden.spec.tgt_len,
                                          golden.spec.src_len, golden.spec.inputs)
         assert {s: golden.stages[s].shape for s in expected} == expected
-        assert [s for s in golden.stages if s not in STAGES] == list(expected)
+        assert [s for s in golden.stages if s in BACKWARD_STAGES] == list(expected)
 
 
 def test_masked_positions_get_zero_gradient_and_rows_that_see_no_key_contribute_nothing():
@@ -195,6 +198,9 @@ def test_numpy_backward_conforms_and_reports_every_backward_stage(tmp_path):
     for r in report["results"]:
         names = [st["stage"] for st in r["stages"]]
         golden = GOLDEN.load(r["case"])
+        if r["verdict"] == "unsupported":  # a variant the adapter does not declare
+            assert forward_only(golden.spec) and not names, r
+            continue
         assert names == list(STAGES) + [s for s in BACKWARD_STAGES if s in golden.stages]
         assert all(st["verdict"] in (PASS, UNINFORMATIVE) for st in r["stages"]), r
         if r["dtype"] in ("float64", "float32"):  # 16-bit dtypes cannot resolve some long sums (long_sequence)
@@ -204,7 +210,7 @@ def test_numpy_backward_conforms_and_reports_every_backward_stage(tmp_path):
 def test_forward_only_run_is_unchanged_by_backward_fixtures():
     report = mhaspec.check("numpy", dtypes=["float32"])
     assert report.ok and not report.to_json()["backward"]
-    assert all([st.stage for st in r.stages] == list(STAGES) for r in report.results)
+    assert all([st.stage for st in r.stages] == list(STAGES) for r in report.results if r.verdict != "unsupported")
 
 
 class _ForwardOnly:

@@ -31,12 +31,22 @@ def _within(fast, exact: dict[str, np.ndarray]) -> dict[str, float]:
 
 
 def test_fast_reference_is_within_its_bound_on_every_committed_case():
+    """Every stage of every fixture, the variants' included; a spec-1.1 fixture's lse (computed at
+    load) against the exact reference's."""
+    from mhaspec.reference.variants import lse
+
     for golden in GoldenSet():
         fast = forward_fast(golden.spec.config, golden.inputs, golden.weights)
-        _within(fast, golden.stages)
+        variant = golden.spec.config.has_variants or golden.spec.bias is not None
+        exact = dict(golden.stages) if variant else {
+            **{s: golden.stages[s] for s in STAGES}, "lse": lse(golden.stages["scores"], golden.visible, None)}
+        _within_all(fast, exact, golden.visible)
         assert np.array_equal(fast.visible, golden.visible)
         # dyadic inputs: projections and scores are proven exact, hence bit-identical to the fixtures
-        for stage in ("q_proj", "k_proj", "v_proj", "scores"):
+        # (the scores unless RoPE, softcap, a bias or ALiBi round them further)
+        rounded = (golden.spec.config.rope, golden.spec.config.softcap, golden.spec.config.alibi_slopes,
+                   golden.spec.bias) != (None, None, None, None)
+        for stage in ("q_proj", "k_proj", "v_proj") + (() if rounded else ("scores",)):
             assert fast.exact[stage] and fast.error[stage] == 0.0, (golden.id, stage)
             assert np.array_equal(fast.stages[stage], golden.stages[stage]), (golden.id, stage)
 
@@ -260,3 +270,181 @@ def test_a_case_made_one_block_at_a_time_with_a_misshapen_stage_is_judged_whole(
     scores = next(s for s in result.stages if s.stage == "scores")
     assert result.verdict == "fail" and scores.verdict == "fail" and "shape" in scores.message
     assert {s.verdict for s in result.stages if s.stage != "scores"} == {"pass"}
+
+
+# -- the attention variants (docs/spec.md §2a) and lse ---------------------------------------------------
+
+def _within_all(fast, exact: dict[str, np.ndarray], visible: np.ndarray) -> dict[str, float]:
+    """Worst |fast - exact| / bound of every forward stage the case has (variant stages included; the
+    masked scores excluded, as the judge does; equal infinities, the lse of a row that sees no key, agree)."""
+    ratios = {}
+    for stage in exact:
+        got, want = fast.stages[stage], exact[stage]
+        with np.errstate(invalid="ignore"):  # −inf − −inf: equal, the where takes 0
+            err = np.where(got == want, 0.0, np.abs(got - want))
+        bound = np.broadcast_to(fast.error[stage], err.shape)
+        where = visible if stage == "scores" else np.ones(err.shape, dtype=bool)
+        assert np.all((err <= bound) | ~where), f"{stage}: error {np.max(np.where(where, err - bound, -1)):.3g} above its bound"
+        ratios[stage] = float(np.max(np.where(where & (bound > 0), err / np.where(bound > 0, bound, 1), 0)))
+    return ratios
+
+
+VARIANT_CONFIGS = [
+    {"window_left": 1, "window_right": 0},
+    {"window_left": 2, "window_right": 1, "causal": True, "causal_alignment": "bottom_right"},
+    {"softcap": 0.5},
+    {"alibi_slopes": "standard", "causal": True},
+    {"alibi_slopes": [0.5, 0.3], "causal_alignment": "bottom_right", "window_right": 1},
+    {"sinks": True},
+    {"sinks": True, "window_left": 0, "causal": True},
+    {"rope": {"style": "half"}},
+    {"rope": {"style": "interleaved", "rotary_dim": 2, "query_offset": 7, "key_offset": 3}, "num_kv_heads": 1},
+    {"rope": {"theta": 500.0}, "softcap": 1.0, "alibi_slopes": "standard", "sinks": True, "window_left": 2},
+]
+
+
+@pytest.mark.parametrize("config", VARIANT_CONFIGS)
+@pytest.mark.parametrize("bias", [None, {"per_head": True, "per_batch": True}])
+def test_the_fast_reference_of_every_variant_is_within_its_bound(config, bias):
+    """Each variant stage by stage (q_rot, k_rot, scores after softcap / bias / ALiBi, lse, the
+    weights with sinks, …) against the exact reference, on dyadic catalog data and on non-dyadic data
+    (T > S bottom-right too, where rows see no key), and every bound is finite where data is finite."""
+    from mhaspec.spec import CaseSpec
+    from mhaspec.spec.stages import forward_stages
+
+    spec = CaseSpec(id="v", config=MHAConfig(d_model=8, num_heads=2, **config), batch=2, tgt_len=5, src_len=7,
+                    seed=len(str(config)), bias=bias)
+    inputs, weights = spec.make_inputs(), spec.make_weights()
+    rng = np.random.default_rng(11)
+    noisy_inputs = {k: v + rng.standard_normal(v.shape) * 2**-9 for k, v in inputs.items() if k != "mask"}
+    noisy_weights = {k: v * (1 + rng.standard_normal(v.shape) * 2**-7) for k, v in weights.items()}
+    for x, w in ((inputs, weights), (noisy_inputs, noisy_weights)):
+        fast, exact = forward_fast(spec.config, x, w), forward(spec.config, x, w)
+        assert list(fast.stages) == list(forward_stages(spec.config)) and set(exact) == set(fast.stages)
+        ratios = _within_all(fast, exact, fast.visible)
+        assert all(np.all(np.isfinite(np.asarray(fast.error[s]))) for s in fast.error), ratios
+        assert ratios["lse"] > 0  # the lse bound is exercised, never violated
+        if spec.config.rope is not None:
+            assert ratios["q_rot"] > 0 and ratios["k_rot"] > 0
+    # T > S bottom-right: the first rows see no key; lse is −inf there in both, its bound 0
+    wide = spec.model_copy(update={"tgt_len": 9, "src_len": 4, "bias": None,
+                                   "config": spec.config.model_copy(update={"causal_alignment": "bottom_right"})})
+    if wide.config.window_left is not None or wide.config.causal:
+        x, w = wide.make_inputs(), wide.make_weights()
+        fast, exact = forward_fast(wide.config, x, w), forward(wide.config, x, w)
+        _within_all(fast, exact, fast.visible)
+        empty = ~fast.visible.any(axis=-1)
+        assert np.all(np.isneginf(fast.stages["lse"][empty])) and np.all(np.asarray(fast.error["lse"])[empty] == 0)
+
+
+@pytest.mark.parametrize("config", [VARIANT_CONFIGS[1], VARIANT_CONFIGS[8], VARIANT_CONFIGS[9]])
+def test_fast_rows_of_a_variant_case_are_bit_identical_to_the_rows_of_the_whole_case(config, monkeypatch):
+    """RoPE positions, ALiBi distances, windows and the bias are taken by case row: a block of rows
+    (FastRows.rows) gives exactly those rows of the whole case, stages (q_rot, k_rot, lse too) and bounds."""
+    from mhaspec.reference import fast as fast_module
+    from mhaspec.spec import CaseSpec
+
+    monkeypatch.setattr(fast_module, "FAST_ROWS", 4)
+    spec = CaseSpec(id="v", config=MHAConfig(d_model=8, num_heads=2, **config), batch=2, tgt_len=11, src_len=9,
+                    seed=4, bias={"per_head": True, "per_batch": False})
+    fast = fast_module.FastRows(spec.config, spec.make_inputs(), spec.make_weights())
+    whole = fast.whole()
+    for b in range(2):
+        for t0, t1 in ((0, 4), (4, 11), (8, 11)):
+            rows = fast.rows(b, t0, t1)
+            assert list(rows.stages) == list(whole.stages)
+            for stage in whole.stages:
+                for got, want in ((rows.stages[stage], whole.stages[stage]), (rows.error[stage], whole.error[stage])):
+                    if isinstance(want, float):
+                        assert got == want
+                        continue
+                    if stage in ("k_proj", "v_proj", "k_rot"):
+                        part = want[b : b + 1]
+                    elif want.ndim == 4 or stage == "lse":
+                        part = want[b : b + 1, :, t0:t1]
+                    else:
+                        part = want[b : b + 1, t0:t1]
+                    assert np.array_equal(got, part), (b, t0, t1, stage)
+
+
+def test_a_spec_1_1_fixture_gets_its_lse_at_load_within_its_bound():
+    """A fixture without lse (every spec-1.1 one, byte-identical) gets it computed at load from its exact
+    scores, with its bound in reference_error (which names only lse: the other stages are exact)."""
+    from mhaspec.reference.variants import lse
+
+    plain = 0
+    for golden in GoldenSet():
+        if golden.spec.config.has_variants or golden.spec.bias is not None:
+            assert golden.reference_error is None and "lse" in golden.stages  # stored exactly
+            continue
+        plain += 1
+        assert set(golden.reference_error) == {"lse"} and golden.reference_error["scores"] == 0.0
+        exact = lse(golden.stages["scores"], golden.visible, None)
+        with np.errstate(invalid="ignore"):  # −inf − −inf: equal, the where takes 0
+            err = np.where(golden.stages["lse"] == exact, 0.0, np.abs(golden.stages["lse"] - exact))
+        assert np.all(err <= golden.reference_error["lse"]), golden.id
+    assert plain == 28
+
+
+def test_numpy_elementary_functions_are_within_the_assumed_ulps():
+    """The variants' bounds assume numpy's tanh, cos, sin, log and power within ELEMENTARY_ULPS ulps of the
+    correctly rounded value (compared with mpmath at 60 digits; cos and sin up to angles of 10^4, as
+    RoPE's positions with offsets give)."""
+    mpmath = pytest.importorskip("mpmath")
+    from mhaspec.reference.fast import ELEMENTARY_ULPS
+
+    mpmath.mp.prec = 200
+    rng = np.random.default_rng(13)
+    small = np.concatenate([rng.uniform(-20, 20, 400), rng.uniform(-1e-3, 1e-3, 100)])
+    angles = np.concatenate([rng.uniform(-4, 4, 300), rng.uniform(0, 1e4, 300)])
+    positive = np.concatenate([rng.uniform(1, 3000, 300), rng.uniform(1e-3, 1, 100)])
+    exponents = -rng.uniform(0, 1, 200)
+    checks = {
+        "tanh": (np.tanh(small), [mpmath.tanh(v) for v in small.tolist()]),
+        "cos": (np.cos(angles), [mpmath.cos(v) for v in angles.tolist()]),
+        "sin": (np.sin(angles), [mpmath.sin(v) for v in angles.tolist()]),
+        "log": (np.log(positive), [mpmath.log(v) for v in positive.tolist()]),
+        "power": (500000.0 ** exponents, [mpmath.power(500000, v) for v in exponents.tolist()]),
+    }
+    for name, (got, want) in checks.items():
+        rounded = np.array([float(v) for v in want])
+        ulps = np.abs(got - rounded) / np.spacing(np.abs(rounded))
+        assert np.max(ulps) <= ELEMENTARY_ULPS, (name, np.max(ulps))
+
+
+def test_a_block_of_a_spec_1_1_fixture_keeps_its_lse_and_its_exact_stages():
+    """blocks.block_case slices the lse computed at load and its bound by query row; the stages the
+    fixture stores stay exact (reference_error names only lse: every other stage reads 0.0)."""
+    from mhaspec.conformance.blocks import block_case
+
+    golden = GoldenSet().load("long_sequence")  # B = 1, H = 2, T = S = 128
+    block = block_case(golden, 0, 32, 64)
+    assert block.stages["lse"].shape == (1, 2, 32) and block.reference_error["lse"].shape == (1, 2, 32)
+    assert np.array_equal(block.stages["lse"], golden.stages["lse"][:, :, 32:64])
+    assert np.array_equal(block.reference_error["lse"], golden.reference_error["lse"][:, :, 32:64])
+    assert block.reference_error["scores"] == 0.0 and block.reference_error["output"] == 0.0
+
+
+def test_a_variant_case_made_one_block_at_a_time_has_the_whole_case_s_numbers(monkeypatch):
+    """onthefly.row_blocks of a case with every variant: each block (its bias rows, its q_rot rows, its
+    lse, …) is those rows of the case computed whole (golden_case), and it knows its place in the case."""
+    from mhaspec.conformance.blocks import block_case
+    from mhaspec.reference import fast as fast_module
+    from mhaspec.reference import onthefly
+    from mhaspec.spec import CaseSpec
+
+    monkeypatch.setattr(fast_module, "FAST_ROWS", 4)
+    monkeypatch.setattr(onthefly, "FAST_ROWS", 4)
+    monkeypatch.setattr(onthefly, "ROW_BLOCK_ELEMENTS", 2 * 8 * 11)  # blocks of 8 rows
+    spec = CaseSpec(id="every", config=MHAConfig(**{"d_model": 12, "num_heads": 2, **VARIANT_CONFIGS[9]}),
+                    batch=2, tgt_len=13, src_len=11, seed=9, bias={"per_head": True, "per_batch": True})
+    lazy, whole = onthefly.row_blocks(spec), onthefly.golden_case(spec)
+    assert lazy.block_rows == 8 and set(lazy.stages) == set(whole.stages) >= {"q_rot", "k_rot", "lse"}
+    for b, t0, t1 in ((0, 0, 8), (1, 8, 13)):
+        block, want = lazy.block(b, t0, t1), block_case(whole, b, t0, t1)
+        assert (block.row_offset, block.whole_tgt_len) == (want.row_offset, want.whole_tgt_len) == (t0, 13)
+        assert np.array_equal(block.inputs["bias"], want.inputs["bias"])
+        for stage in whole.stages:
+            assert np.array_equal(block.stages[stage], want.stages[stage]), stage
+            assert np.array_equal(np.broadcast_to(block.reference_error[stage], want.stages[stage].shape),
+                                  np.broadcast_to(want.reference_error[stage], want.stages[stage].shape)), stage

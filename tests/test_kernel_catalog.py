@@ -131,9 +131,10 @@ def test_a_kernel_that_refuses_the_fixtures_is_sent_to_kernels(tmp_path, capsys)
     assert main(["run", adapter]) == 2
     out = capsys.readouterr().out
     assert "NOTHING JUDGED" in out and f"0 pass, 0 fail, {len(CATALOG) * 4} unsupported" in out
-    assert ("nothing was judged: the adapter does not support any of the 112 selected case × dtype "
-            "(the kernel needs T = S and head_dim >= 16); if your kernel needs kernel-shaped sizes "
-            "(T = S a multiple of its block, head dim >= 16), try --catalog kernels") in out
+    assert (f"nothing was judged: the adapter does not support any of the {len(CATALOG) * 4} selected case × dtype "
+            "(the kernel needs T = S and head_dim >= 16; the adapter does not declare the variant window") in out
+    assert ("); if your kernel needs kernel-shaped sizes (T = S a multiple of its block, head dim >= 16), try "
+            "--catalog kernels") in out
     assert main(["run", adapter, "--catalog", "kernels", "-k", "k_d16_t64,k_fa_113_203_causal_br",
                  "--dtype", "float32"]) == 0
     out = capsys.readouterr().out

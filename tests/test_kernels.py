@@ -24,7 +24,7 @@ from mhaspec.conformance import tolerance as tol
 from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import softmax
 from mhaspec.reference.onthefly import golden_case
-from mhaspec.spec import DTYPES, CaseSpec, MHAConfig
+from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig
 from mhaspec.spec.case import MaskSpec
 
 kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
@@ -330,7 +330,7 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
     monkeypatch.setattr(compiled, "attention_chunk", counted)
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
-    returned = {name: stage.astype(np.float32).astype(np.float64) for name, stage in golden.stages.items()}
+    returned = {name: golden.stages[name].astype(np.float32).astype(np.float64) for name in STAGES}
 
     def judge(g, r):
         return session.judge_stages(g, "float32", r)

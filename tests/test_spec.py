@@ -172,15 +172,6 @@ def test_shared_kv_survives_the_worker_message():
     assert np.array_equal(again.inputs.key, case.inputs.key)
 
 
-def test_committed_fixtures_stay_small():
-    """Cases worth more than 4 MB of fixtures (forward and backward stages; issue 12's limit) belong in
-    `mhaspec run --catalog`, not in the package."""
-    from mhaspec.fixtures import DEFAULT_GOLDEN
-
-    total = sum(p.stat().st_size for p in DEFAULT_GOLDEN.iterdir())
-    assert total <= 4_000_000, f"golden folder is {total / 1e6:.2f} MB"
-
-
 def test_every_kind_of_inputs_declares_the_tensors_it_passes_and_their_gradients():
     import typing
 

@@ -10,11 +10,17 @@ see :func:`write_folder_atomically`.
 Tensor names inside a file::
 
     input.query  input.key  input.value  [input.mask]      float64 / bool
-    weight.w_q … weight.b_o                                float64
+    [input.bias]                                           float64 (B|1, H|1, T, S)
+    weight.w_q … weight.b_o  [weight.sink_logits]          float64
     stage.q_proj … stage.output                            float64
     grad.d_output                                          float64 (B, T, d_out)
     stage.d_concat … stage.d_b_o                           float64 (the case's backward stages)
     visible                                                bool (B, H, T, S)
+
+A case using a variant (docs/spec.md §2a, :func:`forward_only`) stores the forward stages with
+``stage.lse`` (and ``stage.q_rot``, ``stage.k_rot`` with RoPE) and no ``grad.d_output`` nor backward
+stages.  A spec-1.1 fixture stores no ``lse``: :func:`load_case` computes it from the exact scores,
+with its error bound in ``reference_error`` (:class:`StageErrors`).
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ from .io import atomic, safetensors
 from .spec import (
     MANIFEST_NAME,
     SPEC_VERSION,
+    STAGE,
     BACKWARD_STAGES,
-    STAGES,
     Case,
     CaseSpec,
     Manifest,
     ManifestEntry,
     backward_stage_shapes,
 )
+from .spec.manifest import READABLE_SPEC_VERSIONS, case_spec_version
+from .spec.stages import forward_stages
+from .spec.variants import variants_used
 
 #: The package's own, committed golden folder.
 DEFAULT_GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -76,7 +85,8 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
 
 def encode_case(spec: CaseSpec, tensors: Mapping[str, np.ndarray]) -> bytes:
     """The safetensors bytes of one case."""
-    return encode_safetensors(tensors, {"format": "mhaspec-golden", "case": spec.id, "spec_version": SPEC_VERSION})
+    return encode_safetensors(tensors, {"format": "mhaspec-golden", "case": spec.id,
+                                        "spec_version": case_spec_version(spec)})
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -103,7 +113,9 @@ class GoldenCase:
     visible: np.ndarray  # (B, H, T, S) bool: explicit mask AND causal
     path: Path
     d_output: np.ndarray | None = None  # (B, T, d_out)
-    #: Bound of each stage's distance to the exact reference (fast reference only; None: exact fixture).
+    #: Bound of each stage's distance to the exact reference (None: every stage exact).  The fast
+    #: reference's cases name every stage; a spec-1.1 fixture, whose ``lse`` is computed at load, names
+    #: only ``lse`` (:class:`StageErrors`: a stage it does not name is exact, 0.0).
     reference_error: Mapping[str, np.ndarray | float] | None = field(default=None, repr=False, compare=False)
     _cases: dict[str, Case] = field(default_factory=dict, repr=False, compare=False)
     #: SHA-256 of the fixture file this case was read from, as verified by :func:`load_case`; None: not
@@ -129,6 +141,14 @@ class GoldenCase:
         if dtype not in self._cases:
             self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights, self.d_output)
         return self._cases[dtype]
+
+
+class StageErrors(dict):  # type: ignore[type-arg]
+    """A golden case's ``reference_error``: the bound of each stage's distance to the exact reference,
+    by stage name; a stage it does not name is exact (``errors[stage]`` is 0.0)."""
+
+    def __missing__(self, name: str) -> float:
+        return 0.0
 
 
 class LazyStages(Mapping[str, Any]):
@@ -176,6 +196,13 @@ class RowBlocks(GoldenCase):
         return self.make_block(b, t0, t1)
 
 
+def forward_only(spec: CaseSpec) -> bool:
+    """Whether the fixture of ``spec`` is forward only, with the variant stages (q_rot, k_rot, lse):
+    a case using a variant (docs/spec.md §2a), whose backward has no tolerance and no exact reference
+    yet.  A spec-1.1 case's fixture holds the spec-1.1 forward stages, ``d_output`` and the backward."""
+    return bool(variants_used(spec))
+
+
 def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor a fixture of ``spec`` must hold."""
     cfg, B, T, S = spec.config, spec.batch, spec.tgt_len, spec.src_len
@@ -187,8 +214,13 @@ def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
     }
     if spec.mask is not None:
         shapes["input.mask"] = (B, 1, 1, S) if spec.mask.kind == "key_padding" else (B, 1, T, S)
+    if spec.bias is not None:
+        shapes["input.bias"] = (B if spec.bias.per_batch else 1, cfg.H if spec.bias.per_head else 1, T, S)
     shapes.update({f"weight.{k}": v for k, v in cfg.weight_shapes().items()})
     shapes.update({f"stage.{k}": v for k, v in cfg.stage_shapes(B, T, S).items()})
+    if forward_only(spec):
+        shapes.update({f"stage.{k}": v for k, v in cfg.variant_stage_shapes(B, T, S).items()})
+        return shapes
     shapes["grad.d_output"] = (B, T, cfg.d_out)
     shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs).items()})
     return shapes
@@ -251,7 +283,7 @@ def read_manifest(folder: Path) -> Manifest:
         manifest = Manifest.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise FixtureError(f"{path}: invalid manifest\n{format_validation_error(exc)}") from None
-    if manifest.spec_version != SPEC_VERSION:
+    if manifest.spec_version not in READABLE_SPEC_VERSIONS:
         raise FixtureError(
             f"{path}: fixtures are for spec version {manifest.spec_version}, this mhaspec implements "
             f"{SPEC_VERSION}; regenerate them with `mhaspec generate --out {folder}`"
@@ -391,9 +423,16 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
     inputs = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("input.")}
     weights = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("weight.")}
     stages = {name.split(".", 1)[1]: v for name, v in tensors.items() if name.startswith("stage.")}
-    stages = {s: stages[s] for s in STAGES + BACKWARD_STAGES if s in stages}  # pipeline order
-    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors["grad.d_output"],
-                      sha256=digest)
+    error = None
+    if STAGE.lse not in stages:  # a spec-1.1 fixture: its lse from its exact scores, with a bound
+        from .reference.fast import lse_of_exact_scores  # (the reference imports this module's users)
+
+        stages[STAGE.lse], lse_error = lse_of_exact_scores(stages[STAGE.scores], tensors["visible"],
+                                                           weights.get("sink_logits"))
+        error = StageErrors({STAGE.lse: lse_error})
+    stages = {s: stages[s] for s in forward_stages(entry.spec.config) + BACKWARD_STAGES if s in stages}  # pipeline order
+    return GoldenCase(entry.spec, inputs, weights, stages, tensors["visible"], path, tensors.get("grad.d_output"),
+                      reference_error=error, sha256=digest)
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:

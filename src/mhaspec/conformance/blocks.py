@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..fixtures import GoldenCase
-from ..spec import REGISTRY, STAGES
+from ..fixtures import GoldenCase, StageErrors
+from ..spec import REGISTRY
 from ..spec.case import input_rows
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, StageResult
 from .engine.chunks import one_blas_thread
@@ -34,8 +34,9 @@ from .second_opinion import SecondOpinion
 #: Largest (B, H, T, S) block judged at once: 2^22 float64 elements = 32 MiB per array.
 MAX_BLOCK_ELEMENTS = 1 << 22
 
-#: Axis of the query rows (T) in each forward stage; None: the stage has none (key/value projections).
-ROW_AXIS = {name: REGISTRY[name].rows for name in STAGES}
+#: Axis of the query rows (T) in each forward stage (the variants' q_rot, k_rot and lse too); None: the
+#: stage has none (key/value projections).
+ROW_AXIS = {name: stage.rows for name, stage in REGISTRY.items() if stage.direction == "forward"}
 
 
 def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]:
@@ -70,7 +71,8 @@ def block_case(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
         stages={k: _slice_stage(k, v, b, t0, t1) for k, v in golden.stages.items() if k in ROW_AXIS},  # forward
         visible=golden.visible[b : b + 1, :, t0:t1],
         path=golden.path,
-        reference_error=None if error is None else {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()},
+        reference_error=None if error is None else StageErrors(
+            {k: _slice_stage(k, v, b, t0, t1) for k, v in error.items()}),
         row_offset=golden.row_offset + t0,
         case_tgt_len=golden.whole_tgt_len,
     )

@@ -164,14 +164,15 @@ def whole_shape(golden: GoldenCase) -> tuple[int, int, int, int]:
 def with_reference_error(golden: GoldenCase, bounds: Mapping[str, Any]) -> dict[str, Any]:
     """``bounds`` widened by the golden's own error bound (unchanged for an exact fixture).
 
-    The reference error is a worst-case bound, not rounding noise: a bound with a
+    A stage missing from the reference error is exact (an exact fixture's ``lse``, computed at load, may
+    be the only one it names).  The reference error is a worst-case bound, not rounding noise: a bound with a
     worst-case part (``worst``, see :class:`mhaspec.conformance.tolerance.Bound`) gets it
     there; a plain tolerance array gets it added."""
     if golden.reference_error is None:
         return dict(bounds)
     out = {}
     for stage, bound in bounds.items():
-        extra = golden.reference_error[stage]
+        extra = golden.reference_error.get(stage, 0.0)  # a stage it does not name is exact
         if isinstance(extra, float) and extra == 0.0:  # proven exact (the scores, mostly): unchanged
             out[stage] = bound
         else:

@@ -16,8 +16,9 @@ from ..protocol.contract import Deviation
 from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
-from ..spec import STAGE, STAGES, compared_entries
-from ..spec.variants import undeclared
+from ..spec import REGISTRY, STAGE, compared_entries
+from ..spec.stages import forward_stages, local_inputs
+from ..spec.variants import undeclared, variants_used
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import judge_in_blocks
@@ -27,13 +28,18 @@ from . import second_opinion
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
-from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, PRECISIONS, Bound, golden_bounds,
+from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, golden_bounds,
                         judging_bounds, local_references, worst_case_tolerances)
 from .tolerance import backward_bounds, local_checks
 
 #: Per case × dtype, in seconds: generous for a first call that compiles (JAX, Keras), small
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
 DEFAULT_TIMEOUT = 60.0
+
+#: Why a golden case has no backward stages, as ``--backward`` reports it.
+CATALOG_FORWARD_ONLY = "the cases of --catalog are computed on the fly, forward only: docs/backward.md"
+VARIANT_FORWARD_ONLY = ("the cases with an attention variant are judged forward only: the backward of the variants "
+                        "has no golden yet, docs/spec.md §2a")
 
 #: A case of up to this much attention work (B·H·T·S·(D_k + D_v) multiply-adds: T = S = 512 with
 #: H = 8 and D = 64) gets the timeout as given; a larger one (``run --catalog``, ``fuzz``)
@@ -116,7 +122,8 @@ class Session:
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
-        self._no_backward_golden = 0  # case×dtype judged with --backward whose golden has no backward stages
+        # case×dtype judged with --backward whose golden has no backward stages, by why (NO_BACKWARD_GOLDEN)
+        self._no_backward_golden: dict[str, int] = {}
         self._results: dict[tuple[str, str], CaseResult] = {}
 
     def close(self) -> None:
@@ -207,10 +214,12 @@ class Session:
         if not isinstance(returned, Mapping):
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() returned {type(returned).__name__}, expected a mapping of stage name to array")
-        unknown = [str(k) for k in returned if k not in STAGES]
+        known = forward_stages(golden.spec.config)  # with the variants' stages this case has (q_rot, k_rot, lse)
+        unknown = [str(k) for k in returned if k not in known]
         if unknown:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
-                              message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+                              message=f"run() returned unknown stage(s) {', '.join(unknown)}; stages of this case "
+                                      f"are {', '.join(known)}")
         if STAGE.output not in returned:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() did not return the required stage {STAGE.output!r}")
@@ -251,7 +260,7 @@ class Session:
         own: dict[str, np.ndarray] = {}
         for stage, value in returned.items():
             arr, _ = as_float_array(value)
-            if arr is not None and arr.shape == golden.stages[stage].shape:
+            if arr is not None and stage in golden.stages and arr.shape == golden.stages[stage].shape:
                 own[stage] = arr
         local = local_references(golden, own, dtype, self.precision)
         worst: dict[str, Any] = {}  # the worst-case bounds, computed only if something fails
@@ -264,7 +273,8 @@ class Session:
                 ref = local.get(stage)
                 return within_absolute(within, stage, own.get(stage, returned[stage]), golden.stages[stage],
                                        tolerances[stage], dtype, selected,
-                                       None if ref is None else (ref[0], ref[1].tolerance(LAMBDA), LOCAL_INPUTS[stage]))
+                                       None if ref is None else (ref[0], ref[1].tolerance(LAMBDA),
+                                                                 local_inputs(stage, golden.spec.config, own)))
             if within not in within_tolerances:
                 if within == "worst-case":
                     within_tolerances[within] = judging.with_reference_error(golden, self._worst_case(golden, dtype))
@@ -280,13 +290,16 @@ class Session:
                 if stage in worst_local:
                     ref, bound = worst_local[stage]
                     fold_local(res, compare_stage(stage, own.get(stage, returned[stage]), ref, bound.tolerance(LAMBDA),
-                                                  dtype, selected, value_checks=False), LOCAL_INPUTS[stage])
+                                                  dtype, selected, value_checks=False),
+                               local_inputs(stage, golden.spec.config, own))
             return res
 
         stages: list[StageResult] = []
-        for stage in STAGES:
+        # the forward stages of this case its golden holds (lse: not judged where the golden lacks it)
+        for stage in (n for n in forward_stages(golden.spec.config) if n in golden.stages):
             if stage not in returned:
-                stages.append(StageResult(stage, NOT_EXPOSED))
+                if REGISTRY[stage].variant is None:  # a variant stage not returned is not listed (lse is optional)
+                    stages.append(StageResult(stage, NOT_EXPOSED))
                 continue
 
             def judge(selected: np.ndarray | None, stage: str = stage) -> StageResult:
@@ -298,7 +311,7 @@ class Session:
                     fold_local(res, compare_stage(stage, got, ref, bound.tolerance(LAMBDA), dtype,
                                                       selected, noise=bound, rms_limit=rms_limit,
                                                       rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False),
-                               LOCAL_INPUTS[stage])
+                               local_inputs(stage, golden.spec.config, own))
                 if res.verdict == FAIL and not res.failed_check:
                     res.failed_check = "golden"
                 if res.verdict == FAIL and self.precision == "standard":
@@ -360,7 +373,8 @@ class Session:
         """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
         if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
             if self._has_backward:
-                self._no_backward_golden += 1
+                why = VARIANT_FORWARD_ONLY if variants_used(golden.spec) else CATALOG_FORWARD_ONLY
+                self._no_backward_golden[why] = self._no_backward_golden.get(why, 0) + 1
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
@@ -419,10 +433,10 @@ class Session:
         warnings = self.deviation_warnings()
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
-        elif self.backward and self._no_backward_golden:
-            warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden (the cases "
-                            f"of --catalog are computed on the fly, forward only: docs/backward.md); their backward "
-                            f"stages were not judged")
+        elif self.backward:
+            for why, count in self._no_backward_golden.items():
+                warnings.append(f"--backward: {count} case×dtype have no backward golden ({why}); their backward "
+                                f"stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,

@@ -14,6 +14,11 @@ the element-wise check), with at least :data:`MIN_ELEMENTS` of them.  ``e_min`` 
 rounding of the exact result, the least error any implementation that stores the stage in the
 dtype has.  Only under the standard contract.
 
+The plain implementations compute the attention variants of the case too (docs/spec.md §2a), in the
+dtype: RoPE with its angles and cos/sin in the working precision, cast to the dtype; softcap with s/c,
+tanh and c·t each rounded; the bias and an ALiBi tensor (the slope rounded to the dtype) added, each sum
+rounded; the sink in the softmax's denominator; and ``lse``.
+
 The plain orders are the correct places for the scale that frameworks use (each is a correct
 implementation in the dtype, so the rule holds for the largest of their errors):
 
@@ -47,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import STAGE, compared_entries
+from ..spec import STAGE, compared_entries, variant_ops
 from ..spec.tolerance import DEFAULT_TOLERANCES
 from .engine.chunks import one_blas_thread
 from .judging import memoised
@@ -225,16 +230,58 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     root_d = rnd(np.asarray(math.sqrt(scale), dtype=work))
     heads: dict[bool, tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
 
+    def turned(x: np.ndarray, n_heads: int, positions: np.ndarray) -> np.ndarray:
+        """RoPE as HF computes it: the angles and cos/sin in float32 (float64 in a float64 run), cast to
+        the dtype; x·cos + rotate(x)·sin, each product and the sum rounded.   (B, L, n·D) -> (B, L, n·D)."""
+        spec = cfg.rope
+        r = spec.rotary_dim
+        first, second = variant_ops.rope_pairs(spec, r)
+        k = np.arange(r // 2, dtype=work)
+        inv_freq = (work(1.0) / (work(spec.theta) ** (work(2.0) * k / work(r)))).astype(work)
+        angle = (positions.astype(work)[:, None] * inv_freq[None, :]).astype(work)  # (L, r/2)
+        cos, sin = (cast(f(angle))[None, :, None, :] for f in (np.cos, np.sin))
+        h = x.reshape(B, x.shape[1], n_heads, -1)
+        out = h.copy()
+        a, b = h[..., first], h[..., second]
+        out[..., first] = rnd(rnd(a * cos) - rnd(b * sin))
+        out[..., second] = rnd(rnd(b * cos) + rnd(a * sin))
+        return out.reshape(x.shape)
+
     def projected(separate: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         if separate not in heads:
             q = linear(query, "q", separate)
             k, v = memoised(golden, ("second opinion", dtype, separate),  # every block of a batch entry shares them
                             lambda: (linear(key, "k", separate), linear(value, "v", separate)))
+            stages = {STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}
+            if cfg.rope is not None:
+                q_pos, k_pos = variant_ops.rope_positions(cfg, T, S, golden.row_offset)
+                q = stages[STAGE.q_rot] = turned(q, H, q_pos)
+                k = stages[STAGE.k_rot] = turned(k, G, k_pos)
             Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
             K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
             V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
-            heads[separate] = ({STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}, Q, K, V)
+            heads[separate] = (stages, Q, K, V)
         return heads[separate]
+
+    bias = golden.inputs.get("bias")
+    alibi = variant_ops.alibi(cfg, T, S, golden.whole_tgt_len, golden.row_offset)
+    if alibi is not None:  # the slope rounded to the dtype, times the distance, rounded (BLOOM's build_alibi_tensor)
+        slopes = cast(variant_ops.alibi_slope_values(cfg))
+        distance = variant_ops.alibi_distance(cfg, T, S, golden.whole_tgt_len, golden.row_offset)
+        alibi = rnd(-slopes[:, None, None] * distance[None].astype(work))  # (H, T, S)
+    sink = golden.weights.get("sink_logits") if cfg.sinks else None
+    sink = None if sink is None else cast(sink)[None, :, None, None]  # (1, H, 1, 1)
+
+    def modified(s: np.ndarray) -> np.ndarray:
+        """softcap (s/c, tanh and c·t each rounded), then + bias, + ALiBi (each sum rounded)."""
+        if cfg.softcap is not None:
+            c = work(cfg.softcap)
+            s = rnd(c * rnd(np.tanh(rnd(s / c))))
+        if bias is not None:
+            s = rnd(s + cast(bias))
+        if alibi is not None:
+            s = rnd(s + alibi)
+        return s
 
     def scores(order: str, Q: np.ndarray, K: np.ndarray) -> np.ndarray:  # (B, H, T, S)
         if order == "query-prescaled":
@@ -245,19 +292,25 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             return rnd(rnd(Q @ np.swapaxes(K, -1, -2)) * scale_d)
         return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)
 
-    def softmax(s: np.ndarray, lse: bool) -> np.ndarray:
+    def softmax(s: np.ndarray, lse: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(P, LSE): the sink logit, if any, in each denominator; a row that sees no key: 0 and −inf."""
         logits = np.where(visible, s, -np.inf)
         peak = logits.max(axis=-1, keepdims=True)
-        peak = np.where(np.isfinite(peak), peak, 0).astype(work)
+        seen = np.isfinite(peak)
+        if sink is not None:
+            peak = np.maximum(peak, sink)
+        peak = np.where(seen, peak, 0).astype(work)
         with np.errstate(divide="ignore"):
             e = np.exp(logits - peak)
             total = e.sum(axis=-1, keepdims=True)
+            if sink is not None:
+                total = np.where(seen, total + np.exp(sink - peak), 0).astype(work)
+            log_total = np.log(np.where(total > 0, total, 1).astype(work))
             if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
-                log_total = np.log(np.where(total > 0, total, 1).astype(work))
                 p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
             else:
                 p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-        return rnd(p.astype(work))
+        return rnd(p.astype(work)), rnd(np.where(seen, peak + log_total, -np.inf)[..., 0].astype(work))
 
     exact = dtype in ("float64", "float32")  # storing is exact: the bias's and the scores' rounding add nothing
     computed: dict[tuple[bool, str], dict[str, np.ndarray]] = {}
@@ -266,13 +319,15 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
-            s = scores(kind, Q, K)
-            p = softmax(s, kind == "log-sum-exp")
+            s = modified(scores(kind, Q, K))
+            p, lse = softmax(s, kind == "log-sum-exp")
             o = rnd(p @ V)  # (B, H, T, E)
             c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
             y = linear(c, "o", separate)
-            computed[separate, kind] = {**projections, STAGE.scores: s, STAGE.attn_weights: p,
+            computed[separate, kind] = {**projections, STAGE.scores: s, STAGE.lse: lse, STAGE.attn_weights: p,
                                         STAGE.head_outputs: o, STAGE.concat: c, STAGE.output: y}
+            if STAGE.lse not in golden.stages:  # a golden without it (before the variants): the stages it has
+                del computed[separate, kind][STAGE.lse]
         yield order, computed[separate, kind]
         for done in [k for k in computed if k != (False, "scale-after")]:
             del computed[done]  # one order's arrays at a time, and the one the others may reuse

@@ -5,7 +5,9 @@ is :mod:`mhaspec.conformance.model` (docs/tolerances.md).  This module composes 
 a case and chooses, for each chunk of heads × query rows of the (B, H, T, S) stages, what
 computes it: the compiled loop (:mod:`.engine.compiled`: a large case, numba installed) → the
 in-place NumPy path (:mod:`.engine.inplace`) → the model's general rule (a chunk with a value
-that is not finite, and the worst-case contract's local checks).  Chunks: :mod:`.engine.chunks`.
+that is not finite, and the worst-case contract's local checks).  A case with an attention variant that
+changes values (RoPE, softcap, bias, ALiBi, sinks) takes the model's general rule whole
+(:mod:`.model.variants`): the engines compute the spec-1.1 formulas only.  Chunks: :mod:`.engine.chunks`.
 
 * :func:`golden_bounds` — every golden stage's :class:`Bound`;
 * :func:`judging_bounds` — those and the runner's tolerances (with the golden's reference error);
@@ -26,15 +28,16 @@ from typing import Any, Literal
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import STAGE, STAGES
+from ..spec import STAGE, variant_ops
+from ..spec.stages import forward_stages, local_inputs
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from . import judging
 from .compare import Scratch
 from .engine import chunks, compiled, inplace
 from .engine.compiled import NUMBA_ENV
 from .model import backward as backward_rules, forward as forward_rules, local as local_rules
+from .model import variants as variant_rules
 from .model.backward_local import local_checks
-from .model.forward import worst_case_tolerances
 from .model.local import LOCAL_INPUTS
 from .model.vocabulary import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, Error, Pair, gamma, heads,
                                merge, nonnegative_product, rounding, swap)
@@ -87,8 +90,26 @@ def _worst_case(precision: str) -> bool:
 
 
 def _worst_case_bounds(golden: GoldenCase, dtype: str, table: ToleranceTable) -> dict[str, Bound]:
-    """:func:`~.model.forward.worst_case_tolerances` as bounds: all worst-case, no noise part."""
+    """:func:`worst_case_tolerances` as bounds: all worst-case, no noise part."""
     return {k: Bound.worst_case(v) for k, v in worst_case_tolerances(golden, dtype, table).items()}
+
+
+def worst_case_tolerances(golden: GoldenCase, dtype: str,
+                          table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
+    """The worst-case contract's tolerances of every forward stage of ``golden``: those of
+    :func:`~.model.forward.worst_case_tolerances`, or of :func:`~.model.variants.worst_case_tolerances` for
+    a case with a variant (and for ``lse``, which only that rule bounds)."""
+    if variant_rules.variant_case(golden):
+        return _ordered(golden, variant_rules.worst_case_tolerances(golden, dtype, table))
+    out = forward_rules.worst_case_tolerances(golden, dtype, table)
+    if STAGE.lse in golden.stages:  # from the scores' worst-case error (their tolerance less the floor)
+        out[STAGE.lse] = variant_rules.spec11_lse_worst(golden, out[STAGE.scores], dtype, table)
+    return _ordered(golden, out)
+
+
+def _ordered(golden: GoldenCase, d: Mapping[str, Any]) -> dict[str, Any]:
+    """``d`` in pipeline order, limited to the forward stages ``golden``'s case has."""
+    return {name: d[name] for name in forward_stages(golden.spec.config) if name in d}
 
 
 def _tolerances(bounds: Mapping[str, Bound]) -> dict[str, np.ndarray]:
@@ -104,8 +125,11 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     ``"plain"`` (``LAMBDA·sigma + worst``) or ``"with reference error"`` (the golden's own error
     in ``worst``, :func:`.judging.with_reference_error`)."""
     r = rounding(dtype, "standard", table)
+    if variant_rules.variant_case(golden):  # the model's general rule: no engine computes the variants
+        return _variants_standard(golden, r, keep_bounds=keep_bounds, tolerances=tolerances)
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H = cfg.H
+    keep_bounds_asked, keep_bounds = keep_bounds, keep_bounds or STAGE.lse in g  # lse: from the scores' bounds
     # 1. projections (k_proj, v_proj with the operands of steps 2–4 made of them, shared by the
     #    blocks of query rows of one batch entry: judging.memoised)
     e_q = forward_rules.projection(golden, "q", r)
@@ -129,7 +153,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     error = golden.reference_error if tolerances == "with reference error" else None
     extra_s, extra_p = ((0.0, 0.0) if error is None else
                         (np.broadcast_to(e, (B, H, T, S)).reshape(N, T, S) if isinstance(e, np.ndarray) else e
-                         for e in (error[STAGE.scores], error[STAGE.attn_weights])))
+                         for e in (error.get(STAGE.scores, 0.0), error.get(STAGE.attn_weights, 0.0))))  # absent: exact
     cst = forward_rules.AttentionConstants.of(golden, r)
     kernels = compiled.kernels_for(golden)
 
@@ -164,20 +188,38 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     e_o = Error(o2.reshape(B, H, T, E), wo.reshape(B, H, T, E))
     errors = {STAGE.q_proj: e_q, STAGE.k_proj: keys.k, STAGE.v_proj: keys.v, STAGE.head_outputs: e_o,
               **forward_rules.output(golden, e_o, r)}
+    if STAGE.lse in g:  # the log-sum-exp, from the scores' bounds (docs/tolerances.md "lse")
+        assert sig_s is not None and wor_s is not None
+        errors[STAGE.lse] = variant_rules.spec11_lse(
+            golden, Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S)), r)
     out = {name: e.bound(r.floor) for name, e in errors.items()}
     tols: dict[str, np.ndarray] = {}
     if tolerances:
         tols = _tolerances(judging.with_reference_error(golden, out) if error is not None else out)
         assert tol_s is not None and tol_p is not None
         tols[STAGE.scores], tols[STAGE.attn_weights] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
-        tols = {name: tols[name] for name in STAGES}
-    if not keep_bounds:
+        tols = _ordered(golden, tols)
+    if not keep_bounds_asked:
         return {}, tols
     # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
     assert sig_s is not None and wor_s is not None and sig_p is not None and wor_p is not None
     out[STAGE.scores] = Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S))
     out[STAGE.attn_weights] = Bound(sig_p.reshape(B, H, T, S), wor_p.reshape(B, H, T, S))
-    return {name: out[name] for name in STAGES}, tols
+    return _ordered(golden, out), tols
+
+
+def _variants_standard(golden: GoldenCase, r: Any, *, keep_bounds: bool,
+                       tolerances: Literal["plain", "with reference error"] | None,
+                       ) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
+    """:func:`_standard` of a case with a variant: the model's general rule on the whole case
+    (:func:`.model.variants.golden_errors`), the bounds formed as :func:`_standard` forms them."""
+    errors = variant_rules.golden_errors(golden, r)
+    out = _ordered(golden, {name: e if isinstance(e, Bound) else e.bound(r.floor) for name, e in errors.items()})
+    tols: dict[str, np.ndarray] = {}
+    if tolerances:
+        with_error = tolerances == "with reference error" and golden.reference_error is not None
+        tols = _tolerances(judging.with_reference_error(golden, out) if with_error else out)
+    return (out if keep_bounds else {}), tols
 
 
 def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: str,
@@ -207,8 +249,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     N = B * H
     visN = golden.visible.reshape(N, T, S)
 
-    fast = not worst_case  # the in-place path (standard contract), the general one where it cannot
+    # the in-place path (standard contract, no variant), the general one where it cannot
+    variant = variant_rules.variant_case(golden)
+    fast = not worst_case and not variant
     kernels = compiled.kernels_for(golden) if fast else None
+    sinks = variant_rules.sink_logits(golden, N)  # (N, 1, 1) or None
 
     def each(fn: Any) -> None:  # fn(n, rows, scratch) on every chunk of (N, T, ·) rows
         chunks.each_chunk(N, T, S, fn)
@@ -217,7 +262,17 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         return ref.reshape(shape), Bound(sig.reshape(shape), wor.reshape(shape))
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if has(*LOCAL_INPUTS[STAGE.scores]):
+        if cfg.rope is not None:  # q_rot, k_rot from the adapter's own q_proj, k_proj
+            q_pos, k_pos = variant_ops.rope_positions(cfg, T, S, golden.row_offset)
+            for rot, proj, n_heads, pos in ((STAGE.q_rot, STAGE.q_proj, H, q_pos), (STAGE.k_rot, STAGE.k_proj, G, k_pos)):
+                if has(proj):
+                    out[rot] = variant_rules.local_rope(own[proj], n_heads, pos, cfg, r, worst_case)
+        score_inputs = local_inputs(STAGE.scores, cfg, own)
+        if variant and has(*score_inputs):  # the model's general rule, the variants in float64
+            out[STAGE.scores] = variant_rules.local_scores(golden, own[score_inputs[0]], own[score_inputs[1]],
+                                                           cfg.rope is not None and STAGE.q_rot not in score_inputs,
+                                                           r, worst_case)
+        elif has(*score_inputs):
             def key_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
                 K = heads(own[STAGE.k_proj], G, group).reshape(N, S, -1)
                 return K, Pair.of(swap(K * K)), Pair.of(swap(np.abs(K)))
@@ -252,11 +307,15 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                     return
                 if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf):
                     return
-                ref[n, rows], sig[n, rows], wor[n, rows] = local_rules.weights(s_, vis, a_s, r, worst_case)
+                ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
+                    s_, vis, None if sinks is None else sinks[n], r, worst_case)
 
             each(weights)
             return ref, sig, wor
 
+        if has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages:
+            ref_l, b_l = variant_rules.local_lse(own[STAGE.scores].reshape(N, T, S), visN, sinks, r, worst_case)
+            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(b_l.sigma.reshape(B, H, T), b_l.worst.reshape(B, H, T))
         weights_local = None
         if has(*LOCAL_INPUTS[STAGE.attn_weights]):
             weights_local = softmax_pass(own[STAGE.scores])

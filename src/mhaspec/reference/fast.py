@@ -36,22 +36,35 @@ on numpy 2.4, tests/test_fast_reference.py checks it), the row sum is any-order
 :func:`sum_bound` (n + 2)-bounds of their BLAS dot products plus the propagated error.  Every
 bound is multiplied by :data:`SAFETY` to cover the float64 rounding of the
 bound's own arithmetic (valid while n·u < 2^-21, i.e. n < 2^32).
+
+The variants (docs/spec.md §2a), in their order: RoPE (:func:`rope_with_error`: ``q_rot``, ``k_rot``;
+the scores of turned Q and K are never proven exact), softcap (:func:`softcap_with_error`), bias and
+ALiBi (:func:`add_bias_with_error`), the window (in the visibility), sinks in the softmax denominator
+and ``lse`` (:func:`softmax_with_lse`, :func:`lse_error`), for every case.  numpy's tanh, cos, sin,
+log and power are assumed within :data:`ELEMENTARY_ULPS` ulps (tests/test_fast_reference.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..spec import MHAConfig, STAGES
+from ..spec import MHAConfig, variant_ops
 from ..spec.masks import visibility
+from ..spec.stages import forward_stages
+from ..spec.variants import alibi_slope_values
 
 U = 2.0**-53  # float64 unit roundoff
 #: numpy's float64 exp is assumed within this many ulps of the correctly rounded exp.
 EXP_ULPS = 2
+#: numpy's float64 tanh, cos, sin, log and power (``**``) are assumed within this many ulps of their
+#: correctly rounded values (the variants: softcap, RoPE, lse; measured on numpy 2.4: at most 1 ulp,
+#: tests/test_fast_reference.py checks each against mpmath).
+ELEMENTARY_ULPS = 4
 #: Covers the float64 rounding of the bounds' own sums and products.
 SAFETY = 1.0 + 2.0**-20
 #: Absolute slack for an exp that lands in the subnormal range (relative bounds fail there).
@@ -161,6 +174,162 @@ def _row_norms(x: np.ndarray | float, like: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ld,ld->l", x, x))
 
 
+#: |numpy cos or sin − the correctly rounded one| of the same angle, beyond the angle's own error:
+#: ELEMENTARY_ULPS ulps of a value in [−1, 1] (an ulp there is at most 2^-52), plus the exact
+#: reference's half ulp.
+TRIG_ABS = (ELEMENTARY_ULPS + 0.5) * 2.0**-52
+
+
+def rope_angle_error(config: MHAConfig, positions: np.ndarray) -> np.ndarray:
+    """(L, r/2): bound of |the fast rotary angle − the exact one| (:func:`variant_ops.rope_angles`
+    rounds −2k/r (relative u, which the power turns into |ln theta|·u), the power (ELEMENTARY_ULPS
+    ulps) and the product (u); doubled for the second-order terms)."""
+    spec = config.rope
+    assert spec is not None and spec.rotary_dim is not None
+    angle = variant_ops.rope_angles(spec, spec.rotary_dim, positions)  # (L, r/2)
+    return np.abs(angle) * (2 * U * (2 + 2 * ELEMENTARY_ULPS + abs(math.log(spec.theta))))
+
+
+def rope_with_error(x: np.ndarray, e_x: np.ndarray | float, heads: int, positions: np.ndarray,
+                    config: MHAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(x turned by RoPE (:func:`variant_ops.rope`), the bound of its distance to the exact reference's).
+
+    Each turned pair (a, b) -> (a·c − b·s, b·c + a·s): the exact reference uses the correctly rounded
+    cos and sin of the exact angle and rounds once; here c and s are within
+    angle error + :data:`TRIG_ABS` of those (cos and sin are 1-Lipschitz), the two products and the
+    sum round (γ(2), and the exact reference's rounding: γ(3) in all), and the projection's own error
+    e_a, e_b passes through the rotation at most as e_a + e_b.  Features past rotary_dim pass with
+    their projection's error.   x, e_x (B, L, heads·D) -> (B, L, heads·D) twice."""
+    spec = config.rope
+    assert spec is not None and spec.rotary_dim is not None
+    B, L, F = x.shape
+    D = F // heads
+    first, second = variant_ops.rope_pairs(spec, spec.rotary_dim)
+    e_cs = rope_angle_error(config, positions) + TRIG_ABS  # (L, r/2)
+    ax = np.abs(x).reshape(B, L, heads, D)
+    turned = (ax[..., first] + ax[..., second]) * (e_cs[None, :, None, :] + gamma(3))  # (B, L, heads, r/2)
+    if isinstance(e_x, float):
+        err = np.zeros((B, L, heads, D))
+    else:
+        err = e_x.reshape(B, L, heads, D).copy()
+        turned += err[..., first] + err[..., second]
+    err[..., first] = turned
+    err[..., second] = turned
+    return variant_ops.rope(x, heads, positions, config), SAFETY * err.reshape(B, L, F)
+
+
+def softcap_with_error(s: np.ndarray, e_s: np.ndarray | None, cap: float) -> np.ndarray:
+    """s ← cap·tanh(s/cap) in place (:func:`variant_ops.softcap`); returns the bound of its distance
+    to the exact reference's.  tanh is 1-Lipschitz (the scores' own error ``e_s`` passes at most
+    unchanged); s/cap rounds (relative u, passed on at most once: |x·tanh′(x)/tanh(x)| <= 1), tanh
+    (ELEMENTARY_ULPS ulps: 2u each) and the product by cap round, the exact reference once (u/2):
+    (3 + 2·ELEMENTARY_ULPS)·u relative, plus :data:`SUBNORMAL` absolute.   s (n, S)."""
+    s[...] = variant_ops.softcap(s, cap)
+    rounding = SAFETY * (3 + 2 * ELEMENTARY_ULPS) * U * np.abs(s) + SUBNORMAL
+    return rounding if e_s is None else e_s + rounding
+
+
+def add_bias_with_error(s: np.ndarray, e_s: np.ndarray | None, bias: np.ndarray | None,
+                        alibi: np.ndarray | None) -> np.ndarray:
+    """s ← s + bias + alibi in place (alibi = −slope·|i + off − j|, one rounding); returns the bound of
+    its distance to the exact reference's (which sums the three exactly and rounds once): the ALiBi
+    product and the two additions round (γ(3)·(|s| + |bias| + |alibi|)), the exact reference once
+    (u·|result|).   s, bias, alibi (n, S)."""
+    terms = np.abs(s)
+    for term in (bias, alibi):
+        if term is not None:
+            s += term
+            terms += np.abs(term)
+    rounding = SAFETY * (gamma(3) * terms + U * np.abs(s))
+    return rounding if e_s is None else e_s + rounding
+
+
+def softmax_with_lse(s: np.ndarray, visible: np.ndarray | None, sink: np.ndarray | float | None,
+                     p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray]:
+    """p ← the softmax over the last axis of the visible entries of s, the sink's e^sink in the
+    denominator (docs/spec.md §2a, step 8), in place; a row that sees no key is all zeros.  As the exact
+    reference does: the row's peak (the largest visible score, or the sink) is subtracted before exp.
+
+    s, visible (…, S) (visible None: every entry); sink a float or (…, 1) or None; p (…, S) out.
+    Returns (peak, total, the sink's share of each row, lse), each (…, 1): total is the row's sum of
+    e^(s_j − peak) (and e^(sink − peak)), lse = peak + ln(total), −inf for a row that sees no key."""
+    if visible is None:
+        row_max = s.max(axis=-1, keepdims=True)
+        seen: np.ndarray | bool = True
+    else:
+        row_max = np.max(np.where(visible, s, -np.inf), axis=-1, keepdims=True)
+        seen = np.isfinite(row_max)
+    peak = row_max if sink is None else np.maximum(row_max, sink)
+    if visible is not None:
+        peak = np.where(seen, peak, 0.0)
+    np.subtract(s, peak, out=p)
+    if visible is not None:
+        np.copyto(p, -np.inf, where=~visible)
+    np.exp(p, out=p)
+    total = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        e_sink = np.where(seen, np.exp(sink - peak), 0.0)
+        total = total + e_sink
+    divisor = np.where(total > 0, total, 1.0)
+    p /= divisor
+    p_sink = 0.0 if sink is None else e_sink / divisor
+    with np.errstate(divide="ignore"):  # a row that sees no key: ln 0 = −inf
+        lse = np.where(seen, peak + np.log(total), -np.inf)
+    return peak, total, p_sink, lse
+
+
+def shift_spread(p: np.ndarray, s: np.ndarray, peak: np.ndarray, p_sink: np.ndarray | float,
+                 sink: np.ndarray | float | None, rel_round: float) -> np.ndarray:
+    """(…, 1): a bound of Σ_j p_j·u·|s_j − peak| (+ the sink's p_sink·u·|sink − peak|), what the
+    rounding of the shifted arguments s_j − peak, which the exact reference's log-sum-exp does not have,
+    moves the lse by (:func:`lse_error`), from exact scores, in one pass over the row.
+
+    Where p_j > 0, s_j <= peak, so Σ_j p_j |s_j − peak| = peak·Σ_j p_j − Σ_j p_j s_j, and Σ_j p_j is
+    1 − p_sink within ``rel_round``.  Evaluated in float64 the difference is off by at most
+    |peak|·(rel_round + u) + γ(S)·Σ_j p_j |s_j| <= |peak|·(rel_round + u + γ(S)) + γ(S)·(the sum itself)
+    (|s_j| <= |peak| + (peak − s_j)).  Each p_j·(e^(u·|s_j − peak|) − 1) is p_j·u·|s_j − peak| within a
+    factor 1 + 2^-40 where p_j is a normal number (|s_j − peak| < 746); a p_j that underflows to 0
+    stands for at most u·e^-745 each: ``SUBNORMAL`` per key."""
+    S = s.shape[-1]
+    g = gamma(S + 4)
+    dot = np.einsum("...j,...j->...", p, s)[..., None]  # Σ_j p_j s_j
+    difference = np.maximum(peak * (1.0 - p_sink) - dot, 0.0)
+    spread = U * (difference + np.abs(peak) * (rel_round + g)) / (1.0 - g) + S * SUBNORMAL
+    if sink is not None:
+        spread = spread + p_sink * U * np.abs(sink - peak)
+    return spread
+
+
+def lse_of_exact_scores(scores: np.ndarray, visible: np.ndarray,
+                        sink_logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(lse (B, H, T), the bound of its distance to the exact reference's) from the exact reference's
+    ``scores`` and ``visible`` (B, H, T, S) and sink logits (H,) or None: the lse of a fixture that does
+    not store it (spec 1.1)."""
+    S = scores.shape[-1]
+    sink = None if sink_logits is None else np.asarray(sink_logits, dtype=np.float64)[None, :, None, None]
+    p = np.empty_like(scores)
+    peak, total, p_sink, lse = softmax_with_lse(scores, visible, sink, p)
+    rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S + (sink is not None))
+    spread = shift_spread(p, scores, peak, p_sink, sink, rel_round)
+    return lse[..., 0], lse_error(spread, total, lse, rel_round)[..., 0]
+
+
+def lse_error(spread: np.ndarray, total: np.ndarray, lse: np.ndarray, rel_round: float) -> np.ndarray:
+    """(n, 1): bound of |fast lse − exact lse| of n rows (0 where no key is visible: −inf in both).
+
+    The fast lse is peak + ln(total), total the row's sum of e^(s_j − peak) (and of the sink's); the
+    exact reference rounds the log-sum-exp of its scores once.  The log-sum-exp's gradient is the
+    softmax, so arguments off by at most t_j (the scores' error and the rounding of s_j − peak; the
+    sink's alike) move it by at most ln Σ p_j e^(t_j) (p the weights of the row, sink included, which
+    sum to 1): ``spread`` (n, 1) bounds that (:func:`shift_spread` for exact scores).  Then: the exps and the row sum (``rel_round``, twice: p here are the fast
+    weights), ln (ELEMENTARY_ULPS ulps of |ln total|), the addition of the peak and the exact
+    reference's own rounding (u·|lse| each)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        rounding = 2 * rel_round + 2 * U * (ELEMENTARY_ULPS * np.abs(np.log(total)) + np.abs(lse))
+        error = SAFETY * (spread + rounding)
+    return np.where(np.isfinite(lse), error, 0.0)
+
+
 #: The fast reference computes the (B, H, T, S) stages, the head outputs and the output projection
 #: in sub-blocks of this many query rows (aligned to multiples of it), for the whole case and for a
 #: block of rows alike (:class:`FastRows`): a block starting at a multiple of it is bit-identical to
@@ -209,15 +378,32 @@ class FastRows:
             k, e_k, exact_k, grid_k = _project(key, weights["w_k"], weights.get("b_k"), grids[id(key)])
             v, e_v, exact_v, _ = _project(value, weights["w_v"], weights.get("b_v"), grids[id(value)])
         self.q, self.k, self.v, self.e_q, self.e_k, self.e_v = q, k, v, e_q, e_k, e_v
-        self.Q, self.K, self.V = _heads(q, H), _heads(k, G), _heads(v, G)
-        self.EQ, self.EK, self.EV = _heads(e_q, H), _heads(e_k, G), _heads(e_v, G)
-        self.exact_s = (exact_q and exact_k
-                        and exact_product(self.Q, np.swapaxes(self.K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
+        # 1a. RoPE (docs/spec.md §2a): the scores are taken of the turned Q and K
+        q_att, k_att, e_qa, e_ka = q, k, e_q, e_k
+        self.rot: dict[str, tuple[np.ndarray, np.ndarray | float]] = {}
+        if config.rope is not None:
+            q_pos, k_pos = variant_ops.rope_positions(config, T, S)
+            with _one_blas_thread():
+                q_att, e_qa = rope_with_error(q, e_q, H, q_pos, config)
+                k_att, e_ka = rope_with_error(k, e_k, G, k_pos, config)
+            self.rot = {"q_rot": (q_att, e_qa), "k_rot": (k_att, e_ka)}
+        self.Q, self.K, self.V = _heads(q_att, H), _heads(k_att, G), _heads(v, G)
+        self.EQ, self.EK, self.EV = _heads(e_qa, H), _heads(e_ka, G), _heads(e_v, G)
+        # the dot products scale·Q Kᵀ are bit-identical to the exact reference's (proof: exact_product) ...
+        self.exact_dot = (config.rope is None and exact_q and exact_k
+                          and exact_product(self.Q, np.swapaxes(self.K, -1, -2), grid_a=grid_q, grid_b=grid_k)[0])
+        # ... and so are the scores, unless a softcap, a bias or ALiBi rounds them further
+        self.softcap, self.bias, self.slopes = config.softcap, inputs.get("bias"), alibi_slope_values(config)
+        self.exact_s = self.exact_dot and self.softcap is None and self.bias is None and self.slopes is None
+        self.sinks = weights.get("sink_logits") if config.sinks else None
+        self.stage_names = forward_stages(config)
         self.exact = {"q_proj": exact_q, "k_proj": exact_k, "v_proj": exact_v, "scores": self.exact_s}
-        self.exact.update({s: False for s in STAGES if s not in self.exact})
+        self.exact.update({s: False for s in self.stage_names if s not in self.exact})
         self.visible = visibility(config, inputs.get("mask"), B, T, S)
-        self.everything_visible = not config.causal and inputs.get("mask") is None
-        self.rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(S)  # exp (both references), divisions; the row sum
+        self.everything_visible = (not config.causal and inputs.get("mask") is None
+                                   and config.window_left is None and config.window_right is None)
+        keys = S + (self.sinks is not None)  # terms of a softmax denominator: the keys and the sink
+        self.rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(keys)  # exp (both references), divisions; the row sum
         self.out_round = sum_bound(S + 1)  # the length-S dot of P V and the exact reference's one rounding
         self.w_o, self.b_o = weights["w_o"], weights.get("b_o")
         self.local = sum_bound(self.w_o.shape[0] + 2)
@@ -230,6 +416,7 @@ class FastRows:
         return {"s": np.empty((1, H, n, S)), "p": np.empty((1, H, n, S)),
                 "e_s": None if self.exact_s else np.empty((1, H, n, S)), "e_p": np.empty((1, H, n, S)),
                 "o": np.empty((1, H, n, E)), "e_o": np.empty((1, H, n, E)),
+                "l": np.empty((1, H, n)), "e_l": np.empty((1, H, n)),
                 "c": np.empty((1, n, H * E)), "e_c": np.empty((1, n, H * E)),
                 "y": np.empty((1, n, d_out)), "e_y": np.empty((1, n, d_out))}
 
@@ -242,7 +429,7 @@ class FastRows:
             i0, i1 = r0 - t0, r1 - t0
             for h in range(self.H):
                 self._attend(b, h, r0, r1, {name: None if a is None else a[0, h, i0:i1]
-                                            for name, a in dst.items() if name in ("s", "p", "e_s", "e_p", "o", "e_o")})
+                                            for name, a in dst.items() if name in self.PER_HEAD})
             # 3. concat and project
             H, E = self.H, self.E
             o, e_o = dst["o"], dst["e_o"]
@@ -262,56 +449,81 @@ class FastRows:
             ey *= SAFETY
             e_y[0, i0:i1] = ey
 
-    def _attend(self, b: int, h: int, r0: int, r1: int, dst: dict[str, np.ndarray | None]) -> None:
-        """Scores, weights and head outputs of rows [r0, r1) of (b, h), with their bounds, into ``dst``."""
+    #: The per-head outputs of :meth:`_attend`: scores, weights, head outputs, lse and their bounds.
+    PER_HEAD = ("s", "p", "e_s", "e_p", "o", "e_o", "l", "e_l")
+
+    def _scores(self, b: int, h: int, r0: int, r1: int, s: np.ndarray) -> np.ndarray | None:
+        """The scores of rows [r0, r1) of (b, h) into ``s`` (n, S): scale·Q Kᵀ, softcap, + bias + ALiBi
+        (docs/spec.md §2a, steps 3–5); returns the bound of |s − exact s| (None: bit-identical)."""
         g = h // self.group
-        Qh, Kg, Vg = self.Q[b, h, r0:r1], self.K[b, g], self.V[b, g]  # (n, D), (S, D), (S, E)
-        vis = self.visible[b, h, r0:r1]  # (n, S)
-        all_vis = self.everything_visible or bool(vis.all())
-        scale, EQ, EK, EV = self.scale, self.EQ, self.EK, self.EV
-        exact_s, rel_round, out_round = self.exact_s, self.rel_round, self.out_round
-        s = dst["s"]
-        assert s is not None
+        Qh, Kg = self.Q[b, h, r0:r1], self.K[b, g]  # (n, D), (S, D)
+        scale, EQ, EK = self.scale, self.EQ, self.EK
         np.matmul(Qh, Kg.T, out=s)
         s *= scale
-        # Bound on |s - exact s| (none when bit-identical).
-        if not exact_s:
+        e_s = None
+        if not self.exact_dot:
             nq, nk = np.sqrt(np.einsum("td,td->t", Qh, Qh)), np.sqrt(np.einsum("sd,sd->s", Kg, Kg))
             eq = _row_norms(EQ if isinstance(EQ, float) else EQ[b, h, r0:r1], Qh)
             ek = _row_norms(EK if isinstance(EK, float) else EK[b, g], Kg)
             hi = np.outer(nq + eq, nk + ek)
             e_s = scale * SAFETY * ((hi - np.outer(nq, nk)) + sum_bound(self.D + 2) * hi) + U * np.abs(s)
-            assert dst["e_s"] is not None
+        if self.softcap is not None:
+            e_s = softcap_with_error(s, e_s, self.softcap)
+        if self.bias is not None or self.slopes is not None:
+            bias = None if self.bias is None else self.bias[b if self.bias.shape[0] > 1 else 0,
+                                                            h if self.bias.shape[1] > 1 else 0, r0:r1]
+            alibi = None if self.slopes is None else (
+                -self.slopes[h] * variant_ops.alibi_distance(self.config, r1 - r0, self.S, self.T, r0))
+            e_s = add_bias_with_error(s, e_s, bias, alibi)
+        return e_s
+
+    def _attend(self, b: int, h: int, r0: int, r1: int, dst: dict[str, np.ndarray | None]) -> None:
+        """Scores, weights, lse and head outputs of rows [r0, r1) of (b, h), with their bounds, into ``dst``."""
+        g = h // self.group
+        Vg = self.V[b, g]  # (S, E)
+        vis = self.visible[b, h, r0:r1]  # (n, S)
+        all_vis = self.everything_visible or bool(vis.all())
+        EV = self.EV
+        exact_s, rel_round, out_round = self.exact_s, self.rel_round, self.out_round
+        s = dst["s"]
+        assert s is not None
+        e_s = self._scores(b, h, r0, r1, s)
+        if not exact_s:
+            assert dst["e_s"] is not None and e_s is not None
             dst["e_s"][...] = e_s
-        # softmax over the visible keys; a row with none is all zeros
+        # softmax over the visible keys, the sink in the denominator; a row with no key is all zeros
         p = dst["p"]
         assert p is not None
-        if all_vis:
-            row_max = s.max(axis=-1, keepdims=True)  # (n, 1)
-            np.subtract(s, row_max, out=p)
-        else:
-            row_max = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)
-            row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-            np.subtract(s, row_max, out=p)
-            np.copyto(p, -np.inf, where=~vis)
-        np.exp(p, out=p)
-        total = p.sum(axis=-1, keepdims=True)
-        p /= np.where(total > 0, total, 1.0)  # a row that sees no key is already all zeros
+        sink = None if self.sinks is None else float(self.sinks[h])
+        peak, total, p_sink, lse = softmax_with_lse(s, None if all_vis else vis, sink, p)
         e_p = dst["e_p"]
         assert e_p is not None
+        t_sink: np.ndarray | float = 0.0
         if exact_s:  # the arguments of exp are bit-identical to the exact reference's
             c_rel = rel_round * SAFETY
             np.multiply(p, c_rel, out=e_p)
             np.add(e_p, SUBNORMAL, out=e_p, where=vis)
+            spread = shift_spread(p, s, peak, p_sink, sink, rel_round)
         else:
-            t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(row_max)), 0.0)
+            assert e_s is not None
+            t = np.where(vis, e_s + 2 * U * (np.abs(s) + np.abs(peak)), 0.0)
+            if sink is not None:
+                t_sink = 2 * U * (abs(sink) + np.abs(peak))
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a row that sees no key
                 et = np.exp(np.minimum(t, 700.0))
-                up = np.sum(p * et, axis=-1, keepdims=True)
-                down = np.sum(p / et, axis=-1, keepdims=True)
+                et_sink = np.exp(np.minimum(t_sink, 700.0))
+                up = np.sum(p * et, axis=-1, keepdims=True) + p_sink * et_sink
+                down = np.sum(p / et, axis=-1, keepdims=True) + p_sink / et_sink
                 pert = np.maximum(et / down - 1.0, 1.0 - 1.0 / (et * up))
+                # the lse moves by at most ln Σ p_j e^(t_j) = ln(up) (:func:`lse_error`), up computed
+                # with the fast weights (rel_round) and rounded (γ(S + 2))
+                spread = np.maximum(np.log(up), 0.0) + rel_round + gamma(self.S + 2)
             rel = np.nan_to_num((1.0 + pert) * (1.0 + rel_round) - 1.0, nan=np.inf)
             e_p[...] = np.where(vis, np.minimum(p * rel * SAFETY + SUBNORMAL, 1.0), 0.0)
+        l_dst, e_l = dst["l"], dst["e_l"]
+        assert l_dst is not None and e_l is not None
+        l_dst[...] = lse[:, 0]
+        e_l[...] = lse_error(spread, total, lse, rel_round)[:, 0]
         # head outputs: the propagated weight error plus the dot's own rounding
         o, e_o_dst = dst["o"], dst["e_o"]
         assert o is not None and e_o_dst is not None
@@ -326,15 +538,21 @@ class FastRows:
             e_o += p @ EV[b, g]
         np.multiply(e_o, SAFETY, out=e_o_dst)
 
-    def _assemble(self, q: Any, e_q: Any, k: Any, e_k: Any, v: Any, e_v: Any,
-                  out: dict[str, np.ndarray | None], visible: np.ndarray) -> FastForward:
-        stages = {"q_proj": q, "k_proj": k, "v_proj": v, "scores": out["s"], "attn_weights": out["p"],
-                  "head_outputs": out["o"], "concat": out["c"], "output": out["y"]}
-        error: dict[str, np.ndarray | float] = {
-            "q_proj": e_q, "k_proj": e_k, "v_proj": e_v, "scores": 0.0 if out["e_s"] is None else out["e_s"],
-            "attn_weights": out["e_p"], "head_outputs": out["e_o"], "concat": out["e_c"], "output": out["e_y"],
-        }
+    def _assemble(self, projections: dict[str, tuple[Any, Any]], out: dict[str, np.ndarray | None],
+                  visible: np.ndarray) -> FastForward:
+        """The :class:`FastForward` of the (whole or row-block) projections (q_proj … k_rot: (value,
+        bound)) and the per-row outputs ``out``, in pipeline order."""
+        rest = {"scores": (out["s"], 0.0 if out["e_s"] is None else out["e_s"]), "lse": (out["l"], out["e_l"]),
+                "attn_weights": (out["p"], out["e_p"]), "head_outputs": (out["o"], out["e_o"]),
+                "concat": (out["c"], out["e_c"]), "output": (out["y"], out["e_y"])}
+        both = {**projections, **rest}
+        stages = {name: both[name][0] for name in self.stage_names}
+        error: dict[str, np.ndarray | float] = {name: both[name][1] for name in self.stage_names}
         return FastForward(stages, visible, error, dict(self.exact))  # type: ignore[arg-type]
+
+    def _projections(self) -> dict[str, tuple[Any, Any]]:
+        """(value, bound) of q_proj, k_proj, v_proj (and q_rot, k_rot with RoPE) of the whole case."""
+        return {"q_proj": (self.q, self.e_q), "k_proj": (self.k, self.e_k), "v_proj": (self.v, self.e_v), **self.rot}
 
     def rows(self, b: int, t0: int, t1: int) -> FastForward:
         """Every stage of batch entry b's query rows [t0, t1) (a case of its own: B = 1, T = t1 - t0,
@@ -343,14 +561,14 @@ class FastRows:
         with _one_blas_thread():
             self._fill(b, t0, t1, out)
 
-        def rows_of(x: np.ndarray | float) -> np.ndarray | float:
-            return x if isinstance(x, float) else x[b : b + 1, t0:t1]
+        def part(name: str, x: np.ndarray | float) -> np.ndarray | float:
+            """Batch entry b of a projection; rows [t0, t1) of those of the query (q_proj, q_rot)."""
+            if isinstance(x, float):
+                return x
+            return x[b : b + 1, t0:t1] if name.startswith("q_") else x[b : b + 1]
 
-        def entry(x: np.ndarray | float) -> np.ndarray | float:
-            return x if isinstance(x, float) else x[b : b + 1]
-
-        return self._assemble(rows_of(self.q), rows_of(self.e_q), entry(self.k), entry(self.e_k),
-                              entry(self.v), entry(self.e_v), out, self.visible[b : b + 1, :, t0:t1])
+        projections = {name: (part(name, x), part(name, e)) for name, (x, e) in self._projections().items()}
+        return self._assemble(projections, out, self.visible[b : b + 1, :, t0:t1])
 
     def whole(self) -> FastForward:
         """Every stage of the whole case."""
@@ -360,12 +578,13 @@ class FastRows:
             "s": np.empty((B, H, T, S)), "p": np.empty((B, H, T, S)),
             "e_s": None if self.exact_s else np.empty((B, H, T, S)), "e_p": np.empty((B, H, T, S)),
             "o": np.empty((B, H, T, E)), "e_o": np.empty((B, H, T, E)),
+            "l": np.empty((B, H, T)), "e_l": np.empty((B, H, T)),
             "c": np.empty((B, T, H * E)), "e_c": np.empty((B, T, H * E)),
             "y": np.empty((B, T, d_out)), "e_y": np.empty((B, T, d_out))}
         with _one_blas_thread():
             for b in range(B):
                 self._fill(b, 0, T, {name: None if a is None else a[b : b + 1] for name, a in out.items()})
-        return self._assemble(self.q, self.e_q, self.k, self.e_k, self.v, self.e_v, out, self.visible)
+        return self._assemble(self._projections(), out, self.visible)
 
 
 def forward_fast(

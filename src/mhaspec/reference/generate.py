@@ -15,31 +15,40 @@ from ..fixtures import (
     encode_case,
     encode_manifest,
     fixture_data_bytes,
+    forward_only,
     require_memory,
     precheck_replaceable,
     sha256,
     write_folder_atomically,
 )
 from ..spec import CATALOG, MANIFEST_NAME, SPEC_VERSION, STAGES, Catalog, CaseSpec, Manifest, ManifestEntry
+from ..spec.stages import forward_stages
 from .backward import backward
 from .mha import forward, visibility
 
 
 def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
-    """Inputs, weights, every stage (forward and backward), ``d_output`` and the visibility
-    of one case, by fixture tensor name."""
+    """Inputs, weights, every stage and the visibility of one case, by fixture tensor name.
+
+    A spec-1.1 case: the spec-1.1 forward stages, ``d_output`` and the backward stages (the same
+    bytes as before the variants existed).  A case using a variant (:func:`forward_only`): the forward
+    stages with ``q_rot``, ``k_rot`` (RoPE) and ``lse``, and no backward (the exact backward reference
+    does not know the variants yet)."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
     stages = forward(spec.config, inputs, weights)
     visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
-    d_output = spec.make_d_output()
-    grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs)
     tensors = {f"input.{k}": v for k, v in inputs.items()}
     tensors.update({f"weight.{k}": v for k, v in weights.items()})
+    tensors["visible"] = visible
+    if forward_only(spec):
+        tensors.update({f"stage.{k}": stages[k] for k in forward_stages(spec.config)})
+        return tensors
     tensors.update({f"stage.{k}": stages[k] for k in STAGES})
+    d_output = spec.make_d_output()
+    grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs)
     tensors["grad.d_output"] = d_output
     tensors.update({f"stage.{k}": v for k, v in grads.items()})
-    tensors["visible"] = visible
     return tensors
 
 
@@ -66,7 +75,7 @@ def checked_case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     except ArithmeticError as exc:  # decimal.Overflow in the exact softmax
         raise SpecError(f"case {spec.id}: config.scale={spec.config.scale:g} makes the scores overflow float64 "
                         f"({type(exc).__name__} in the exact softmax): reduce config.scale") from None
-    for stage in STAGES:
+    for stage in STAGES:  # (lse is −inf where a row sees no key)
         values = tensors[f"stage.{stage}"]
         if not np.isfinite(values).all():
             raise SpecError(

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ..errors import FixtureError
 from ..fixtures import GoldenCase, GoldenSet, LazyStages, RowBlocks
-from ..spec import STAGES, Catalog, CaseSpec, resolve_catalog
+from ..spec import Catalog, CaseSpec, resolve_catalog
 from ..spec.case import input_rows
+from ..spec.stages import forward_stages
 from .fast import FAST_ROWS, FastForward, FastRows, forward_fast
 
 #: A case of more than this many elements per (B, H, T, S) stage is made one block of query rows
@@ -62,8 +63,9 @@ def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
                           weights, rows.stages, rows.visible, Path(source), reference_error=rows.error,
                           row_offset=t0, case_tgt_len=spec.tgt_len)
 
-    shapes = cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len)
-    shapes = {name: tuple(shapes[name]) for name in STAGES}
+    shapes = {**cfg.stage_shapes(spec.batch, spec.tgt_len, spec.src_len),
+              **cfg.variant_stage_shapes(spec.batch, spec.tgt_len, spec.src_len)}
+    shapes = {name: tuple(shapes[name]) for name in forward_stages(cfg)}
     per_block = max(1, ROW_BLOCK_ELEMENTS // (cfg.H * spec.src_len) // FAST_ROWS) * FAST_ROWS
     return RowBlocks(spec, inputs, weights, LazyStages(shapes, lambda: computed().stages),  # type: ignore[arg-type]
                      fast.visible, Path(source),

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from .case import CaseSpec, MaskSpec
 from .config import MHAConfig
-from .variants import refusal
+from .variants import BiasSpec, refusal
 
 
 class Catalog:
@@ -233,6 +233,149 @@ CATALOG = Catalog(
             "T = 65, S = 129: one past common kernel tile sizes (64, 128), distinct inputs, head_dim 16",
             dict(d_model=16, num_heads=1),
             batch=1, tgt_len=65, src_len=129, seed=28,
+        ),
+        # -- the attention variants (docs/spec.md §2a): one case per feature ------------------------
+        _case(
+            "window_left_only",
+            "sliding window, left side only (window_left=2), not causal: row i sees keys j >= i - 2",
+            dict(d_model=12, num_heads=3, window_left=2),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=29,
+        ),
+        _case(
+            "window_both_sides",
+            "sliding window on both sides (window_left=1, window_right=2), T < S, top-left: i - 1 <= j <= i + 2",
+            dict(d_model=12, num_heads=2, window_left=1, window_right=2),
+            batch=3, tgt_len=5, src_len=9, seed=30,
+        ),
+        _case(
+            "softcap",
+            "logit softcap c = 2: s <- 2 tanh(s / 2), after the scale",
+            dict(d_model=15, num_heads=3, softcap=2.0),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=31,
+        ),
+        _case(
+            "alibi_standard",
+            "ALiBi with the standard slopes of H = 5 (not a power of two), causal",
+            dict(d_model=15, num_heads=5, alibi_slopes="standard", causal=True),
+            batch=2, tgt_len=7, src_len=7, inputs="self", seed=32,
+        ),
+        _case(
+            "alibi_custom_slopes",
+            "ALiBi with custom slopes, not causal, T < S bottom-right: anchored at the diagonal i + S - T",
+            dict(d_model=12, num_heads=3, alibi_slopes=[0.75, 0.3125, 0.125], causal_alignment="bottom_right"),
+            batch=2, tgt_len=5, src_len=8, seed=33,
+        ),
+        _case(
+            "bias_per_head",
+            "additive score bias (1, H, T, S): one per head, shared by the batch; cross-attention",
+            dict(d_model=14, num_heads=2),
+            batch=3, tgt_len=6, src_len=5, seed=34, bias=BiasSpec(per_batch=False, per_head=True),
+        ),
+        _case(
+            "bias_per_batch",
+            "additive score bias (B, 1, T, S): one per batch entry, shared by the heads",
+            dict(d_model=12, num_heads=4),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=35, bias=BiasSpec(per_batch=True, per_head=False),
+        ),
+        _case(
+            "sinks",
+            "attention sinks: a sink logit per head in each softmax denominator (rows sum to less than 1)",
+            dict(d_model=12, num_heads=3, sinks=True),
+            batch=2, tgt_len=6, src_len=6, inputs="self", seed=36,
+        ),
+        _case(
+            "rope_half",
+            "RoPE, style half (NeoX/Llama rotate_half), D_k = 8",
+            dict(d_model=16, num_heads=2, rope=dict(style="half")),
+            batch=3, tgt_len=7, src_len=7, inputs="self", seed=37,
+        ),
+        _case(
+            "rope_interleaved",
+            "RoPE, style interleaved (GPT-J), theta = 500, D_k = 6, T != S",
+            dict(d_model=12, num_heads=2, rope=dict(style="interleaved", theta=500.0)),
+            batch=3, tgt_len=5, src_len=7, seed=38,
+        ),
+        # -- the combinations real models ship -------------------------------------------------------
+        _case(
+            "mistral_sliding_window",
+            "Mistral: sliding window (HF sliding_window=4: window_left=3) + GQA (H=8, H_kv=2), causal",
+            dict(d_model=32, num_heads=8, num_kv_heads=2, window_left=3, causal=True),
+            batch=1, tgt_len=11, src_len=11, inputs="self", seed=39,
+        ),
+        _case(
+            "gemma2_softcap_window",
+            "Gemma 2: logit softcap + sliding window (window_left=4), GQA, causal",
+            dict(d_model=16, num_heads=4, num_kv_heads=2, head_dim=6, softcap=3.0, window_left=4, causal=True),
+            batch=3, tgt_len=9, src_len=9, inputs="self", seed=40, weight_shift=1,
+        ),
+        _case(
+            "gpt_oss_sinks_window",
+            "gpt-oss: attention sinks + sliding window (window_left=3), GQA, causal",
+            dict(d_model=24, num_heads=4, num_kv_heads=2, sinks=True, window_left=3, causal=True),
+            batch=3, tgt_len=10, src_len=10, inputs="self", seed=41,
+        ),
+        _case(
+            "llama3_rope",
+            "Llama 3: RoPE (half, theta = 500000) + GQA (H=6, H_kv=2), causal",
+            dict(d_model=24, num_heads=6, num_kv_heads=2, rope=dict(style="half", theta=500000.0), causal=True),
+            batch=1, tgt_len=7, src_len=7, inputs="self", seed=42,
+        ),
+        _case(
+            "llama3_partial_rotary",
+            "RoPE on part of each head (rotary_dim=6 of D_k=8) + MQA, causal",
+            dict(d_model=32, num_heads=4, num_kv_heads=1, rope=dict(style="half", rotary_dim=6), causal=True),
+            batch=3, tgt_len=5, src_len=5, inputs="self", seed=43,
+        ),
+        _case(
+            "bloom_alibi",
+            "BLOOM/MPT: ALiBi with the standard slopes of H = 4, causal",
+            dict(d_model=20, num_heads=4, alibi_slopes="standard", causal=True),
+            batch=3, tgt_len=8, src_len=8, inputs="self", seed=44,
+        ),
+        _case(
+            "t5_bias",
+            "T5: a learned bias per head (1, H, T, S), not causal, scale 1, no projection biases, cross-attention",
+            dict(d_model=12, num_heads=3, bias=False, scale=1.0),
+            batch=2, tgt_len=5, src_len=7, seed=45, bias=BiasSpec(per_batch=False, per_head=True),
+        ),
+        # -- the variants' edge cases ----------------------------------------------------------------
+        _case(
+            "window_zero",
+            "window_left = window_right = 0: each row sees only its diagonal key",
+            dict(d_model=12, num_heads=3, window_left=0, window_right=0),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=46,
+        ),
+        _case(
+            "window_ge_s",
+            "a window wider than S on both sides (9 >= S = 6): every key visible, as without a window",
+            dict(d_model=10, num_heads=2, window_left=9, window_right=9),
+            batch=3, tgt_len=4, src_len=6, seed=47,
+        ),
+        _case(
+            "window_bottom_right_t_gt_s",
+            "a window (2 left, 1 right) with T > S bottom-right: the first rows see no key",
+            dict(d_model=12, num_heads=2, window_left=2, window_right=1, causal_alignment="bottom_right"),
+            batch=3, tgt_len=7, src_len=4, seed=48,
+        ),
+        _case(
+            "softcap_large_logits",
+            "softcap c = 4 with |scores| in the hundreds: the cap saturates",
+            dict(d_model=16, num_heads=2, softcap=4.0),
+            batch=3, tgt_len=6, src_len=6, inputs="self", seed=49, input_exponent=3, weight_shift=1,
+        ),
+        _case(
+            "sink_dominates",
+            "small scores and sink logits up to 4: the sink takes most of some rows",
+            dict(d_model=12, num_heads=3, sinks=True, causal=True),
+            batch=2, tgt_len=5, src_len=5, inputs="self", seed=50, input_exponent=8, weight_shift=-2,
+        ),
+        _case(
+            "rope_offset_decode",
+            "RoPE with position offsets like a decode step: T = 2 queries at positions 12, 13 against keys "
+            "at 5 … 13, causal bottom-right",
+            dict(d_model=12, num_heads=3, rope=dict(style="half", query_offset=12, key_offset=5), causal=True,
+                 causal_alignment="bottom_right"),
+            batch=3, tgt_len=2, src_len=9, seed=51,
         ),
     ]
 )

@@ -7,10 +7,26 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .case import CaseSpec
+from .variants import variants_used
 
 #: Version of the specification the fixtures encode.  Bump it when the
-#: semantics, the catalog or the fixture layout change.
-SPEC_VERSION = "1.1"
+#: semantics, the catalog or the fixture layout change.  1.2: the attention
+#: variants (docs/spec.md §2a) and their cases.
+SPEC_VERSION = "1.2"
+
+#: The spec version that introduced the cases without a variant: their fixture files
+#: still say it, byte-identical to spec 1.1's (:func:`case_spec_version`).
+SPEC_VERSION_WITHOUT_VARIANTS = "1.1"
+
+#: Golden folders this mhaspec reads: a spec-1.1 folder holds only cases without variants,
+#: whose files are the same bytes in spec 1.2.
+READABLE_SPEC_VERSIONS = (SPEC_VERSION_WITHOUT_VARIANTS, SPEC_VERSION)
+
+
+def case_spec_version(spec: CaseSpec) -> str:
+    """The spec version a fixture file of ``spec`` records: the first that defines what the case uses
+    (1.1 for a case without a variant, so its file keeps the bytes it had in spec 1.1)."""
+    return SPEC_VERSION if variants_used(spec) else SPEC_VERSION_WITHOUT_VARIANTS
 
 MANIFEST_NAME = "manifest.json"
 

@@ -149,6 +149,18 @@ def forward_stages(config: MHAConfig) -> tuple[str, ...]:
     present = set(STAGES) | set(variant_stages(config))
     return tuple(n for n in REGISTRY if n in present)
 
+def local_inputs(name: str, config: MHAConfig | None = None, exposed: Any = ()) -> tuple[str, ...]:
+    """The stages ``name``'s local check recomputes it from in a case of ``config``, the adapter exposing
+    ``exposed``: the declared ``local_inputs`` — but with RoPE the scores come from the adapter's own
+    ``q_rot`` and ``k_rot`` where it exposes both (else from its ``q_proj`` and ``k_proj``, turned by the
+    judge in float64: docs/tolerances.md "Local checks of the variants")."""
+    declared = stage(name).local_inputs
+    if (name == "scores" and config is not None and config.rope is not None
+            and "q_rot" in exposed and "k_rot" in exposed):
+        return ("q_rot", "k_rot")
+    return declared
+
+
 #: Backward stages in the order they are judged (the first failing one is where the bug is).
 BACKWARD_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "backward")
 

@@ -44,11 +44,17 @@ def rope_pairs(spec: RopeSpec, rotary_dim: int) -> tuple[np.ndarray, np.ndarray]
     return 2 * np.arange(half), 2 * np.arange(half) + 1
 
 
-def rope_cos_sin(spec: RopeSpec, rotary_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin), each (L, r/2) float64: of the angle position · theta^(−2k/r) of pair k."""
+def rope_angles(spec: RopeSpec, rotary_dim: int, positions: np.ndarray) -> np.ndarray:
+    """(L, r/2) float64: the angle position · theta^(−2k/r) of pair k (−2k/r, the power and the product
+    each rounded once)."""
     k = np.arange(rotary_dim // 2, dtype=np.float64)
     inv_freq = float(spec.theta) ** (-2.0 * k / rotary_dim)  # (r/2,)
-    angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (L, r/2)
+    return positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (L, r/2)
+
+
+def rope_cos_sin(spec: RopeSpec, rotary_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (L, r/2) float64: of the angle position · theta^(−2k/r) of pair k."""
+    angle = rope_angles(spec, rotary_dim, positions)
     return np.cos(angle), np.sin(angle)
 
 

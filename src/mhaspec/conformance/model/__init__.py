@@ -27,6 +27,8 @@ Modules, each readable as the math, one rule per stage:
 * :mod:`.softmax` — how errors move through the softmax (linearised, exact, second order);
 * :mod:`.forward` — the golden bounds of the forward stages;
 * :mod:`.local` — the forward stages' local checks (from the adapter's own previous stages);
+* :mod:`.variants` — the attention variants' rules (RoPE, softcap, bias and ALiBi, sinks, lse), golden
+  and local, and the bounds of a case that uses one (the general rule: no engine computes them);
 * :mod:`.backward`, :mod:`.backward_local` — the same for the backward stages.
 
 The model never imports :mod:`mhaspec.conformance.engine` (tests/test_architecture.py): the

@@ -201,15 +201,8 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
     vis = golden.visible
 
-    def linear(x_abs, e_x, wm, b):
-        x_hi = x_abs if e_x is None else x_abs + e_x
-        mag = x_hi @ np.abs(wm) + (0.0 if b is None else np.abs(b))
-        local = gamma(wm.shape[0] + k, u) * mag
-        return local if e_x is None else e_x @ np.abs(wm) + local
-
     def projected(letter: str, e_x: np.ndarray | None = None) -> np.ndarray:
-        m = LINEAR[letter]
-        return linear(np.abs(m.input_of(golden)), e_x, w[m.weight], w.get(m.bias))
+        return worst_case_linear(golden, letter, u, k, e_x)
 
     with np.errstate(invalid="ignore", over="ignore"):
         e_q, e_k, e_v = projected("q"), projected("k"), projected("v")
@@ -235,6 +228,18 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
                               STAGE.output: e_y}, floor)
     out[STAGE.attn_weights] = np.where(vis, out[STAGE.attn_weights], 0.0)
     return out
+
+
+def worst_case_linear(golden: GoldenCase, letter: str, u: float, k: int, e_x: np.ndarray | None = None) -> np.ndarray:
+    """The worst-case contract's error of the linear map ``letter`` (:data:`~.vocabulary.LINEAR`), its input
+    carrying ``e_x`` (None: exact): e_x @ |W| + γ_d(n + k)·((|x| + e_x) @ |W| + |b|)."""
+    m = LINEAR[letter]
+    wm, b = golden.weights[m.weight], golden.weights.get(m.bias)
+    x_abs = np.abs(m.input_of(golden))
+    x_hi = x_abs if e_x is None else x_abs + e_x
+    mag = x_hi @ np.abs(wm) + (0.0 if b is None else np.abs(b))
+    local = gamma(wm.shape[0] + k, u) * mag
+    return local if e_x is None else e_x @ np.abs(wm) + local
 
 
 def worst_case_allowed(errors: Mapping[str, np.ndarray], floor: float) -> dict[str, np.ndarray]:
