@@ -75,6 +75,10 @@ EVERY_CASE = {
 SOME_CASES = {"onnx-reference": [("gqa", "bfloat16", PASS)]}
 
 
+#: The runner's warning for a --backward run over the variant cases, whose backward has no golden yet.
+FORWARD_ONLY = "have no backward golden"
+
+
 def _params():
     return [pytest.param(name, marks=mark, id=name) for name, (_, mark, _) in ADAPTERS.items()]
 
@@ -98,7 +102,9 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     assert code == 0, out
     report = json.loads(path.read_text())
     assert report["ok"] and not report["partial"] and report["backward"] == (exposed is not None), out
-    assert not report["warnings"], report["warnings"]  # a declared deviation that no longer occurs
+    # a declared deviation that no longer occurs; not the runner's note that the variant cases are judged
+    # forward only (the backward of the variants has no golden yet)
+    assert not [w for w in report["warnings"] if FORWARD_ONLY not in w], report["warnings"]
     results = report["results"]
     assert sorted((r["case"], r["dtype"]) for r in results) == sorted((c, d) for c in CATALOG.ids() for d in DTYPES)
 
