@@ -466,3 +466,16 @@ def test_one_compilation_per_variant_case(name: str) -> None:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert out["output"].shape == (2, 9, 14)
     assert len(compiles) == 1
+
+
+def test_jax_dpa_lse_of_a_row_without_keys_is_finite_as_declared() -> None:
+    """The declared deviation is what jax.nn.dot_product_attention really returns: for a row that sees no
+    key, return_residual's log-sum-exp is −0.7·finfo(float32).max + ln S (its masked fill), not −inf; the
+    other rows are the reference's."""
+    spec = variant_spec("empty_rows", causal_alignment="bottom_right", window_left=1, window_right=0,
+                        tgt_len=6, src_len=4)
+    seen = spec.case("float64").visible.any(axis=-1)
+    assert not seen.all()
+    lse = load_adapter("jax-dpa").run(spec.case("float32"))["lse"]
+    np.testing.assert_allclose(lse[~seen], -0.7 * np.finfo(np.float32).max + np.log(4), rtol=1e-6)
+    assert_matches_reference({"lse": np.where(seen, lse, -np.inf)}, spec, rtol=1e-6)
