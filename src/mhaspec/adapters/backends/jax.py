@@ -270,9 +270,10 @@ def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Map
 
 # -- the attention variants (docs/spec.md §2a), in jnp, traced inside the compiled layer ------------
 #
-# Every static choice (window sides, alignment offset, softcap, the RoPE spec) is a static argument of
-# the compiled layer: one program per case structure, as the sizes already are.  The arrays (the
-# additive bias input, the ALiBi slopes, the sink logits) are arguments.
+# Every static choice (the softcap, the RoPE spec) is a static argument of the compiled layer: one
+# program per case structure, as the sizes already are.  The arrays (the mask with the window's band,
+# the additive bias input, ALiBi's term, the sink logits) are arguments, made in numpy and handed over
+# by device_put.
 
 
 def uses_variants(case: Case) -> bool:
