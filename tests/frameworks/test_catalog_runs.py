@@ -42,6 +42,7 @@ ADAPTERS = {
     "torch-mha-fast": (("torch",), TORCH, ALL_BACKWARD - MHA_HIDES),
     "keras": (("keras",), TF, ALL_BACKWARD - FUSED_HIDES),  # the fused path: no scores, no weights
     "keras-scores": (("keras",), TF, ALL_BACKWARD),
+    "keras-dpa": (("keras",), TF, ALL_BACKWARD - FUSED_HIDES),  # keras.ops.dot_product_attention: no scores, no weights
     "tensorflow": (("tensorflow",), TF, ALL_BACKWARD),
     "jax": (("jax",), JAX, ALL_BACKWARD),
     "jax-dpa": (("jax",), JAX, ALL_BACKWARD - FUSED_HIDES),

@@ -64,6 +64,8 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "keras.layers.MultiHeadAttention / GroupQueryAttention, default (fused) path"),
         BuiltinAdapter("keras-scores", "mhaspec.adapters.keras_mha:KerasMHAScoresAdapter", "keras",
                        "keras.layers.MultiHeadAttention with return_attention_scores=True"),
+        BuiltinAdapter("keras-dpa", "mhaspec.adapters.keras_dpa:KerasDPAAdapter", "keras",
+                       "keras.ops.dot_product_attention between keras.ops projections (TensorFlow backend)"),
         BuiltinAdapter("tensorflow", "mhaspec.adapters.tf_ops:TensorFlowMHAAdapter", "tensorflow",
                        "MHA written with plain TensorFlow ops, every stage"),
         BuiltinAdapter("jax", "mhaspec.adapters.jax_numpy:JaxMHAAdapter", "jax",
