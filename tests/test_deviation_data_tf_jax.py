@@ -33,7 +33,7 @@ def recording(family, key, **values):
     return found
 
 backends.declared = recording
-from mhaspec.adapters import flax_linen, flax_nnx, jax_dpa, jax_numpy, keras_mha, tf_ops
+from mhaspec.adapters import flax_linen, flax_nnx, jax_dpa, jax_numpy, keras_dpa, keras_mha, tf_ops
 from mhaspec.adapters.backends import tensorflow as tf_backend
 
 Probe = tf_backend.Probe

@@ -282,3 +282,17 @@ def test_a_backward_bug_beyond_an_absolute_bound_fails_in_every_dtype(bug: str):
                             backward=True, isolate=False)
     assert rejected(bounded) == alone
     assert {r.first_failing_stage for r in bounded.results if r.verdict == FAIL} == {stage}
+
+
+def test_a_row_scoped_declaration_selects_the_rows_of_lse_too():
+    """lse (B, H, T) has no key axis: the rows that see no key are its own elements (a declaration on lse with
+    rows="fully_masked", as jax-dpa's, once raised a broadcasting error)."""
+    from mhaspec.conformance.deviations import outside_blind_rows
+    from mhaspec.fixtures import GoldenSet
+
+    golden = GoldenSet().load("window_bottom_right_t_gt_s")
+    blind = ~golden.visible.any(axis=-1)  # (B, H, T)
+    assert blind.any() and not blind.all()
+    assert np.array_equal(outside_blind_rows(golden, "lse"), ~blind)
+    weights = outside_blind_rows(golden, "attn_weights")
+    assert weights.shape == golden.stages["attn_weights"].shape and np.array_equal(weights[..., 0], ~blind)

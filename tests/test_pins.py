@@ -180,6 +180,6 @@ def test_the_groups_hold_every_framework_adapter_once(upgrade_check):
 
     groups = {g: upgrade_check.group_adapters([g]) for g in upgrade_check.GROUPS}
     assert groups["jax"] == ["jax", "jax-dpa", "flax-linen", "flax-nnx", "flax-nnx-fast"]
-    assert groups["tensorflow"] == ["keras", "keras-scores", "tensorflow"]
+    assert groups["tensorflow"] == ["keras", "keras-scores", "keras-dpa", "tensorflow"]
     flat = [a for names in groups.values() for a in names]
     assert sorted(flat) == sorted(set(BUILTINS) - {"numpy"})

@@ -418,3 +418,14 @@ def test_a_payload_streams_from_the_arrays_own_memory_and_arrives_in_one_buffer(
     finally:
         for fd in (r, w, r2, w2):
             os.close(fd)
+
+
+def test_the_variant_stages_travel_from_the_worker_and_a_non_stage_by_name_only():
+    # lse (B, H, T) and q_rot travel as arrays like the stages of spec 1.1; a key that is no stage by its name
+    lse, q_rot = np.array([[[0.5, -np.inf]]]), np.arange(6.0).reshape(1, 2, 3)
+    header, parts = wire.returned_reply("run", {"output": np.ones((1, 2, 3)), "lse": lse, "q_rot": q_rot,
+                                                "logits": np.zeros(2)}, 0.1)
+    back = wire.unpack_returned(header, bytes(parts))
+    assert list(back) == ["output", "lse", "q_rot", "logits"] and back["logits"] is None
+    np.testing.assert_array_equal(back["lse"], lse)
+    np.testing.assert_array_equal(back["q_rot"], q_rot)

@@ -41,3 +41,79 @@ def assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray])
     for name in want:
         assert got[name].shape == want[name].shape, name
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# -- the attention variants (docs/spec.md §2a), against the exact reference -------------------------------
+
+
+def variant_spec(case_id: str, *, bias: Any = None, mask: Any = None, batch: int = 2, tgt_len: int = 5,
+                 src_len: int = 7, **config: Any) -> Any:
+    """A small variant case with sizes that all differ (d_model 14, H 4, H_kv 2, D_k 6; B 2, T 5, S 7 unless
+    given), so that an axis mix-up changes a shape."""
+    from mhaspec.spec import CaseSpec
+
+    sizes = {"d_model": 14, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, **config}
+    return CaseSpec(id=case_id, config=MHAConfig(**sizes), batch=batch, tgt_len=tgt_len, src_len=src_len, seed=11,
+                    bias=bias, mask=mask)
+
+
+def variant_specs(names: frozenset[str]) -> list[Any]:
+    """Variant cases using only the variants ``names``, one or two per variant and the combinations real
+    models ship, with edge cases (bottom-right window with T > S, a window past S, window 0, RoPE offsets, partial
+    rotary, a saturating softcap).  No query row of these sees no key."""
+    from mhaspec.spec.case import MaskSpec
+    from mhaspec.spec.variants import BiasSpec, RopeSpec, variants_used
+
+    specs = [
+        variant_spec("window_mistral", causal=True, window_left=2),  # window + GQA
+        variant_spec("window_bottom_right_t_gt_s", causal_alignment="bottom_right", window_left=3, window_right=2,
+                     tgt_len=6, src_len=4),
+        variant_spec("window_both_sides_past_s", window_left=1, window_right=9, tgt_len=4),
+        variant_spec("window_zero", causal=True, window_left=0, window_right=0),
+        variant_spec("window_masked", window_left=2, window_right=2, mask=MaskSpec(kind="key_padding", lengths=(7, 5))),
+        variant_spec("softcap_gemma", causal=True, softcap=1.5, window_left=3),
+        variant_spec("softcap_saturating", softcap=0.25, num_kv_heads=4),
+        variant_spec("alibi_bloom", causal=True, alibi_slopes="standard"),
+        variant_spec("alibi_bottom_right", alibi_slopes=(0.5, 0.25, 0.75, 0.125), causal_alignment="bottom_right"),
+        variant_spec("bias_t5", bias=BiasSpec(per_batch=True)),
+        variant_spec("bias_shared_causal", causal=True, bias=BiasSpec(per_head=False, exponent=3)),
+        variant_spec("sinks_gpt_oss", causal=True, sinks=True, window_left=2),
+        variant_spec("sinks_padded", sinks=True, mask=MaskSpec(kind="key_padding", lengths=(3, 7))),
+        variant_spec("rope_llama", causal=True, rope=RopeSpec()),
+        variant_spec("rope_partial_offsets", rope=RopeSpec(style="interleaved", rotary_dim=4, query_offset=9,
+                                                           key_offset=2, theta=500.0)),
+        variant_spec("everything", causal=True, causal_alignment="bottom_right", window_left=3, window_right=1,
+                     softcap=2.0, alibi_slopes="standard", sinks=True, rope=RopeSpec(rotary_dim=2, query_offset=3),
+                     bias=BiasSpec()),
+        variant_spec("window_bias_alibi_rope", causal=True, window_left=2, alibi_slopes="standard",
+                     rope=RopeSpec(query_offset=2), bias=BiasSpec(per_head=False), tgt_len=6),
+    ]
+    return [s for s in specs if set(variants_used(s)) <= names]
+
+
+def reference_stages(spec: Any) -> dict[str, np.ndarray]:
+    """Every stage of ``spec`` by the exact float64 reference (``mhaspec.reference.mha.forward``)."""
+    from mhaspec.reference.mha import forward
+
+    case = spec.case("float64")
+    inputs = {"query": case.inputs.query, "key": case.inputs.key, "value": case.inputs.value,
+              "mask": case.inputs.mask, "bias": case.inputs.bias}
+    return forward(case.config, inputs, case.weights.as_dict())
+
+
+def assert_matches_reference(stages: dict[str, Any], spec: Any, rtol: float) -> None:
+    """Each returned stage within ``rtol`` (relative to the stage's largest magnitude) of the exact
+    reference, on the entries the spec compares (visible scores; finite lse, and −inf where the
+    reference has it)."""
+    want, visible = reference_stages(spec), spec.case("float64").visible
+    assert stages, "no stage returned"
+    for name, got in stages.items():
+        got, expected = np.asarray(got, dtype=np.float64), want[name]
+        assert got.shape == expected.shape, (name, got.shape, expected.shape)
+        if name == "scores":
+            got, expected = got[visible], expected[visible]
+        if name == "lse":
+            np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected), err_msg=f"{spec.id} lse: -inf rows")
+            got, expected = got[np.isfinite(expected)], expected[np.isfinite(expected)]
+        error = np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-300)
+        assert error <= rtol, f"{spec.id} {name}: relative error {error:.3g} > {rtol:g}"

@@ -192,10 +192,10 @@ def test_reused_torchlib_registry_exports_the_same_graph(torch_onnx) -> None:
     shape = dict(batch=case.batch, tgt_len=case.tgt_len, src_len=case.src_len)
     ours = torch_onnx.export_model(case.config, "float16", **shape)
     assert torch_export._REGISTRIES, "the registry is kept"
-    module = torch_export._module(case.config, "float16", None)
+    module = torch_export._module(case.config, "float16", None, cls=torch_export._StagesTuple)  # the eight stages
     args = tuple(torch_export._example(case.config, "float16", case.batch, case.tgt_len, case.src_len, None))
     with torch_export._quiet():
-        plain = torch.onnx.export(module, args, kwargs={"return_stages": True}, dynamo=True, opset_version=23,
+        plain = torch.onnx.export(module, args, dynamo=True, opset_version=23,
                                   optimize=False, input_names=["query", "key", "value"],
                                   output_names=list(STAGES)).model_proto
     assert graph_structure(ours) == graph_structure(plain)

@@ -13,14 +13,14 @@ import pytest
 
 from mhaspec.spec import CATALOG, Case, MHAConfig
 from tests.conftest import require
-from tests.frameworks.helpers import check_here
+from tests.frameworks.helpers import assert_matches_reference, check_here, variant_spec, variant_specs
 
 pytestmark = pytest.mark.tensorflow
 
 tf = require("tensorflow")
 keras = require("keras")
 
-from mhaspec.adapters import keras_mha, parse_deviations, tf_ops  # noqa: E402  (needs the frameworks)
+from mhaspec.adapters import keras_dpa, keras_mha, parse_deviations, tf_ops  # noqa: E402  (needs the frameworks)
 from mhaspec.adapters.backends import tensorflow as tf_backend  # noqa: E402
 from mhaspec.adapters.backends.tensorflow import _native_stderr_silenced  # noqa: E402
 
@@ -223,7 +223,7 @@ PROBES = {"accurate": tf_backend.Probe(softmax_tiny=1.65e-38, einsum_error={"flo
 
 @pytest.mark.parametrize("measured", PROBES)
 @pytest.mark.parametrize("adapter", [keras_mha.KerasMHAAdapter, keras_mha.KerasMHAScoresAdapter,
-                                     tf_ops.TensorFlowMHAAdapter])
+                                     tf_ops.TensorFlowMHAAdapter, keras_dpa.KerasDPAAdapter])
 def test_declared_deviations_are_narrow(adapter, measured, monkeypatch):
     """Each deviation names a catalog case, or is scoped to the rows that see no key, or is bounded
     by the worst-case contract on named stages (a sum accumulated in the dtype, in every case),
@@ -291,3 +291,50 @@ def test_keras_float64_scale_deviation_does_not_hide_a_bug():
     unbounded.known_deviations = [dataclasses.replace(d, within=None) for d in DropsOutputBias.known_deviations]
     hidden = check(unbounded, dtypes=["float64"], cases=cases)
     assert {r.verdict for r in hidden.results} == {KNOWN_DEVIATION}, "what the bound is for"
+
+
+# -- keras-dpa and the attention variants (docs/spec.md §2a) ---------------------------------------------
+
+
+def test_keras_dpa_declares_what_the_op_takes_and_its_softcap_is_refused():
+    """keras-dpa computes a window (in the mask), a bias and ALiBi (its ``bias``) and RoPE (before the op).
+    Not the softcap: ``attn_logits_soft_cap`` raises off JAX-on-TPU (and the TensorFlow backend's op never
+    reads it); when Keras lifts that, this test says to declare it."""
+    assert keras_dpa.KerasDPAAdapter.variants == {"window", "bias", "alibi", "rope"}
+    q = tf.zeros((1, 2, 1, 4))
+    with pytest.raises(ValueError, match="only supported for JAX on TPU"):
+        keras.ops.dot_product_attention(q, q, q, attn_logits_soft_cap=50.0)
+
+
+def test_keras_dpa_variants_match_the_exact_reference():
+    """Every stage keras-dpa returns, on every variant case it declares: the projections and RoPE within a
+    few float64 ulps; after the op (whose float64 scale is a float32 tensor: the keras.scale-in-float32
+    deviation) within float32's rounding of the scale."""
+    adapter = keras_dpa.KerasDPAAdapter()
+    specs = variant_specs(adapter.variants)
+    assert len(specs) >= 11
+    for spec in specs:
+        stages = adapter.run(spec.case("float64"))
+        early = {k: v for k, v in stages.items() if k in ("q_proj", "k_proj", "v_proj", "q_rot", "k_rot")}
+        assert_matches_reference(early, spec, rtol=4e-15)
+        assert_matches_reference({k: stages[k] for k in ("head_outputs", "concat", "output")}, spec, rtol=1e-7)
+    exact_scale = variant_spec("exact_scale", head_dim=4, d_model=12, window_left=1, alibi_slopes="standard")
+    assert_matches_reference(adapter.run(exact_scale.case("float64")), exact_scale, rtol=4e-15)  # 1/2: no deviation
+
+
+def test_keras_dpa_window_and_bottom_right_go_into_the_mask():
+    case = variant_spec("w", causal=True, causal_alignment="bottom_right", window_left=1, tgt_len=4,
+                        src_len=6).case("float32")
+    mask, is_causal = keras_dpa.dpa_mask(case)
+    assert not is_causal
+    np.testing.assert_array_equal(mask.numpy()[:, 0], case.visible[:, 0])
+    top_left = variant_spec("w", causal=True, window_left=1).case("float32")
+    mask, is_causal = keras_dpa.dpa_mask(top_left)  # the op's is_causal, the window in the mask
+    assert is_causal
+    np.testing.assert_array_equal(mask.numpy()[0, 0] & np.tri(5, 7, dtype=bool), top_left.visible[0, 0])
+
+
+def test_keras_dpa_refuses_mqa_with_the_reason():
+    reason = keras_dpa.KerasDPAAdapter().supports(variant_spec("mqa", num_kv_heads=1).case("float32"))
+    assert isinstance(reason, str) and "num_kv_heads > 1" in reason
+    assert keras_dpa.KerasDPAAdapter().supports(variant_spec("gqa").case("float32")) is True

@@ -1,7 +1,10 @@
-"""The PyTorch adapters: converters, mask polarity, supports() reasons, conformance."""
+"""The PyTorch adapters: converters, mask polarity, supports() reasons, conformance, and the
+attention variants (docs/spec.md §2a) of ``torch``, ``torch-sdpa`` and ``torch-flex``."""
 
 from __future__ import annotations
 
+import functools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +16,15 @@ from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights
 torch = require("torch")
 
 import mhaspec  # noqa: E402
-from mhaspec.adapters import torch_layer, torch_mha, torch_sdpa  # noqa: E402
+from mhaspec.adapters import torch_flex, torch_layer, torch_mha, torch_sdpa  # noqa: E402
+from mhaspec.adapters.backends import torch as backend  # noqa: E402
 from mhaspec.adapters.backends.torch import keep_mask  # noqa: E402
+from mhaspec.protocol.loading import load_adapter  # noqa: E402
+from mhaspec.reference import forward  # noqa: E402
 from mhaspec.reference.onthefly import OnTheFlyGolden  # noqa: E402
-from mhaspec.spec import MHAConfig  # noqa: E402
+from mhaspec.spec import CaseSpec, MHAConfig  # noqa: E402
+from mhaspec.spec.stages import forward_stages  # noqa: E402
+from mhaspec.spec.variants import undeclared, variants_used  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -219,3 +227,199 @@ def test_sdpa_conforms_on_kernel_shaped_cases() -> None:
     report = check_here("torch-sdpa", golden=OnTheFlyGolden("kernels"), cases=KERNEL_CASES)
     assert report.ok, str(report)
     assert {r.verdict for r in report.results} == {"pass"} and len(report.results) == 4 * len(KERNEL_CASES)
+
+
+# -- the attention variants (docs/spec.md §2a) ---------------------------------------------------
+
+
+def _spec(case_id: str, config: dict, **fields) -> CaseSpec:
+    """A variant case with sizes that all differ (d_model 10, kdim 7, vdim 5, D_k 6, D_v 4, d_out 9)."""
+    sizes = {"d_model": 10, "kdim": 7, "vdim": 5, "head_dim": 6, "value_head_dim": 4, "out_dim": 9}
+    return CaseSpec(id=case_id, config=MHAConfig(**{**sizes, **config}), **{"batch": 2, "seed": 11, **fields})
+
+
+#: One case per variant and the combinations models ship, with rows that see no key where a mask allows.
+VARIANT_SPECS = [
+    _spec("window_gqa_bottom_right", {"num_heads": 4, "num_kv_heads": 2, "causal": True,
+                                      "causal_alignment": "bottom_right", "window_left": 2, "window_right": 0},
+          tgt_len=5, src_len=8),
+    _spec("window_both_sides_t_gt_s", {"num_heads": 3, "causal_alignment": "bottom_right", "window_left": 1,
+                                       "window_right": 1}, tgt_len=8, src_len=5),  # rows 0..1 see no key
+    _spec("window_right_only_shared_kv", {"num_heads": 2, "window_right": 2, "kdim": 7, "vdim": 7},
+          tgt_len=6, src_len=5, inputs="shared_kv"),  # i <= j <= i + 2: the last rows see fewer keys
+    _spec("softcap_window", {"num_heads": 3, "causal": True, "softcap": 0.75, "window_left": 3},
+          tgt_len=6, src_len=6, weight_shift=2),  # large logits: the cap bites
+    _spec("alibi_bias_both_sides", {"num_heads": 3, "alibi_slopes": "standard"}, tgt_len=5, src_len=7,
+          bias={"per_batch": True, "per_head": True}),
+    _spec("alibi_causal_shared_bias", {"num_heads": 2, "causal": True, "causal_alignment": "bottom_right",
+                                       "alibi_slopes": [0.5, 0.125]}, tgt_len=4, src_len=7,
+          bias={"per_head": False}),
+    _spec("sinks_window_masked_rows", {"num_heads": 3, "sinks": True, "window_left": 2, "window_right": 1},
+          tgt_len=6, src_len=7, mask={"kind": "random", "fully_masked": [[0, 1], [1, 4]]}),
+    _spec("rope_half_partial_gqa", {"num_heads": 4, "num_kv_heads": 1, "causal": True,
+                                    "rope": {"rotary_dim": 4, "query_offset": 5, "key_offset": 2}},
+          tgt_len=5, src_len=6),
+    _spec("rope_interleaved", {"num_heads": 2, "rope": {"style": "interleaved", "theta": 500.0}},
+          tgt_len=6, src_len=4, inputs="distinct"),
+    _spec("everything", {"num_heads": 4, "num_kv_heads": 2, "causal": True, "causal_alignment": "bottom_right",
+                         "window_left": 3, "softcap": 2.0, "alibi_slopes": "standard", "sinks": True,
+                         "rope": {"style": "interleaved", "rotary_dim": 2, "query_offset": 1}},
+          tgt_len=5, src_len=7, bias={}, mask={"kind": "key_padding", "lengths": [7, 3]}),
+]
+VARIANT_ADAPTERS = ["torch", "torch-sdpa", "torch-flex"]
+
+#: What each adapter returns besides q_proj, k_proj, v_proj (and q_rot, k_rot with RoPE), head_outputs, concat
+#: and output: the hand-written module every stage, SDPA nothing more, Flex the log-sum-exp.
+EXTRA_STAGES = {"torch": {"scores", "attn_weights", "lse"}, "torch-sdpa": set(), "torch-flex": {"lse"}}
+
+
+@functools.cache
+def _exact(case_id: str) -> dict[str, np.ndarray]:
+    spec = next(s for s in VARIANT_SPECS if s.id == case_id)
+    return forward(spec.config, spec.make_inputs(), spec.make_weights())
+
+
+def _assert_close(name: str, got: np.ndarray, want: np.ndarray, visible: np.ndarray, rel: float) -> None:
+    """``got`` within rel · max(1, max |want|) of ``want`` on the entries the spec compares (scores: the
+    visible ones), and exactly −inf where ``want`` is (lse of a row that sees no key)."""
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if name == "scores":
+        got, want = got[visible], want[visible]
+    infinite = np.isinf(want)
+    np.testing.assert_array_equal(got[infinite], want[infinite], err_msg=name)
+    scale = max(1.0, float(np.abs(want[~infinite]).max(initial=0.0)))
+    np.testing.assert_allclose(got[~infinite], want[~infinite], rtol=0, atol=rel * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("spec", VARIANT_SPECS, ids=lambda s: s.id)
+@pytest.mark.parametrize("name", VARIANT_ADAPTERS)
+@pytest.mark.parametrize(("dtype", "rel"), [
+    # float64: each stage is a few roundings of sums of at most 9 terms of magnitude <= the scale: far below
+    # 1e-13 of it (the worst seen is 2e-15); any variant applied wrongly moves an entry by far more
+    ("float64", 1e-13),
+    # float32: the same at u = 6e-8 (RoPE's angles in float32 as HF makes them: position <= 12, so the angle
+    # is off by <= 12·u; float32 softmax, lse and tanh): within 1e-5 of the scale
+    ("float32", 1e-5),
+])
+def test_variants_match_the_exact_reference(name: str, spec: CaseSpec, dtype: str, rel: float) -> None:
+    adapter = load_adapter(name)
+    why = undeclared(spec, adapter.variants)
+    if "softcap" in variants_used(spec) and name == "torch-sdpa":
+        assert why is not None and "softcap" in why  # reported unsupported, naming softcap: never run
+        return
+    assert why is None
+    case = spec.case(dtype)
+    got = adapter.run(case)
+    common = {"q_proj", "k_proj", "v_proj", "head_outputs", "concat", "output"}
+    rope = {"q_rot", "k_rot"} if spec.config.rope is not None else set()
+    assert set(got) == common | rope | EXTRA_STAGES[name]
+    assert set(got) <= set(forward_stages(spec.config))
+    exact, visible = _exact(spec.id), case.visible
+    for stage, value in got.items():
+        _assert_close(stage, np.asarray(value, dtype=np.float64), exact[stage], visible, rel)
+
+
+@pytest.mark.parametrize("name", VARIANT_ADAPTERS)
+def test_variants_give_no_nan_in_half_precision(name: str) -> None:
+    spec = next(s for s in VARIANT_SPECS if s.id == "sinks_window_masked_rows")
+    for dtype in ("float16", "bfloat16"):
+        got = load_adapter(name).run(spec.case(dtype))
+        assert not any(np.isnan(np.asarray(v, dtype=np.float64)).any() for v in got.values()), (name, dtype)
+        concat = np.asarray(got["concat"], dtype=np.float64)
+        assert (concat[0, 1] == 0).all() and (concat[1, 4] == 0).all()  # rows that see no key: zeros, sink or not
+
+
+def _rope_config(style: str) -> MHAConfig:
+    return MHAConfig(d_model=4, num_heads=1, rope={"theta": 10000.0, "style": style})
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_by_hand(style: str) -> None:
+    # D = r = 4: pair 0 turns by position · 10000^0 = 1 rad, pair 1 by 10000^(-2/4) = 0.01 rad (position 1)
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]], dtype=torch.float64)  # (B=1, L=1, 4)
+    got = backend.rope(x, 1, torch.tensor([1]), _rope_config(style))[0, 0].tolist()
+    c0, s0, c1, s1 = math.cos(1.0), math.sin(1.0), math.cos(0.01), math.sin(0.01)
+    if style == "half":  # pairs (0, 2), (1, 3): HF's rotate_half
+        want = [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]
+    else:  # pairs (0, 1), (2, 3): GPT-J
+        want = [1 * c0 - 2 * s0, 2 * c0 + 1 * s0, 3 * c1 - 4 * s1, 4 * c1 + 3 * s1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-16)
+
+
+def test_rope_partial_passes_the_rest_through_and_position_zero_is_identity() -> None:
+    cfg = MHAConfig(d_model=12, num_heads=2, rope={"rotary_dim": 2})  # D = 6: features 2..5 pass
+    x = torch.arange(1.0, 25.0, dtype=torch.float64).reshape(1, 2, 12)  # positions 0 and 3
+    got = backend.rope(x, 2, torch.tensor([0, 3]), cfg)
+    assert torch.equal(got[0, 0], x[0, 0])  # angle 0: cos 1, sin 0
+    heads, turned = got[0, 1].reshape(2, 6), x[0, 1].reshape(2, 6)
+    assert torch.equal(heads[:, 2:], turned[:, 2:])
+    a, b = turned[:, 0], turned[:, 1]
+    torch.testing.assert_close(heads[:, 0], a * math.cos(3) - b * math.sin(3), rtol=0, atol=1e-14)
+
+
+def test_sdpa_sink_column_by_hand() -> None:
+    # one head, q = 0: the three keys score 0 and the sink ln 3, so e^0·3 + 3 = 6 in the denominator;
+    # the sink's value is 0: out = (1 + 2 + 3) / 6 = 1, and the weights sum to 1/2
+    Q, K = torch.zeros(1, 1, 1, 2, dtype=torch.float64), torch.ones(1, 1, 3, 2, dtype=torch.float64)
+    V = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64).reshape(1, 1, 3, 1)
+    K2, V2, mask = torch_sdpa.with_sink_column(K, V, None, torch.tensor([math.log(3.0)], dtype=torch.float64), 1)
+    assert K2.shape == (1, 1, 4, 2) and V2.shape == (1, 1, 4, 1) and mask.shape == (1, 1, 1, 4)
+    assert mask[0, 0, 0].tolist() == [0.0, 0.0, 0.0, math.log(3.0)]
+    out = torch.nn.functional.scaled_dot_product_attention(Q, K2, V2, attn_mask=mask)
+    assert out.item() == pytest.approx(1.0, abs=1e-15)
+
+
+def test_flex_sinks_through_the_lse_by_hand() -> None:
+    # lse = ln 3, sink = 0 (e^0 = 1): out' = out · 3/4, lse' = ln 4; a row without keys stays 0 and -inf
+    out = torch.tensor([[[[2.0], [0.0]]]], dtype=torch.float64)  # (1, 1, 2, 1)
+    lse = torch.tensor([[[math.log(3.0), float("-inf")]]], dtype=torch.float64)
+    got, got_lse = torch_flex.with_sinks(out, lse, torch.zeros(1, dtype=torch.float64))
+    assert got[0, 0, :, 0].tolist() == pytest.approx([1.5, 0.0], abs=1e-15)
+    assert got_lse[0, 0, 0].item() == pytest.approx(math.log(4.0), abs=1e-15)
+    assert got_lse[0, 0, 1].item() == float("-inf")
+
+
+def test_flex_lse_is_a_natural_log_and_a_row_without_keys_is_zero_and_minus_inf() -> None:
+    # q = 0: every score is 0, so a row that sees all 5 keys has lse ln 5 (log2 would give 2.32)
+    q, k = torch.zeros(1, 1, 3, 4, dtype=torch.float64), torch.ones(1, 1, 5, 4, dtype=torch.float64)
+    v = torch.arange(5.0, dtype=torch.float64).reshape(1, 1, 5, 1).expand(1, 1, 5, 4)
+    mask = torch_flex.create_block_mask(lambda b, h, i, j: i != 1, 1, 1, 3, 5, device="cpu")  # row 1 sees nothing
+    out, aux = torch_flex.flex_attention(q, k, v, block_mask=mask, return_aux=torch_flex.AuxRequest(lse=True))
+    assert aux.lse[0, 0, 0].item() == pytest.approx(math.log(5.0), abs=1e-15)
+    assert aux.lse[0, 0, 1].item() == float("-inf")
+    assert (out[0, 0, 1] == 0).all() and out[0, 0, 0, 0].item() == pytest.approx(2.0, abs=1e-15)
+
+
+def test_flex_has_no_backward_on_the_cpu() -> None:
+    # what docs/torch.md says; if this fails, torch added it: give torch-flex a backward
+    q = torch.zeros(1, 1, 2, 4, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        torch_flex.flex_attention(q, q, q)
+    assert not hasattr(torch_flex.TorchFlexAdapter(), "backward")
+
+
+def test_what_each_adapter_declares() -> None:
+    assert torch_layer.TorchMHAAdapter.variants == torch_flex.TorchFlexAdapter.variants == {
+        "window", "softcap", "alibi", "bias", "sinks", "rope"}
+    assert torch_sdpa.TorchSDPAAdapter.variants == {"window", "alibi", "bias", "sinks", "rope"}
+    for adapter in (torch_mha.TorchMultiheadAttentionAdapter, torch_mha.TorchMultiheadAttentionFastAdapter):
+        assert not getattr(adapter, "variants", frozenset())  # nn.MultiheadAttention has none of them
+
+
+def test_torch_lse_in_half_precision_is_rounded_once() -> None:
+    # torch.logsumexp of a bfloat16 tensor rounds x − max, each exp, the sum and its log to bfloat16
+    # (torch/_refs: logsumexp); the adapter takes it in float32 and rounds once, as the standard
+    # contract's "sums in float32 or wider" asks: within half a bfloat16 ulp of the exact lse of its own scores
+    spec = next(s for s in VARIANT_SPECS if s.id == "sinks_window_masked_rows")
+    case = spec.case("bfloat16")
+    got = load_adapter("torch").run(case)
+    scores, lse = np.asarray(got["scores"], np.float64), np.asarray(got["lse"], np.float64)
+    sinks = case.weights.sink_logits  # exact in bfloat16
+    for b, h, i in np.ndindex(lse.shape):
+        seen = scores[b, h, i][case.visible[b, h, i]]
+        if seen.size == 0:
+            assert lse[b, h, i] == -np.inf
+            continue
+        exact = np.logaddexp.reduce(np.append(seen, sinks[h]))
+        half_ulp = 2.0 ** (np.floor(np.log2(abs(exact))) - 8) if exact != 0 else 2.0**-134
+        assert abs(lse[b, h, i] - exact) <= half_ulp * (1 + 2**-10), (b, h, i, lse[b, h, i], exact)

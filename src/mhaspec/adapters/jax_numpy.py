@@ -1,16 +1,26 @@
-"""MHA written with ``jax.numpy``, jit-compiled, returning every stage.
+"""MHA written with ``jax.numpy``, jit-compiled, returning every stage, with every attention variant.
 
 The layer a JAX user would write from the spec: canonical weights used as
-they are (``x @ W + b``), a boolean ``where`` softmax (``jax.nn.softmax``
-gives 0 to masked entries and to rows that see no key), GQA by grouping the
-query heads.  float64 and float32 compute natively; float16 and bfloat16
-store every stage in that dtype and sum each product in float32
-(``preferred_element_type``), as mixed-precision hardware does.
+they are (``x @ W + b``), a boolean ``where`` softmax (rows that see no key get
+0), GQA by grouping the query heads.  float64 and float32 compute natively;
+float16 and bfloat16 store every stage in that dtype and sum each product in
+float32 (``preferred_element_type``), as mixed-precision hardware does.
 
-    query ─ linear ─ Q (B,T,H,D) ─┐
-    key   ─ linear ─ K (B,S,G,D) ─┴─ scores (B,H,T,S) ─ softmax(where=allowed) ─┐
-    value ─ linear ─ V (B,S,G,E) ───────────────────────────────────────────────┴─ head_outputs (B,H,T,E)
-    head_outputs ─ concat (B,T,H·E) ─ linear ─ output (B,T,d_out)
+The variants of docs/spec.md §2a, in their order (the shared pieces are in
+:mod:`.backends.jax`)::
+
+    query ─ linear ─ q_proj ─ RoPE ─ q_rot (B,T,H·D) ─┐
+    key   ─ linear ─ k_proj ─ RoPE ─ k_rot (B,S,G·D) ─┴─ scale·QKᵀ ─ softcap ─ + bias − ALiBi ─ scores (B,H,T,S)
+    scores ─ softmax over causal AND window AND mask, sink in the denominator ─ attn_weights, lse (B,H,T)
+    value ─ linear ─ V (B,S,G,E) ─ attn_weights·V ─ head_outputs (B,H,T,E) ─ concat (B,T,H·E) ─ linear ─ output
+
+RoPE as the usual implementations do it: the angles, cos and sin in float32
+(float64 in a float64 run), cast to the dtype, the rotation in the dtype.  The
+logits (scale, softcap, bias and ALiBi) are taken in the accumulator and
+rounded once to the dtype (the ``scores`` stage); the softmax and its
+log-sum-exp in the accumulator.  The window's band goes into the mask and
+ALiBi's term is made in numpy (both handed over by ``device_put``, as the mask
+always was: no compilation per shape).
 """
 
 from __future__ import annotations
@@ -22,83 +32,124 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, masks
-from .backends.jax import (CompilingAdapter, accumulator, array_in, array_out, compiled, computing_in, keep_mask,
-                           linear, projections, tapping, tree_in, vjp_stages)
+from ..spec.stages import REGISTRY
+from ..spec.variants import VARIANTS, RopeSpec
+from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
+                           keep_mask, linear, projections, rope, score_bias, softcap, softmax_with_lse, tapping,
+                           tree_in, uses_variants, vjp_stages)
 
 #: :func:`mha`'s static arguments: it is jit-compiled by :func:`~.backends.jax.compiled` (the forward)
-#: or inside ``vjp_stages`` (the backward).
-STATIC = ("heads", "kv_heads", "scale", "causal_shift", "dtype")
+#: or inside ``vjp_stages`` (the backward).  One program per case structure.
+STATIC = ("heads", "kv_heads", "scale", "causal_shift", "cap", "rope_spec", "dtype")
 
 
 def mha(
-    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, weights: dict[str, Any],
-    taps: dict[str, jax.Array] | None = None,
-    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, dtype: str,
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
+    alibi: jax.Array | None, weights: dict[str, Any], taps: dict[str, jax.Array] | None = None,
+    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, cap: float | None,
+    rope_spec: RopeSpec | None, dtype: str,
 ) -> dict[str, jax.Array]:
-    """Every stage of MHA.  ``causal_shift``: None (not causal), 0 (top-left) or S - T (bottom-right).
+    """Every stage of MHA with the case's variants.
+
+    ``causal_shift``: None (not causal), 0 (top-left) or S − T (bottom-right); ``cap``: the softcap
+    or None; ``rope_spec``: the resolved RoPE spec or None.  ``mask`` (B, 1|H, 1|T, S) True = may
+    attend (the case's mask and its sliding window); ``bias`` (B|1, H|1, T, S) the additive bias input;
+    ``alibi`` (1, H, T, S) ALiBi's term in the accumulator; ``weights["sink_logits"]`` (H,) with sinks.
 
     ``taps`` (for the backward pass): zeros added to each intermediate stage, so that
     ``jax.vjp`` with respect to them gives that stage's gradient; None in the forward.
     """
     acc, dt, w, tap = accumulator(dtype), jnp.dtype(dtype), weights, tapping(taps)
     q, k, v = projections(query, key, value, w, dtype, tap)  # (B, T, H·D), (B, S, G·D), (B, S, G·E)
+    stages = {"q_proj": q, "k_proj": k, "v_proj": v}
 
     B, T, S, H, G = query.shape[0], query.shape[1], key.shape[1], heads, kv_heads
+    if rope_spec is not None:
+        q = stages["q_rot"] = tap("q_rot", rope(q, H, rope_spec.query_offset, rope_spec, dtype))  # (B, T, H·D)
+        k = stages["k_rot"] = tap("k_rot", rope(k, G, rope_spec.key_offset, rope_spec, dtype))  # (B, S, G·D)
     Q = q.reshape(B, T, G, H // G, -1)  # BTGRD: head h = g·R + r reads kv head g = h // R
     K = k.reshape(B, S, G, -1)  # BSGD
     V = v.reshape(B, S, G, -1)  # BSGE
 
-    s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc)
-    s = tap("scores", (s * jnp.asarray(scale, dtype=dt).astype(acc)).astype(dt).reshape(B, H, T, S))
+    s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc).reshape(B, H, T, S)
+    s = s * jnp.asarray(scale, dtype=dt).astype(acc)
+    if cap is not None:
+        s = softcap(s, cap)
+    if bias is not None:
+        bias = tap("bias", bias)  # the bias input's own gradient (d_bias), in its shape
+    added = score_bias(bias, alibi, acc)
+    if added is not None:
+        s = s + added
+    s = stages["scores"] = tap("scores", s.astype(dt))  # the logits the softmax sees, rounded once
 
     allowed = jnp.ones((B, H, T, S), dtype=bool)
     if causal_shift is not None:
         allowed &= jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + causal_shift
     if mask is not None:
         allowed &= mask
-    p = tap("attn_weights", jax.nn.softmax(s.astype(acc), axis=-1, where=allowed).astype(dt))
+    p, lse = softmax_with_lse(s.astype(acc), allowed, w.get("sink_logits"))
+    p = stages["attn_weights"] = tap("attn_weights", p.astype(dt))
+    stages["lse"] = lse.astype(dt)
 
     P = p.reshape(B, G, H // G, T, S)
     o = tap("head_outputs",
             jnp.einsum("BGRTS,BSGE->BGRTE", P, V, preferred_element_type=acc).astype(dt).reshape(B, H, T, -1))
     concat = tap("concat", o.transpose(0, 2, 1, 3).reshape(B, T, -1))  # (B, T, H·E)
     y = linear(concat, w["w_o"], w.get("b_o"), dtype)
-    return {
-        "q_proj": q, "k_proj": k, "v_proj": v, "scores": s, "attn_weights": p,
-        "head_outputs": o, "concat": concat, "output": y,
-    }
+    stages.update({"head_outputs": o, "concat": concat, "output": y})
+    return stages
+
+
+def static_arguments(case: Case) -> dict[str, Any]:
+    """:func:`mha`'s static arguments for ``case``."""
+    cfg = case.config
+    return dict(heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
+                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len), cap=cfg.softcap,
+                rope_spec=cfg.rope, dtype=case.dtype)
+
+
+def arrays_in(case: Case) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+    """(mask with the sliding window's band, the bias input in the dtype, ALiBi's term in the accumulator),
+    each None when absent (call inside :func:`~.backends.jax.computing_in`)."""
+    return keep_mask(case, window=True), array_in(case.inputs.bias, case.dtype), alibi_in(case)
 
 
 class JaxMHAAdapter(CompilingAdapter):
-    """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage.
+    """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage, every variant.
 
     ``fast_compile=False`` compiles with XLA's default options (see :mod:`.backends.jax`).
     """
 
     name = "jax"
     framework = "jax"
+    variants = frozenset(VARIANTS)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
-        cfg, dtype = case.config, case.dtype
+        dtype = case.dtype
         with computing_in(dtype, self.device):
             stages = compiled(mha, STATIC, self.fast)(
-                *case.inputs_as(lambda x: array_in(x, dtype)), keep_mask(case), tree_in(case.weights.as_dict(), dtype),
-                heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
-                causal_shift=masks.causal_offset(cfg, case.tgt_len, case.src_len), dtype=dtype,
+                *case.inputs_as(lambda x: array_in(x, dtype)), *arrays_in(case), tree_in(case.weights.as_dict(), dtype),
+                **static_arguments(case),
             )
+            if not uses_variants(case):  # a spec-1.1 case's fixture has no lse to compare
+                del stages["lse"]
             return array_out(stages)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage by ``jax.vjp`` of :func:`mha`: the intermediate stages' gradients
-        through zero taps added to each stage."""
-        cfg, dtype = case.config, case.dtype
-        shift = masks.causal_offset(cfg, case.tgt_len, case.src_len)
+        through zero taps added to each stage (with the variants: ``d_q_rot``, ``d_k_rot`` and
+        ``d_bias``, the bias input's, and ``d_sink_logits`` with the weights', where the spec names them)."""
+        dtype, static = case.dtype, static_arguments(case)
         with computing_in(dtype, self.device):
-            mask = keep_mask(case)  # device_put: jnp.asarray would compile a conversion per mask shape
+            mask, bias, alibi = arrays_in(case)  # device_put: jnp.asarray would compile a conversion per shape
 
             def output(query, key, value, weights, taps):
-                return mha(query, key, value, mask, weights, taps, heads=cfg.H, kv_heads=cfg.H_kv, scale=cfg.scale,
-                           causal_shift=shift, dtype=dtype)["output"]
+                return mha(query, key, value, mask, bias, alibi, weights, taps, **static)["output"]
 
-            shapes = cfg.stage_shapes(case.batch, case.tgt_len, case.src_len)
-            return vjp_stages(case, output, {s: shapes[s] for s in shapes if s != "output"}, fast_compile=self.fast)
+            shapes = case.config.stage_shapes(case.batch, case.tgt_len, case.src_len)
+            shapes.update(case.config.variant_stage_shapes(case.batch, case.tgt_len, case.src_len))
+            if bias is not None:
+                shapes["bias"] = case.inputs.bias.shape
+            taps = {s: shape for s, shape in shapes.items() if s not in ("output", "lse") and f"d_{s}" in REGISTRY}
+            out = vjp_stages(case, output, taps, fast_compile=self.fast)
+            return {name: g for name, g in out.items() if name in REGISTRY}  # d_sink_logits where the spec names it

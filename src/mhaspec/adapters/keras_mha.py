@@ -197,15 +197,16 @@ _FULLY_MASKED_BACKWARD = ("d_v_proj", "d_query", "d_value", "d_w_v", "d_w_o", "d
 _BIAS_ADD_GRAD_BF16_WHERE = (("tile_crossing", "d_b_v"), ("tile_crossing", "d_b_o"), ("long_sequence", "d_b_o"))
 
 
-def _deviations(stages: tuple[str, ...], fully_masked: bool) -> list[Deviation]:
+def _deviations(stages: tuple[str, ...], fully_masked: bool, bias_add: bool = True) -> list[Deviation]:
     """The forward ``stages`` the deviations show in, each carried into the backward stages it reaches
-    (those of every machine; the scores path adds what this process's TensorFlow measures)."""
+    (those of every machine; the scores path adds what this process's TensorFlow measures); the layers'
+    BiasAddGrad where the catalog shows it when ``bias_add``."""
     backward = ("d_scores", *_THROUGH_SCALE) if "attn_weights" in stages else _THROUGH_SCALE
     out = [*declared_at("keras.fully-masked", stages),
            *declared_at("keras.fully-masked-backward", _FULLY_MASKED_BACKWARD)] if fully_masked else []
     for case in _SCALE_INEXACT_IN_FLOAT32:
         out += declared_at("keras.scale-in-float32", (*stages, *backward), case=case)
-    return out + declared_where("keras.bias-add-grad-bfloat16", _BIAS_ADD_GRAD_BF16_WHERE)
+    return out + (declared_where("keras.bias-add-grad-bfloat16", _BIAS_ADD_GRAD_BF16_WHERE) if bias_add else [])
 
 
 def _layer_inputs(case: Case) -> tuple[Any, dict[str, Any]]:

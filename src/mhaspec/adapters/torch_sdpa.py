@@ -1,18 +1,31 @@
 """``torch.nn.functional.scaled_dot_product_attention`` between ``nn.Linear``
-projections (built-in adapter ``torch-sdpa``).
+projections (built-in adapter ``torch-sdpa``), with the attention variants SDPA can express.
 
-    query ─q_proj─► split heads ─┐
-    key   ─k_proj─► split heads ─┼─► F.scaled_dot_product_attention ─► head_outputs (B, H, T, E)
-    value ─v_proj─► split heads ─┘     (attn_mask: bool, True = take part;        │ concat heads
-                                        is_causal; scale; enable_gqa)            ▼
-                                                                  concat ─out_proj─► output
+    query ─q_proj─(rope: q_rot)─► split heads ─┐
+    key   ─k_proj─(rope: k_rot)─► split heads ─┼─► F.scaled_dot_product_attention ─► head_outputs (B, H, T, E)
+    value ─v_proj───────────────► split heads ─┘     (attn_mask; is_causal;             │ concat heads
+                                                       scale; enable_gqa)                ▼
+                                                                          concat ─out_proj─► output
 
-SDPA is fused: ``scores`` and ``attn_weights`` are not exposed.  Its
+SDPA is fused: ``scores``, ``attn_weights`` and ``lse`` are not exposed.  Its
 ``is_causal`` is top-left aligned, and it refuses ``is_causal`` together with
-an ``attn_mask``: a bottom-right (T != S) or masked causal case gets the
-combined boolean mask instead.  Weights: the ``state_dict`` is the same as
+an ``attn_mask``: a bottom-right (T != S), windowed or masked causal case gets
+the combined boolean mask instead.  The variants, as SDPA takes them:
+
+* the additive ``bias`` input and ALiBi: a float ``attn_mask`` (added to the
+  scaled scores), bias − slope·|i + off − j| where a key is visible, −inf where not;
+* a sliding window: in the mask (causal AND window AND the explicit mask);
+* RoPE: applied to q_proj and k_proj before SDPA (stages ``q_rot``, ``k_rot``);
+* sinks: one more key column whose score is the sink's logit — key 0 (its dot
+  product with every query is 0), value 0 (it adds nothing to the output) and
+  ``attn_mask`` = sink_h in that column — so SDPA's own softmax has the sink in
+  its denominator;
+* softcap: not expressible (SDPA has no hook between the scaled scores and the
+  mask's addition): not declared, so those cases are ``unsupported``.
+
+Weights: the ``state_dict`` is the same as
 :class:`mhaspec.adapters.torch_layer.MultiHeadAttention`'s (``q_proj``,
-``k_proj``, ``v_proj``, ``out_proj``; ``weight`` is ``(out, in)``).
+``k_proj``, ``v_proj``, ``out_proj``; ``weight`` is ``(out, in)``; ``sink_logits`` (H,) with sinks).
 """
 
 from __future__ import annotations
@@ -23,16 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..spec import Case, MHAConfig, Weights
+from ..spec import Case, Weights
+from ..spec.variants import VARIANTS
 from .backends import torch as backend
 
 
 def canonical_to_state_dict(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Canonical weights -> :class:`SDPAMultiHeadAttention` ``state_dict``:
     ``q_proj.weight = w_q.T``, ``k_proj.weight = w_k.T``, ``v_proj.weight = w_v.T``,
-    ``out_proj.weight = w_o.T`` (each ``(out, in)``), ``*.bias = b_*``."""
+    ``out_proj.weight = w_o.T`` (each ``(out, in)``), ``*.bias = b_*``, ``sink_logits`` with sinks."""
     return backend.weights_in(weights)
 
 
@@ -41,22 +54,12 @@ def state_dict_to_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str,
     return backend.weights_out(state_dict)
 
 
-class SDPAMultiHeadAttention(nn.Module):
-    """Four ``nn.Linear`` around ``F.scaled_dot_product_attention``.
+class SDPAMultiHeadAttention(backend.FusedAttentionModule):
+    """Four ``nn.Linear`` (and the sinks' logits) around ``F.scaled_dot_product_attention``.
 
-    ``config`` fixes the sizes and the scale; masking is SDPA's own
-    (``attn_mask``, ``is_causal``), passed through by ``forward``.
+    ``config`` fixes the sizes, the scale, RoPE and the sinks; masking, the additive bias and
+    ALiBi are SDPA's ``attn_mask`` (and ``is_causal``), passed through by ``forward``.
     """
-
-    def __init__(self, config: MHAConfig, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        cfg = self.config = config
-        factory = {"device": device, "dtype": dtype}
-        kdim, vdim = int(cfg.kdim), int(cfg.vdim)  # type: ignore[arg-type]
-        self.q_proj = nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=cfg.bias, **factory)  # W^Q
-        self.k_proj = nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=cfg.bias, **factory)  # W^K
-        self.v_proj = nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=cfg.bias, **factory)  # W^V
-        self.out_proj = nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
 
     def forward(
         self,
@@ -67,25 +70,38 @@ class SDPAMultiHeadAttention(nn.Module):
         is_causal: bool = False,
     ) -> dict[str, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim); attn_mask and
-        is_causal as ``F.scaled_dot_product_attention`` takes them.  Returns the stages
-        it sees: q_proj, k_proj, v_proj, head_outputs, concat, output."""
+        is_causal as ``F.scaled_dot_product_attention`` takes them (a float mask with sinks).
+        Returns the stages it sees: q_proj, k_proj, v_proj, (q_rot, k_rot,) head_outputs, concat, output."""
         cfg = self.config
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        q = self.q_proj(query)  # (B, T, H·D)
-        k = self.k_proj(key)  # (B, S, G·D)
-        v = self.v_proj(value)  # (B, S, G·E)
+        stages, Q, K, V = self.project(query, key, value)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        if self.sink_logits is not None:
+            K, V, attn_mask = with_sink_column(K, V, attn_mask, self.sink_logits, Q.shape[2])  # S + 1 keys
         head_outputs = F.scaled_dot_product_attention(
-            query=q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2),  # (B, H, T, D)
-            key=k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2),  # (B, G, S, D)
-            value=v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2),  # (B, G, S, E)
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=cfg.scale,
+            query=Q, key=K, value=V, attn_mask=attn_mask, is_causal=is_causal, scale=cfg.scale,
             **({"enable_gqa": True} if cfg.H_kv != cfg.H else {}),  # keyword exists from torch 2.5
         )  # (B, H, T, E)
-        concat = head_outputs.transpose(1, 2).reshape(B, T, cfg.H * cfg.D_v)  # (B, T, H·E)
-        output = self.out_proj(concat)  # (B, T, d_out)
-        return {"q_proj": q, "k_proj": k, "v_proj": v, "head_outputs": head_outputs, "concat": concat, "output": output}
+        return {**stages, **self.merge(head_outputs)}
+
+
+def with_sink_column(
+    K: torch.Tensor, V: torch.Tensor, attn_mask: torch.Tensor | None, sink_logits: torch.Tensor, tgt_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sinks as one more key for SDPA: K (B, G, S, D) and V (B, G, S, E) with a zero key and a
+    zero value appended (S + 1), and the float ``attn_mask`` (B|1, H|1, T, S) or None with the column
+    sink_h appended -> (B|1, H, T, S + 1).  The sink's score is then scale·q·0 + sink_h = sink_h, in
+    the softmax's denominator, and its weight multiplies a zero value.  A row that sees no key gives
+    the sink all its weight: head_outputs 0, as the spec says."""
+    B, G, S, _ = K.shape
+    H = sink_logits.shape[0]
+    K = torch.cat((K, K.new_zeros(B, G, 1, K.shape[-1])), dim=2)  # (B, G, S + 1, D)
+    V = torch.cat((V, V.new_zeros(B, G, 1, V.shape[-1])), dim=2)  # (B, G, S + 1, E)
+    if attn_mask is None:
+        attn_mask = K.new_zeros(1, 1, tgt_len, S)
+    if attn_mask.dtype == torch.bool:
+        raise TypeError("with_sink_column: attn_mask must be a float (additive) mask, got bool")
+    mask = attn_mask.expand(attn_mask.shape[0], H, tgt_len, S)  # (B|1, H, T, S)
+    sink = sink_logits.to(mask.dtype).view(1, H, 1, 1).expand(mask.shape[0], H, tgt_len, 1)
+    return K, V, torch.cat((mask, sink), dim=-1)  # (B|1, H, T, S + 1)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -98,6 +114,8 @@ class TorchSDPAAdapter:
 
     name = "torch-sdpa"
     framework = "torch"
+    #: every variant but softcap, which SDPA cannot express (module docstring)
+    variants = frozenset(VARIANTS) - {"softcap"}
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = backend.check_device(device)
@@ -112,9 +130,14 @@ class TorchSDPAAdapter:
                                      config=case.config)
 
     def _call(self, module: SDPAMultiHeadAttention, case: Case) -> backend.StagesCall:
-        """``module``'s forward with the case's masking as SDPA takes it."""
-        if backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
-            masks: dict[str, Any] = {"attn_mask": None, "is_causal": True}
+        """``module``'s forward with the case's masking, bias and ALiBi as SDPA takes them."""
+        cfg = case.config
+        additive = case.inputs.bias is not None or cfg.alibi_slopes is not None or cfg.sinks
+        if additive:  # float: bias − slope·distance where visible, −inf where not
+            masks: dict[str, Any] = {"attn_mask": backend.additive_mask(case, backend.dtype(case.dtype), self.device),
+                                     "is_causal": False}
+        elif backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
+            masks = {"attn_mask": None, "is_causal": True}
         else:
             masks = {"attn_mask": backend.keep_mask(case, self.device), "is_causal": False}  # bool, True = take part
 

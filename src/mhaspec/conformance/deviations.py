@@ -35,8 +35,8 @@ def outside_blind_rows(golden: GoldenCase, stage: str) -> np.ndarray | None:
     summed = INPUT_GRADIENTS[golden.spec.inputs].get(stage, "")  # d_query of self-attention holds d_key, d_value
     if st.rows is None or "k" in summed or "v" in summed:  # every element sums over every query row, if any
         return np.full(shape, not blind.any())
-    if st.head_axis_first:  # (B, H, T, ·)
-        return np.broadcast_to(~blind[..., None], shape)
+    if st.head_axis_first:  # (B, H, T, ·), or (B, H, T): lse
+        return np.broadcast_to(~blind if len(shape) == blind.ndim else ~blind[..., None], shape)
     return np.broadcast_to(~blind.any(axis=1)[..., None], shape)  # (B, T, ·)
 
 

@@ -27,6 +27,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import AdapterError
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
+from ..spec.stages import VARIANT_STAGES
+
+#: The stages a deviation may name: every stage, the variants' too (``q_rot``, ``k_rot``, ``lse``).
+DECLARABLE_STAGES: tuple[str, ...] = STAGES + VARIANT_STAGES + BACKWARD_STAGES
 from ..spec.variants import VARIANTS
 
 
@@ -152,7 +156,7 @@ def parse_deviations(declared: Any, where: str = "known_deviations") -> list[Dev
                                "already confines it: everything outside those rows must pass)")
         if not dev.reason.strip():
             raise AdapterError(f"{where}: deviation {dev.pattern} has no reason")
-        for field, pattern, names in (("stage", dev.stage, STAGES + BACKWARD_STAGES), ("dtype", dev.dtype, DTYPES)):
+        for field, pattern, names in (("stage", dev.stage, DECLARABLE_STAGES), ("dtype", dev.dtype, DTYPES)):
             for alternative in pattern.split("|"):  # each alternative must name something
                 if not any(fnmatch.fnmatchcase(n, alternative) for n in names):
                     which = f" {alternative!r}" if "|" in pattern else ""

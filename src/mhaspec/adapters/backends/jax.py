@@ -49,7 +49,9 @@ import numpy as np
 from ...protocol import contract as cache
 from ...protocol.contract import Deviation
 from ...spec import Case, masks
-from . import declared
+from ...spec import variant_ops
+from ...spec.variants import CONFIG_VARIANT_DEFAULTS, RopeSpec
+from . import declared, variants
 
 # -- dtype, x64 and device -------------------------------------------------
 
@@ -140,13 +142,15 @@ def tree_in(tree: Any, name: str) -> Any:
     return jax.tree.map(lambda x: array_in(x, name), tree)
 
 
-def keep_mask(case: Case, *, causal: bool = False) -> jax.Array | None:
+def keep_mask(case: Case, *, causal: bool = False, window: bool = False) -> jax.Array | None:
     """The case's mask (True = may attend: JAX's and Flax's polarity, the spec's), in its own shape
     (B, 1|H, 1|T, S), on the default device; ANDed with the case's causal band (1, 1, T, S) when
-    ``causal``.  Built in numpy: an eager jnp op on each case's new shape would cost one compilation."""
+    ``causal`` and with its sliding window's band when ``window``.  Built in numpy: an eager jnp op on
+    each case's new shape would cost one compilation."""
     mask = case.inputs.mask
-    if causal:
-        band = masks.causal_visible(case.config, case.tgt_len, case.src_len)
+    bands = [masks.causal_visible(case.config, case.tgt_len, case.src_len) if causal else None,
+             masks.window_visible(case.config, case.tgt_len, case.src_len) if window else None]
+    for band in bands:
         if band is not None:
             mask = band[None, None] if mask is None else mask & band[None, None]
     return array_in(mask)
@@ -249,8 +253,8 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: str) -> jax.A
 
 def tapping(taps: Mapping[str, jax.Array] | None) -> Callable[[str, jax.Array], jax.Array]:
     """``tap(name, x)``: ``x`` plus the zero tap ``taps[name]`` (whose cotangent under ``jax.vjp`` is
-    that stage's gradient), or ``x`` itself when ``taps`` is None (the forward)."""
-    return lambda name, x: x if taps is None else x + taps[name]
+    that stage's gradient), or ``x`` itself when ``taps`` is None (the forward) or has no ``name``."""
+    return lambda name, x: x if taps is None or name not in taps else x + taps[name]
 
 
 def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Mapping[str, jax.Array], dtype: str,
@@ -262,6 +266,73 @@ def projections(query: jax.Array, key: jax.Array, value: jax.Array, weights: Map
     k = tap("k_proj", linear(key, w["w_k"], w.get("b_k"), dtype))
     v = tap("v_proj", linear(value, w["w_v"], w.get("b_v"), dtype))
     return q, k, v
+
+
+# -- the attention variants (docs/spec.md §2a), in jnp, traced inside the compiled layer ------------
+#
+# Every static choice (the softcap, the RoPE spec) is a static argument of the compiled layer: one
+# program per case structure, as the sizes already are.  The arrays (the mask with the window's band,
+# the additive bias input, ALiBi's term, the sink logits) are arguments, made in numpy and handed over
+# by device_put.
+
+
+def uses_variants(case: Case) -> bool:
+    """Whether ``case`` uses an attention variant (a config field of §2a on, or the additive ``bias``
+    input): only such a case's fixture has an ``lse`` to compare (a spec-1.1 fixture has none)."""
+    cfg = case.config
+    return case.inputs.bias is not None or any(getattr(cfg, name) != off
+                                               for name, off in CONFIG_VARIANT_DEFAULTS.items())
+
+
+def rope(x: jax.Array, heads: int, offset: int, spec: RopeSpec, dtype: str) -> jax.Array:
+    """x (B, L, heads·D) turned by RoPE in its dtype, row l at position ``offset + l``, in jnp
+    (:func:`.variants.rope`: cos and sin in float32, float64 in a float64 run, cast to the dtype)."""
+    return variants.rope(x, heads, offset, spec, dtype, jnp, jnp.astype)
+
+
+def softcap(s: jax.Array, cap: float) -> jax.Array:
+    """cap · tanh(s / cap), in the scores' own dtype."""
+    c = jnp.asarray(cap, s.dtype)
+    return c * jnp.tanh(s / c)
+
+
+def alibi_in(case: Case) -> jax.Array | None:
+    """ALiBi's term −slope_h·|i + off − j| (1, H, T, S) in the accumulator (float32 for the 16-bit dtypes), on
+    the default device (call inside :func:`computing_in`), or None without ALiBi.  Made in numpy
+    (``mhaspec.spec.variant_ops.alibi``, float64, rounded once to the accumulator) and handed over by
+    ``device_put``, like the mask: no compilation per shape."""
+    term = variant_ops.alibi(case.config, case.T, case.S, case.T)  # (H, T, S)
+    return None if term is None else jax.device_put(term[None].astype(accumulator(case.dtype)))
+
+
+def score_bias(bias: jax.Array | None, alibi: jax.Array | None, acc: Any) -> jax.Array | None:
+    """What is added to the scores, in ``acc``: the additive ``bias`` input (B|1, H|1, T, S), stored in the
+    dtype, plus ``alibi`` (1, H, T, S) (:func:`alibi_in`); None when neither."""
+    if bias is None:
+        return alibi
+    return bias.astype(acc) if alibi is None else bias.astype(acc) + alibi
+
+
+def softmax_with_lse(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(weights (B, H, T, S), lse (B, H, T)) of the scores ``s`` over the ``allowed`` keys, with the sink
+    logits (H,) in each denominator: p_j = e^(s_j − m) / (Σ e^(s_k − m) + e^(sink − m)), m the row's
+    peak (its visible scores and its sink); lse = m + ln(denominator).  A row that sees no key: weights
+    0, lse −inf.  Computed in the dtype of ``s``; safe under differentiation (no NaN reaches a gradient
+    through the rows that see no key)."""
+    logits = jnp.where(allowed, s, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # (B, H, T, 1)
+    seen = jnp.isfinite(peak)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks.astype(s.dtype)[None, :, None, None])
+    peak = jax.lax.stop_gradient(jnp.where(seen, peak, 0))  # the shift cancels: no gradient through it
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0) - peak), 0)
+    denominator = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.where(seen, jnp.exp(sinks.astype(s.dtype)[None, :, None, None] - peak), 0)
+    safe = jnp.where(seen, denominator, 1)
+    p = jnp.where(seen, e / safe, 0)
+    lse = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
+    return p, lse[..., 0]
 
 
 class CompilingAdapter:

@@ -250,17 +250,19 @@ def distinct_inputs(case: Case, query: Any, key: Any, value: Any) -> dict[str, A
     return inputs
 
 
-def keep_mask(case: Case, *, causal: bool = False, heads: bool = True) -> Any:
+def keep_mask(case: Case, *, causal: bool = False, window: bool = False, heads: bool = True) -> Any:
     """The case's mask as a bool tensor (True = may attend: TensorFlow's and Keras's polarity, the
     spec's), broadcast to (B, H_mask, T, S), H_mask in {1, H}, or (B, T, S) without ``heads`` (one
-    mask for every head); ANDed with the case's causal band when ``causal``.  None where nothing
-    is hidden."""
+    mask for every head); ANDed with the case's causal band when ``causal`` and with its sliding
+    window's band when ``window``.  None where nothing is hidden."""
     mask = case.inputs.mask
-    band = masks.causal_visible(case.config, case.T, case.S) if causal else None
-    if mask is None and band is None:
+    bands = [band for band in (masks.causal_visible(case.config, case.T, case.S) if causal else None,
+                               masks.window_visible(case.config, case.T, case.S) if window else None)
+             if band is not None]
+    if mask is None and not bands:
         return None
     shown = mask.shape[-3] if mask is not None and mask.ndim >= 3 else 1
     keep = np.broadcast_to(True if mask is None else mask, (case.B, shown, case.T, case.S))
-    if band is not None:
+    for band in bands:
         keep = keep & band
     return tf.constant(keep if heads else keep[:, 0])

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...spec import Case, Weights, masks
+from ...spec import Case, Weights, masks, variant_ops
+from ...spec.stages import BACKWARD_STAGES
 from .numpy import weights_in as canonical
 
 _DTYPES = {
@@ -34,6 +35,9 @@ LINEAR_NAMES: dict[tuple[str, str], str] = {
     ("w_v", "b_v"): "v_proj",
     ("w_o", "b_o"): "out_proj",
 }
+
+#: the attention sinks' logits (H,): a parameter of that name, as gpt-oss's ``sinks``
+SINK_LOGITS = "sink_logits"
 
 #: ``call(query, key, value)`` of an adapter: the forward's stage tensors by name (``output`` required)
 StagesCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
@@ -84,8 +88,8 @@ def weights_in(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
     Keys: ``q_proj.weight (H·D_k, d_model)``, ``k_proj.weight (H_kv·D_k, kdim)``,
     ``v_proj.weight (H_kv·D_v, vdim)``, ``out_proj.weight (d_out, H·D_v)``
-    (each the transpose of its canonical ``w_*``), and ``*.bias`` = ``b_*``
-    when present.  Tensors are float64 on the CPU; ``load_state_dict`` casts.
+    (each the transpose of its canonical ``w_*``), ``*.bias`` = ``b_*`` when present, and
+    ``sink_logits (H,)`` with sinks.  Tensors are float64 on the CPU; ``load_state_dict`` casts.
     """
     w = canonical(weights)
     out: dict[str, torch.Tensor] = {}
@@ -93,6 +97,8 @@ def weights_in(weights: Weights | Mapping[str, Any]) -> dict[str, torch.Tensor]:
         out[f"{prefix}.weight"] = torch.from_numpy(np.array(w[w_name].T, order="C"))  # a copy: the case is read-only
         if b_name in w:
             out[f"{prefix}.bias"] = torch.from_numpy(w[b_name].copy())
+    if SINK_LOGITS in w:
+        out[SINK_LOGITS] = torch.from_numpy(w[SINK_LOGITS].copy())
     return out
 
 
@@ -104,6 +110,8 @@ def weights_out(state_dict: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]
         bias = state_dict.get(f"{prefix}.bias")
         if bias is not None:
             out[b_name] = as_float64(bias)
+    if SINK_LOGITS in state_dict:
+        out[SINK_LOGITS] = as_float64(state_dict[SINK_LOGITS])
     return out
 
 
@@ -118,17 +126,24 @@ def causal_visible(config: Any, tgt_len: Any, src_len: Any, device: torch.device
     return j <= i + offset
 
 
+def window_visible(config: Any, tgt_len: int, src_len: int, device: torch.device | str) -> torch.Tensor | None:
+    """(T, S) bool of the sliding window of ``config`` (:func:`mhaspec.spec.masks.window_visible`:
+    i + off − window_left ≤ j ≤ i + off + window_right), or None without one."""
+    band = masks.window_visible(config, tgt_len, src_len)
+    return None if band is None else torch.from_numpy(band).to(device)
+
+
 def keep_mask(case: Case, device: torch.device | str) -> torch.Tensor | None:
     """The spec's mask as a bool tensor, True = may attend: the explicit mask AND the
-    causal mask, shaped ``(B|1, 1, T, S)``; None when nothing is masked."""
+    causal mask AND the sliding window, shaped ``(B|1, 1, T, S)``; None when nothing is masked."""
     cfg, T, S = case.config, case.tgt_len, case.src_len
     allowed = None
     if case.inputs.mask is not None:
         mask = torch.from_numpy(np.array(case.inputs.mask, dtype=bool)).to(device)
         allowed = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if cfg.causal:
-        causal = causal_visible(cfg, T, S, device)[None, None]
-        allowed = causal if allowed is None else allowed & causal
+    bands = [causal_visible(cfg, T, S, device) if cfg.causal else None, window_visible(cfg, T, S, device)]
+    for band in (b[None, None] for b in bands if b is not None):
+        allowed = band if allowed is None else allowed & band
     return allowed
 
 
@@ -138,6 +153,7 @@ def top_left_causal_only(case: Case) -> bool:
     return (
         cfg.causal
         and case.inputs.mask is None
+        and cfg.window_left is None and cfg.window_right is None
         and (cfg.causal_alignment == "top_left" or case.tgt_len == case.src_len)
     )
 
@@ -171,7 +187,8 @@ def autograd_backward(
 
     ``call(query, key, value)`` returns the forward's stage tensors by name
     (``output`` required); each intermediate one is kept with ``retain_grad`` and
-    comes back as ``d_<stage>``.  The input gradients come from the leaf inputs
+    comes back as ``d_<stage>`` where that is a backward stage of the spec (not yet: ``d_q_rot``,
+    ``d_k_rot``, ``d_sink_logits``).  The input gradients come from the leaf inputs
     (one leaf per tensor: self-attention's ``d_query`` is the sum of the three,
     shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from
     ``module``'s parameters through ``to_canonical`` (the state_dict converter: a gradient has
@@ -193,4 +210,125 @@ def autograd_backward(
             out["d_value"] = array_out(value.grad)
     grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
     out.update({f"d_{name}": value for name, value in to_canonical(grads).items()})
-    return out
+    return {name: grad for name, grad in out.items() if name in BACKWARD_STAGES}
+
+
+# -- the attention variants (docs/spec.md §2a) -----------------------------------------------------
+
+
+def rope_cos_sin(config: Any, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (L, r) in ``dtype``, of the rotary angles at ``positions`` (L,), as Hugging Face's
+    rotary embedding (``LlamaRotaryEmbedding``) makes them: inv_freq = 1 / theta^(2k/r) and the angles
+    position · inv_freq in float32 (float64 in a float64 case), cos and sin of them cast to ``dtype``;
+    each pair's angle on both of its features: ``cat(freqs, freqs)`` in style "half" (the layout of
+    ``rotate_half``), each repeated twice in style "interleaved" (GPT-J's pairs 2k, 2k + 1)."""
+    spec = config.rope
+    r = spec.rotary_dim
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, r, 2, dtype=torch.int64, device=positions.device).to(work) / r))
+    freqs = positions.to(work)[:, None] * inv_freq[None, :]  # (L, r/2)
+    angles = torch.cat((freqs, freqs), dim=-1) if spec.style == "half" else freqs.repeat_interleave(2, dim=-1)  # (L, r)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_pairs(x: torch.Tensor, style: str) -> torch.Tensor:
+    """(..., r) -> (..., r): each pair (a, b) as (−b, a), so that x·cos + rotate_pairs(x)·sin turns it.
+    Style "half": HF's ``rotate_half`` (a = x[k], b = x[k + r/2]); "interleaved": GPT-J's
+    ``rotate_every_two`` (a = x[2k], b = x[2k + 1])."""
+    if style == "half":
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((-second, first), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rope(x: torch.Tensor, heads: int, positions: torch.Tensor, config: Any) -> torch.Tensor:
+    """x (B, L, heads·D) turned by RoPE at ``positions`` (L,) in x's dtype: each head's first
+    ``rotary_dim`` features become x·cos + rotate_pairs(x)·sin, the rest pass through.  -> (B, L, heads·D)."""
+    B, L, F = x.shape
+    r = config.rope.rotary_dim
+    h = x.reshape(B, L, heads, F // heads)  # (B, L, heads, D)
+    cos, sin = (t[None, :, None, :] for t in rope_cos_sin(config, positions, x.dtype))  # (1, L, 1, r)
+    turning, passing = h[..., :r], h[..., r:]
+    turned = turning * cos + rotate_pairs(turning, config.rope.style) * sin
+    return torch.cat((turned, passing), dim=-1).reshape(B, L, F)
+
+
+def rope_qk(config: Any, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rot (B, T, H·D_k), k_rot (B, S, H_kv·D_k)): q_proj and k_proj turned at the case's positions
+    (query_offset + i, key_offset + j: :func:`mhaspec.spec.variant_ops.rope_positions`)."""
+    q_pos, k_pos = (torch.from_numpy(p).to(q.device)
+                    for p in variant_ops.rope_positions(config, q.shape[1], k.shape[1]))
+    return rope(q, config.H, q_pos, config), rope(k, config.H_kv, k_pos, config)
+
+
+def softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(scores / cap), element-wise in the scores' dtype (Gemma 2's ``attn_logit_softcapping``)."""
+    return cap * torch.tanh(scores / cap)
+
+
+def alibi(config: Any, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """(H, T, S) in ``dtype``: −slope_h · |i + off − j| (:func:`mhaspec.spec.variant_ops.alibi`, float64,
+    rounded once to ``dtype``); None without ALiBi."""
+    term = variant_ops.alibi(config, tgt_len, src_len, tgt_len)
+    return None if term is None else torch.from_numpy(term).to(device=device, dtype=dtype)
+
+
+def score_bias(case: Case, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """(B|1, H|1, T, S) in ``dtype``: the case's additive ``bias`` input plus its ALiBi term, summed in
+    float64 and rounded once; None when the case has neither."""
+    bias, term = case.inputs.bias, variant_ops.alibi(case.config, case.T, case.S, case.T)
+    if bias is None and term is None:
+        return None
+    total = (0.0 if bias is None else bias) + (0.0 if term is None else term[None])  # (B|1, H|1, T, S)
+    return torch.from_numpy(np.array(total, dtype=np.float64)).to(device=device, dtype=dtype)
+
+
+def additive_mask(case: Case, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """(B|1, H|1, T, S) float in ``dtype``, the additive ``attn_mask`` SDPA adds to its scaled scores:
+    :func:`score_bias` where a key is visible (:func:`keep_mask`), −inf where it is not; None when the
+    case has no bias, no ALiBi and no mask."""
+    bias, allowed = score_bias(case, dtype, device), keep_mask(case, device)
+    if allowed is None:
+        return bias
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero if bias is None else bias, float("-inf"))
+
+
+class FusedAttentionModule(torch.nn.Module):
+    """The parts of a module built around one fused attention call (SDPA, FlexAttention): four
+    ``nn.Linear`` (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: W^Q, W^K, W^V, W^O) and, with
+    sinks, their logits ``sink_logits`` (H,) — the state dict of :func:`weights_in` — with the steps
+    before and after the call (:meth:`project`, :meth:`merge`).  ``config`` fixes the sizes, the
+    scale, RoPE and the sinks."""
+
+    def __init__(self, config: Any, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        cfg = self.config = config
+        factory = {"device": device, "dtype": dtype}
+        kdim, vdim = int(cfg.kdim), int(cfg.vdim)
+        self.q_proj = torch.nn.Linear(cfg.d_model, cfg.H * cfg.D_k, bias=cfg.bias, **factory)  # W^Q
+        self.k_proj = torch.nn.Linear(kdim, cfg.H_kv * cfg.D_k, bias=cfg.bias, **factory)  # W^K
+        self.v_proj = torch.nn.Linear(vdim, cfg.H_kv * cfg.D_v, bias=cfg.bias, **factory)  # W^V
+        self.out_proj = torch.nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
+        self.sink_logits = torch.nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
+
+    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj,
+        v_proj, and q_rot, k_rot with RoPE; Q (B, H, T, D_k), K (B, H_kv, S, D_k), V (B, H_kv, S, D_v))."""
+        cfg = self.config
+        B, T, S = query.shape[0], query.shape[1], key.shape[1]
+        stages: dict[str, torch.Tensor] = {}
+        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
+        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
+        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
+        if cfg.rope is not None:
+            q, k = stages["q_rot"], stages["k_rot"] = rope_qk(cfg, q, k)
+        return (stages, q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2), k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2),
+                v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2))
+
+    def merge(self, head_outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """head_outputs (B, H, T, D_v) -> the stages head_outputs, concat (B, T, H·D_v) and output (B, T, d_out)."""
+        B, H, T, E = head_outputs.shape
+        concat = head_outputs.transpose(1, 2).reshape(B, T, H * E)  # (B, T, H·E)
+        return {"head_outputs": head_outputs, "concat": concat, "output": self.out_proj(concat)}

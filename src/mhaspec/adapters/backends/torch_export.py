@@ -166,10 +166,10 @@ def export_model(
     exported with ``torch.onnx.export(dynamo=True)``; inputs ``query, key, value[, mask]``,
     outputs the eight stages by name."""
     args = _example(config, dtype, batch, tgt_len, src_len, mask_shape)
-    kwargs: dict[str, Any] = {"return_stages": True}
+    kwargs: dict[str, Any] = {}
     if mask_shape is not None:
         kwargs["mask"] = args.pop()
-    return _export(_module(config, dtype, weights), tuple(args), kwargs,
+    return _export(_module(config, dtype, weights, cls=_StagesTuple), tuple(args), kwargs,  # the eight, not lse
                    list(_INPUTS[: 3 + (mask_shape is not None)]), list(STAGES), opset, optimize)
 
 
