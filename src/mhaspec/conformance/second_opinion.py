@@ -225,14 +225,18 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     root_d = rnd(np.asarray(math.sqrt(scale), dtype=work))
     heads: dict[bool, tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
 
+    def key_side(separate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        k, v = linear(key, "k", separate), linear(value, "v", separate)
+        K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
+        V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
+        return k, v, K, V
+
     def projected(separate: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         if separate not in heads:
             q = linear(query, "q", separate)
-            k, v = memoised(golden, ("second opinion", dtype, separate),  # every block of a batch entry shares them
-                            lambda: (linear(key, "k", separate), linear(value, "v", separate)))
+            # every block of a batch entry shares the keys' and values' side
+            k, v, K, V = memoised(golden, ("second opinion", dtype, separate), lambda: key_side(separate))
             Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-            K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
-            V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
             heads[separate] = ({STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}, Q, K, V)
         return heads[separate]
 
@@ -266,7 +270,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
-            s = scores(kind, Q, K)
+            same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
+            s = scores(kind, Q, K) if same is None else same[STAGE.scores]  # (the same formula: the same array)
             p = softmax(s, kind == "log-sum-exp")
             o = rnd(p @ V)  # (B, H, T, E)
             c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
@@ -282,12 +287,15 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
 _CHUNK = 1 << 15
 
 
-def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None) -> float:
+def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None,
+                 golden_selected: bool = False) -> float:
     """Σ (values − golden)² (Σ values² without ``golden``) over ``selected`` (None: every element),
-    in float64, a cache-sized step at a time."""
+    in float64, a cache-sized step at a time.  ``golden_selected``: ``golden`` is already
+    ``golden[selected]`` (:func:`_selected`: gathered once for every order)."""
     if selected is not None:
         values = values[selected]
-        golden = None if golden is None else golden[selected]
+        if golden is not None and not golden_selected:
+            golden = golden[selected]
     v = np.asarray(values).reshape(-1)
     g = None if golden is None else np.asarray(golden).reshape(-1)
     if not v.size:
@@ -314,6 +322,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         return {}
     u = UNIT_ROUNDOFF[dtype]
     selections: dict[str, np.ndarray | None] = {}
+    g_sel: dict[str, np.ndarray] = {}
     out: dict[str, SecondOpinion] = {}
     for stage, got in own.items():
         g = golden.stages[stage]
@@ -329,18 +338,20 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
-        floor = u * u * _sum_squares(g, None, sel)
+        g_sel[stage] = g if sel is None else g[sel]  # the golden's compared elements, gathered once
+        floor = u * u * _sum_squares(g_sel[stage], None, None)
         if np.ndim(R) == 0:
             floor += float(R) ** 2 * n
         else:
             floor += _sum_squares(np.broadcast_to(R, g.shape), None, sel)
-        out[stage] = SecondOpinion(n, _sum_squares(got, g, sel), {}, floor, dtype=dtype)
+        out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
+                                   dtype=dtype)
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
     for order, plain in plain_forward(golden, dtype):  # its sum (the array held, so that its id stays its own)
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _sum_squares(plain[stage], golden.stages[stage], selections[stage])
+                ss = _sum_squares(plain[stage], g_sel[stage], selections[stage], golden_selected=True)
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out
