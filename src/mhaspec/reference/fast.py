@@ -40,12 +40,12 @@ bound's own arithmetic (valid while n·u < 2^-21, i.e. n < 2^32).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..blas import one_blas_thread
 from ..spec import MHAConfig, STAGES
 from ..spec.masks import visibility
 
@@ -172,11 +172,7 @@ def _one_blas_thread() -> Any:
     """BLAS on one thread (threadpoolctl) while the fast reference runs: its products are small
     ((FAST_ROWS × D) @ (D × S)), and a multi-threaded BLAS spends more CPU on waking and syncing its
     threads than on the arithmetic (measured at T = S = 1024: 1.45 s of CPU against 0.40 s)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
+    return one_blas_thread()
 
 
 class FastRows:
