@@ -254,14 +254,17 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         peak = logits.max(axis=-1, keepdims=True)
         peak = np.where(np.isfinite(peak), peak, 0).astype(work)
         with np.errstate(divide="ignore"):
-            e = np.exp(logits - peak)
+            e = np.exp(logits - peak) if lse else np.exp(np.subtract(logits, peak, out=logits), out=logits)
             total = e.sum(axis=-1, keepdims=True)
             if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
                 log_total = np.log(np.where(total > 0, total, 1).astype(work))
                 p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
-            else:
-                p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-        return rnd(p.astype(work))
+            else:  # e / total, 0 in a row whose total is not positive (in place: the same numbers)
+                positive = total > 0
+                p = np.divide(e, total, out=e, where=positive)
+                if not positive.all():
+                    np.copyto(p, 0, where=~positive)
+        return rnd(p.astype(work, copy=False))
 
     exact = dtype in ("float64", "float32")  # storing is exact: the bias's and the scores' rounding add nothing
     computed: dict[tuple[bool, str], dict[str, np.ndarray]] = {}
