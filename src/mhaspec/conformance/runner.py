@@ -238,7 +238,8 @@ class Session:
         # that block's to judge (the same arrays and golden in every block); here only inputs
         key_stages = judging.judges_key_stages(golden)
         # tolerances: + the golden's own error; a fixture's, once per process (judging.derived)
-        raw, tolerances = judging.derived(golden, ("judging", dtype, self.precision, key_stages),
+        key = ("judging", dtype, self.precision) + (() if key_stages else ("no key stages",))  # (diagnose.py's too)
+        raw, tolerances = judging.derived(golden, key,
                                           lambda: judging_bounds(golden, dtype, self.precision, key_stages=key_stages))
         self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
         bounds = judging.with_reference_error(golden, raw)  # fast reference: + its error
