@@ -223,3 +223,44 @@ def test_no_wrong_signature_and_the_expected_ones_are_found_over_the_catalog(dty
             assert row["found"] >= 0.8 * row["expected"], (name, row)
     expecting = {n for n in SUBSET if counts[n]["expected"]}
     assert {"missing_scale", "w_o_transposed", "w_q_transposed", "uniform_weights_on_fully_masked_rows"} <= expecting
+
+
+def test_a_case_made_one_block_at_a_time_is_diagnosed_on_its_first_block_without_computing_it_whole(monkeypatch):
+    """A large case computed on the fly (fixtures.RowBlocks: T = S = 4096 would hold 9 GB whole) is
+    diagnosed on its first block of query rows, made alone: the golden is never computed whole, and
+    the hints are those of the same case's golden held whole, diagnosed whole."""
+    import mhaspec
+    from mhaspec.fixtures import RowBlocks
+    from mhaspec.reference import fast, onthefly
+    from mhaspec.spec import Catalog, CaseSpec, MHAConfig
+    from tests.variants import BUGS
+
+    spec = CaseSpec(id="rows", config=MHAConfig(d_model=32, num_heads=4, causal=True), batch=1,
+                    tgt_len=96, src_len=96, inputs="self", seed=3)
+    whole = onthefly.golden_case(spec)
+    monkeypatch.setattr(onthefly, "ROW_BLOCKS_ABOVE", 0)
+    monkeypatch.setattr(onthefly, "ROW_BLOCK_ELEMENTS", 4 * 32 * 96)  # blocks of 32 rows
+    monkeypatch.setattr(onthefly, "FAST_ROWS", 8)
+    monkeypatch.setattr(fast, "FAST_ROWS", 8)
+    lazy = onthefly.OnTheFlyGolden(Catalog([spec]))
+    assert isinstance(lazy.load("rows"), RowBlocks)
+
+    def never(self):
+        raise AssertionError("the golden of a case made one block at a time was computed whole")
+
+    monkeypatch.setattr(fast.FastRows, "whole", never)
+    named = 0
+    for name in ("missing_scale", "scale_by_d_model", "heads_split_in_wrong_order", "w_o_transposed",
+                 "float16_when_float32_asked", "output_bias_dropped", "unnormalised_pv"):
+        adapter, _ = BUGS[name]
+        monkeypatch.setattr(diagnose_module, "MAX_BLOCK_ELEMENTS", 4 * 32 * 96)  # the first block: rows 0:32
+        result = mhaspec.check(adapter, ["float32"], golden=lazy, isolate=False).results[0]
+        assert result.verdict == FAIL, name
+        returned = adapter.run(whole.case("float32"))
+        assert result.hints == diagnose(whole, returned, "float32", result.stages), name  # the held golden's block
+        monkeypatch.setattr(diagnose_module, "MAX_BLOCK_ELEMENTS", 1 << 40)  # the whole case, diagnosed whole
+        if name != "float16_when_float32_asked":  # (named float16-accurate on the first block; the narrower-dtype
+            # signature's conditions do not all hold on this whole case, which gets no hint)
+            assert result.hints == diagnose(whole, returned, "float32", result.stages), name
+        named += bool(result.hints)
+    assert named >= 4

@@ -49,6 +49,13 @@ def _blocks(golden: GoldenCase, max_elements: int) -> list[tuple[int, int, int]]
     return [(b, t0, min(T, t0 + rows)) for b in range(B) for t0 in range(0, T, rows)]
 
 
+def stage_shape(golden: GoldenCase, stage: str) -> tuple[int, ...]:
+    """The shape of ``golden``'s stage, without computing it where the golden is made one block at a
+    time (fixtures.RowBlocks, whose :class:`~mhaspec.fixtures.LazyStages` compute the whole stage when read)."""
+    shape_of = getattr(golden.stages, "shape_of", None)
+    return tuple(golden.stages[stage].shape if shape_of is None else shape_of(stage))
+
+
 def _slice_stage(stage: str, x: Any, b: int, t0: int, t1: int) -> Any:
     if isinstance(x, float):
         return x
@@ -146,8 +153,7 @@ def judge_in_blocks(
             array = np.asarray(value)
         except Exception:
             return judge(golden, returned)  # not an array: judged whole, where it fails with the reason
-        shape_of = getattr(golden.stages, "shape_of", None)  # (fixtures.LazyStages: the shape, not the values)
-        if array.shape != (golden.stages[stage].shape if shape_of is None else shape_of(stage)):
+        if array.shape != stage_shape(golden, stage):
             return judge(golden, returned)  # a wrong shape fails whole, with the shapes in the message
         arrays[stage] = array
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
@@ -158,10 +164,11 @@ def judge_in_blocks(
             if b not in memos:
                 memos = {b: {}}
             sub = {stage: _slice_stage(stage, a, b, t0, t1) for stage, a in arrays.items()}
-            with judging_block(block_case(golden, b, t0, t1), golden, memos[b]) as block:
+            # key/value projections: judged once per batch entry, in its first block
+            with judging_block(block_case(golden, b, t0, t1), golden, memos[b], key_stages=t0 == 0) as block:
                 results = judge(block, sub)
             for res in results:
                 if ROW_AXIS[res.stage] is None and t0 > 0:
-                    continue  # key/value projections: judged once per batch entry
+                    continue  # (not judged in this block: judging.judges_key_stages)
                 per_stage.setdefault(res.stage, []).append(((b, t0, t1), res))
     return [merge(parts) for parts in per_stage.values()]

@@ -98,7 +98,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGE, STAGES, compared_entries, downstream
 from . import judging
-from .blocks import MAX_BLOCK_ELEMENTS, _slice_stage, block_case
+from .blocks import MAX_BLOCK_ELEMENTS, _slice_stage, block_case, stage_shape
 from .compare import (FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage, representable,
                       round_to_bfloat16)
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, heads, judging_bounds, local_references
@@ -562,7 +562,7 @@ def diagnose(golden: GoldenCase, returned: Mapping[str, Any], dtype: str, stages
     arrays: dict[str, np.ndarray] = {}
     for stage in dict.fromkeys(failing + [s for s in exposed if s in returned]):
         got, _ = as_float_array(returned[stage])
-        if got is not None and got.shape == golden.stages[stage].shape:
+        if got is not None and got.shape == stage_shape(golden, stage):  # (a large case's golden: not computed whole)
             arrays[stage] = got
     B, H, T, S = golden.visible.shape
     if B * H * T * S > MAX_BLOCK_ELEMENTS:  # a large case: its first block of query rows

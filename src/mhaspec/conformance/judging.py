@@ -6,9 +6,11 @@ the fast reference's own error bound.  What judging derives from it and keeps li
 * :func:`derived` — the tolerance bounds of a fixture read from a file, kept for the process in
   :data:`DERIVED` (least recently used first out, within :data:`DERIVED_BUDGET`), keyed by the
   file's verified SHA-256, the case's spec and what was derived;
-* :func:`memoised` and :func:`whole_shape` — while a large case is judged one block of query rows
-  at a time (:mod:`mhaspec.conformance.blocks`), what the blocks of one batch entry share and the
-  shape of the whole case; :func:`judging_block` declares a block for the time it is judged;
+* :func:`memoised`, :func:`whole_shape` and :func:`judges_key_stages` — while a large case is
+  judged one block of query rows at a time (:mod:`mhaspec.conformance.blocks`), what the blocks of
+  one batch entry share, the shape of the whole case, and whether this block is the one that judges
+  the entry's key and value projections; :func:`judging_block` declares a block for the time it is
+  judged;
 * :func:`with_reference_error` — bounds widened by the golden's own error bound.
 
 A forked process (a worker) starts with none of it: everything kept here is dropped in the child
@@ -110,12 +112,14 @@ def derived(golden: GoldenCase, key: Hashable, compute: Callable[[], Any]) -> An
 class _Block:
     """What judging keeps about one block of query rows while it is judged."""
 
-    __slots__ = ("golden", "memo", "whole_shape")
+    __slots__ = ("golden", "memo", "whole_shape", "key_stages")
 
-    def __init__(self, golden: GoldenCase, memo: dict[Any, Any] | None, whole_shape: tuple[int, int, int, int]):
+    def __init__(self, golden: GoldenCase, memo: dict[Any, Any] | None, whole_shape: tuple[int, int, int, int],
+                 key_stages: bool = True):
         self.golden = golden  # held, so that its id() names no other object while it is declared
         self.memo = memo
         self.whole_shape = whole_shape
+        self.key_stages = key_stages
 
 
 #: The blocks being judged now, by id() of their GoldenCase (:func:`judging_block`).
@@ -123,14 +127,17 @@ _BLOCKS: dict[int, _Block] = {}
 
 
 @contextmanager
-def judging_block(block: GoldenCase, whole: GoldenCase, memo: dict[Any, Any] | None) -> Iterator[GoldenCase]:
+def judging_block(block: GoldenCase, whole: GoldenCase, memo: dict[Any, Any] | None,
+                  key_stages: bool = True) -> Iterator[GoldenCase]:
     """While the ``with`` lasts, ``block`` (rows of ``whole``) is judged as one block of ``whole``:
     :func:`whole_shape` gives the whole case's shape and :func:`memoised` keeps its values in
-    ``memo`` (what the blocks of one batch entry share; None: nothing is kept)."""
+    ``memo`` (what the blocks of one batch entry share; None: nothing is kept).  ``key_stages``:
+    whether this block judges the batch entry's key and value projections (the stages without
+    query rows, the same in every block: judged in one block of the entry, :func:`judges_key_stages`)."""
     key = id(block)
     if key in _BLOCKS:
         raise RuntimeError(f"case {block.id}: this block is already being judged")
-    _BLOCKS[key] = _Block(block, memo, whole_shape(whole))
+    _BLOCKS[key] = _Block(block, memo, whole_shape(whole), key_stages)
     try:
         yield block
     finally:
@@ -153,6 +160,15 @@ def memoised(golden: GoldenCase, key: Any, compute: Callable[[], Any]) -> Any:
     if key not in entry.memo:
         entry.memo[key] = compute()
     return entry.memo[key]
+
+
+def judges_key_stages(golden: GoldenCase) -> bool:
+    """Whether judging ``golden`` judges its key and value projections (``k_proj``, ``v_proj``): True
+    but for a block of query rows declared with ``key_stages=False`` (:func:`judging_block`), whose
+    batch entry's projections another block judges — the same arrays against the same golden, so
+    that block's verdict is theirs (:mod:`mhaspec.conformance.blocks` keeps only it)."""
+    entry = _block(golden)
+    return entry is None or entry.key_stages
 
 
 def whole_shape(golden: GoldenCase) -> tuple[int, int, int, int]:

@@ -21,7 +21,7 @@ from ..spec.stages import forward_stages, local_inputs
 from ..spec.variants import undeclared, variants_used
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
-from .blocks import judge_in_blocks
+from .blocks import ROW_AXIS, judge_in_blocks
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
@@ -251,15 +251,22 @@ class Session:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
         its inputs are exposed too, locally against the float64 recomputation from the
         adapter's own previous stage(s).  The first failing stage of either kind is the bug."""
+        # a block of query rows other than its batch entry's first: the key and value projections are
+        # that block's to judge (the same arrays and golden in every block); here only inputs
+        key_stages = judging.judges_key_stages(golden)
         # tolerances: + the golden's own error; a fixture's, once per process (judging.derived)
-        raw, tolerances = judging.derived(golden, ("judging", dtype, self.precision),
-                                          lambda: judging_bounds(golden, dtype, self.precision))
+        key = ("judging", dtype, self.precision) + (() if key_stages else ("no key stages",))  # (diagnose.py's too)
+        raw, tolerances = judging.derived(golden, key,
+                                          lambda: judging_bounds(golden, dtype, self.precision, key_stages=key_stages))
         self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
         bounds = judging.with_reference_error(golden, raw)  # fast reference: + its error
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
         for stage, value in returned.items():
-            arr, _ = as_float_array(value)
+            if ROW_AXIS.get(stage, 0) is None:  # the whole batch entry's, the same in each of its blocks: converted once
+                arr, _ = judging.memoised(golden, ("own", stage), lambda value=value: as_float_array(value))
+            else:
+                arr, _ = as_float_array(value)
             if arr is not None and stage in golden.stages and arr.shape == golden.stages[stage].shape:
                 own[stage] = arr
         local = local_references(golden, own, dtype, self.precision)
@@ -297,6 +304,8 @@ class Session:
         stages: list[StageResult] = []
         # the forward stages of this case its golden holds (lse: not judged where the golden lacks it)
         for stage in (n for n in forward_stages(golden.spec.config) if n in golden.stages):
+            if ROW_AXIS[stage] is None and not key_stages:
+                continue  # judged in the batch entry's first block
             if stage not in returned:
                 if REGISTRY[stage].variant is None:  # a variant stage not returned is not listed (lse is optional)
                     stages.append(StageResult(stage, NOT_EXPOSED))
@@ -325,7 +334,8 @@ class Session:
                                    own.get(stage, returned[stage]))
             stages.append(res)
         if self.precision == "standard":  # the same-precision second opinion (folded by _judge)
-            opinions = second_opinion.judge(golden, dtype, own, self.deviations)
+            judged = own if key_stages else {k: v for k, v in own.items() if ROW_AXIS[k] is not None}
+            opinions = second_opinion.judge(golden, dtype, judged, self.deviations)
             for res in stages:
                 res.second_opinion = opinions.get(res.stage)
         return stages

@@ -247,19 +247,28 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         out[..., second] = rnd(rnd(b * cos) + rnd(a * sin))
         return out.reshape(x.shape)
 
+    def key_side(separate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """(k_proj, v_proj, k_rot or None, K (B, H, S, D), V (B, H, S, E)): the same in every block of rows of a
+        batch entry (a key's RoPE position is its own, whatever the rows)."""
+        k, v = linear(key, "k", separate), linear(value, "v", separate)
+        k_rot = None
+        if cfg.rope is not None:
+            k_rot = turned(k, G, variant_ops.rope_positions(cfg, T, S, golden.row_offset)[1])
+        k_att = k if k_rot is None else k_rot
+        K = np.repeat(k_att.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
+        V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
+        return k, v, k_rot, K, V
+
     def projected(separate: bool) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         if separate not in heads:
             q = linear(query, "q", separate)
-            k, v = memoised(golden, ("second opinion", dtype, separate),  # every block of a batch entry shares them
-                            lambda: (linear(key, "k", separate), linear(value, "v", separate)))
+            # every block of a batch entry shares the keys' and values' side
+            k, v, k_rot, K, V = memoised(golden, ("second opinion", dtype, separate), lambda: key_side(separate))
             stages = {STAGE.q_proj: q, STAGE.k_proj: k, STAGE.v_proj: v}
-            if cfg.rope is not None:
-                q_pos, k_pos = variant_ops.rope_positions(cfg, T, S, golden.row_offset)
-                q = stages[STAGE.q_rot] = turned(q, H, q_pos)
-                k = stages[STAGE.k_rot] = turned(k, G, k_pos)
+            if k_rot is not None:
+                q = stages[STAGE.q_rot] = turned(q, H, variant_ops.rope_positions(cfg, T, S, golden.row_offset)[0])
+                stages[STAGE.k_rot] = k_rot
             Q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-            K = np.repeat(k.reshape(B, S, G, D).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
-            V = np.repeat(v.reshape(B, S, G, E).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
             heads[separate] = (stages, Q, K, V)
         return heads[separate]
 
@@ -301,16 +310,19 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             peak = np.maximum(peak, sink)
         peak = np.where(seen, peak, 0).astype(work)
         with np.errstate(divide="ignore"):
-            e = np.exp(logits - peak)
+            e = np.exp(logits - peak) if lse else np.exp(np.subtract(logits, peak, out=logits), out=logits)
             total = e.sum(axis=-1, keepdims=True)
             if sink is not None:
                 total = np.where(seen, total + np.exp(sink - peak), 0).astype(work)
             log_total = np.log(np.where(total > 0, total, 1).astype(work))
             if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
                 p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
-            else:
-                p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-        return rnd(p.astype(work)), rnd(np.where(seen, peak + log_total, -np.inf)[..., 0].astype(work))
+            else:  # e / total, 0 in a row whose total is not positive (in place: the same numbers)
+                positive = total > 0
+                p = np.divide(e, total, out=e, where=positive)
+                if not positive.all():
+                    np.copyto(p, 0, where=~positive)
+        return rnd(p.astype(work, copy=False)), rnd(np.where(seen, peak + log_total, -np.inf)[..., 0].astype(work))
 
     exact = dtype in ("float64", "float32")  # storing is exact: the bias's and the scores' rounding add nothing
     computed: dict[tuple[bool, str], dict[str, np.ndarray]] = {}
@@ -319,7 +331,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
-            s = modified(scores(kind, Q, K))
+            same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
+            s = modified(scores(kind, Q, K)) if same is None else same[STAGE.scores]  # (the same formula: the same array)
             p, lse = softmax(s, kind == "log-sum-exp")
             o = rnd(p @ V)  # (B, H, T, E)
             c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
@@ -337,12 +350,15 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
 _CHUNK = 1 << 15
 
 
-def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None) -> float:
+def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None,
+                 golden_selected: bool = False) -> float:
     """Σ (values − golden)² (Σ values² without ``golden``) over ``selected`` (None: every element),
-    in float64, a cache-sized step at a time."""
+    in float64, a cache-sized step at a time.  ``golden_selected``: ``golden`` is already
+    ``golden[selected]`` (:func:`_selected`: gathered once for every order)."""
     if selected is not None:
         values = values[selected]
-        golden = None if golden is None else golden[selected]
+        if golden is not None and not golden_selected:
+            golden = golden[selected]
     v = np.asarray(values).reshape(-1)
     g = None if golden is None else np.asarray(golden).reshape(-1)
     if not v.size:
@@ -369,6 +385,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         return {}
     u = UNIT_ROUNDOFF[dtype]
     selections: dict[str, np.ndarray | None] = {}
+    g_sel: dict[str, np.ndarray] = {}
     out: dict[str, SecondOpinion] = {}
     for stage, got in own.items():
         g = golden.stages[stage]
@@ -384,18 +401,20 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
-        floor = u * u * _sum_squares(g, None, sel)
+        g_sel[stage] = g if sel is None else g[sel]  # the golden's compared elements, gathered once
+        floor = u * u * _sum_squares(g_sel[stage], None, None)
         if np.ndim(R) == 0:
             floor += float(R) ** 2 * n
         else:
             floor += _sum_squares(np.broadcast_to(R, g.shape), None, sel)
-        out[stage] = SecondOpinion(n, _sum_squares(got, g, sel), {}, floor, dtype=dtype)
+        out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
+                                   dtype=dtype)
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
     for order, plain in plain_forward(golden, dtype):  # its sum (the array held, so that its id stays its own)
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _sum_squares(plain[stage], golden.stages[stage], selections[stage])
+                ss = _sum_squares(plain[stage], g_sel[stage], selections[stage], golden_selected=True)
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out

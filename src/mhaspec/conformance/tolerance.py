@@ -58,16 +58,24 @@ def golden_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
 
 
 def judging_bounds(golden: GoldenCase, dtype: str, precision: str = "standard",
-                   table: ToleranceTable = DEFAULT_TOLERANCES) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
+                   table: ToleranceTable = DEFAULT_TOLERANCES, *,
+                   key_stages: bool = True) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
     """(:func:`golden_bounds`, the tolerance of every stage of the golden with its own error).
 
     The tolerances are those of ``judging.with_reference_error(golden, bounds)`` (``LAMBDA·sigma +
     (worst + reference error)``, the same numbers); those of the (B, H, T, S) stages are
-    formed chunk by chunk with their bounds, while they are in the processor's cache."""
+    formed chunk by chunk with their bounds, while they are in the processor's cache.
+    ``key_stages=False``: without the key and value projections' (a block of query rows whose batch
+    entry's projections another block judges: :func:`.judging.judges_key_stages`)."""
     if _worst_case(precision):
         bounds = _worst_case_bounds(golden, dtype, table)
-        return bounds, _tolerances(judging.with_reference_error(golden, bounds))
-    return _standard(golden, dtype, table, keep_bounds=True, tolerances="with reference error")
+        out = bounds, _tolerances(judging.with_reference_error(golden, bounds))
+    else:
+        out = _standard(golden, dtype, table, keep_bounds=True, tolerances="with reference error",
+                        key_stages=key_stages)
+    if key_stages:
+        return out
+    return tuple({k: v for k, v in d.items() if k not in KEY_STAGES} for d in out)  # type: ignore[return-value]
 
 
 def stage_tolerances(golden: GoldenCase, dtype: str, table: ToleranceTable = DEFAULT_TOLERANCES,
@@ -116,14 +124,19 @@ def _tolerances(bounds: Mapping[str, Bound]) -> dict[str, np.ndarray]:
     return {name: b.tolerance(LAMBDA) for name, b in bounds.items()}
 
 
+#: The stages without query rows: the key and value projections.
+KEY_STAGES = (STAGE.k_proj, STAGE.v_proj)
+
+
 def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bounds: bool,
-              tolerances: Literal["plain", "with reference error"] | None,
+              tolerances: Literal["plain", "with reference error"] | None, key_stages: bool = True,
               ) -> tuple[dict[str, Bound], dict[str, np.ndarray]]:
     """(bounds, tolerances) of the golden stages under the standard contract (the model's rules,
     :mod:`.model.forward`, steps 1–5).  ``keep_bounds``: the bounds of every stage (else {}: those
     of the (B, H, T, S) stages go to work arrays only); ``tolerances``: None (not formed, {}),
     ``"plain"`` (``LAMBDA·sigma + worst``) or ``"with reference error"`` (the golden's own error
-    in ``worst``, :func:`.judging.with_reference_error`)."""
+    in ``worst``, :func:`.judging.with_reference_error`); ``key_stages=False``: neither the bounds nor
+    the tolerances of :data:`KEY_STAGES` (the same numbers for the other stages)."""
     r = rounding(dtype, "standard", table)
     if variant_rules.variant_case(golden):  # the model's general rule: no engine computes the variants
         return _variants_standard(golden, r, keep_bounds=keep_bounds, tolerances=tolerances)
@@ -192,7 +205,8 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         assert sig_s is not None and wor_s is not None
         errors[STAGE.lse] = variant_rules.spec11_lse(
             golden, Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S)), r)
-    out = {name: e.bound(r.floor) for name, e in errors.items()}
+    # key_stages=False: a block whose batch entry's key and value projections another block judges
+    out = {name: e.bound(r.floor) for name, e in errors.items() if key_stages or name not in KEY_STAGES}
     tols: dict[str, np.ndarray] = {}
     if tolerances:
         tols = _tolerances(judging.with_reference_error(golden, out) if error is not None else out)

@@ -46,13 +46,13 @@ log and power are assumed within :data:`ELEMENTARY_ULPS` ulps (tests/test_fast_r
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..blas import one_blas_thread
 from ..spec import MHAConfig, variant_ops
 from ..spec.masks import visibility
 from ..spec.stages import forward_stages
@@ -341,11 +341,7 @@ def _one_blas_thread() -> Any:
     """BLAS on one thread (threadpoolctl) while the fast reference runs: its products are small
     ((FAST_ROWS × D) @ (D × S)), and a multi-threaded BLAS spends more CPU on waking and syncing its
     threads than on the arithmetic (measured at T = S = 1024: 1.45 s of CPU against 0.40 s)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
+    return one_blas_thread()
 
 
 class FastRows:
@@ -408,6 +404,7 @@ class FastRows:
         self.w_o, self.b_o = weights["w_o"], weights.get("b_o")
         self.local = sum_bound(self.w_o.shape[0] + 2)
         self.abs_w_o = np.abs(self.w_o)
+        self._v_abs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (_abs_values)
 
     def _outputs(self, b: int, t0: int, t1: int) -> dict[str, np.ndarray | None]:
         """Fresh arrays for the stages of rows [t0, t1) of batch entry b (batch axis of 1)."""
@@ -448,6 +445,18 @@ class FastRows:
                 ey += self.local * np.abs(self.b_o)
             ey *= SAFETY
             e_y[0, i0:i1] = ey
+
+    def _abs_values(self, b: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(|V| + its error, its column sums) of batch entry b's key/value head g: made once for every
+        block of rows and head that reads them (those of the last batch entry asked are kept)."""
+        kept = self._v_abs
+        if (b, g) not in kept:
+            if any(key[0] != b for key in kept):
+                kept.clear()
+            Vg, EV = self.V[b, g], self.EV
+            v_abs = np.abs(Vg) if isinstance(EV, float) else np.abs(Vg) + EV[b, g]
+            kept[b, g] = (v_abs, v_abs.sum(axis=0))
+        return kept[b, g]
 
     #: The per-head outputs of :meth:`_attend`: scores, weights, head outputs, lse and their bounds.
     PER_HEAD = ("s", "p", "e_s", "e_p", "o", "e_o", "l", "e_l")
@@ -528,10 +537,10 @@ class FastRows:
         o, e_o_dst = dst["o"], dst["e_o"]
         assert o is not None and e_o_dst is not None
         np.matmul(p, Vg, out=o)
-        v_abs = np.abs(Vg) if isinstance(EV, float) else np.abs(Vg) + EV[b, g]
+        v_abs, v_abs_sum = self._abs_values(b, g)
         if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V|
             e_o = (c_rel + out_round * (1.0 + c_rel)) * (p @ v_abs)
-            e_o += (1.0 + out_round) * SUBNORMAL * v_abs.sum(axis=0)
+            e_o += (1.0 + out_round) * SUBNORMAL * v_abs_sum
         else:
             e_o = (e_p + out_round * (p + e_p)) @ v_abs
         if not isinstance(EV, float):

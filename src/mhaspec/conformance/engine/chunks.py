@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import blas
 from ..compare import Scratch
 
 #: Elements of the (B, H, T, S) stages handled at once by the NumPy chunk loops: their
@@ -36,11 +37,7 @@ def one_blas_thread() -> Any:
     Their products are small ((rows × D) @ (D × S)); a multi-threaded BLAS spends more on
     waking and syncing its threads than on the arithmetic, and on a busy machine (tox -p, a
     loaded CI runner) its spinning threads made the loop ten times slower (docs/tolerances.md)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - a dependency; only speed is lost without it
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
+    return blas.one_blas_thread()
 
 
 def threads() -> int:
