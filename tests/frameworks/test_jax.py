@@ -317,6 +317,13 @@ def test_one_compilation_per_case(name: str, dtype: str) -> None:
     its shapes (inputs, masks and reshapes stay out of XLA)."""
     adapter = load_adapter(name)
     adapter.run(masked_case(dtype, T=2, S=3, causal="bottom_right"))  # first-call compilations (once per process)
+    out, compiles = run_counting_compilations(adapter, masked_case(dtype, T=7, S=11, causal="bottom_right"))  # new shapes
+    assert out["output"].shape == (2, 7, 6)
+    assert compiles == 1
+
+
+def run_counting_compilations(adapter, case: Case) -> tuple[dict, int]:
+    """(``adapter.run(case)``, the number of XLA compilations it caused)."""
     compiles = []
 
     def listen(event: str, duration: float, **kwargs) -> None:
@@ -325,11 +332,10 @@ def test_one_compilation_per_case(name: str, dtype: str) -> None:
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        out = adapter.run(masked_case(dtype, T=7, S=11, causal="bottom_right"))  # shapes no other test uses
+        out = adapter.run(case)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert out["output"].shape == (2, 7, 6)
-    assert len(compiles) == 1
+    return out, len(compiles)
 
 
 # -- the attention variants (docs/spec.md §2a) ------------------------------------------------------------
@@ -453,19 +459,9 @@ def test_one_compilation_per_variant_case(name: str) -> None:
     adapter = load_adapter(name)
     config = dict(causal=True, window_left=2, alibi_slopes="standard", rope=RopeSpec(rotary_dim=4), bias=BiasSpec())
     adapter.run(variant_spec("first", tgt_len=2, src_len=3, **config).case("float16"))
-    compiles = []
-
-    def listen(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        out = adapter.run(variant_spec("second", tgt_len=9, src_len=13, **config).case("float16"))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    out, compiles = run_counting_compilations(adapter, variant_spec("second", tgt_len=9, src_len=13, **config).case("float16"))
     assert out["output"].shape == (2, 9, 14)
-    assert len(compiles) == 1
+    assert compiles == 1
 
 
 def test_jax_dpa_lse_of_a_row_without_keys_is_finite_as_declared() -> None:
