@@ -21,6 +21,7 @@ from mhaspec.errors import AdapterError
 from mhaspec.io import safetensors
 from mhaspec.protocol import wire
 from mhaspec.spec import BACKWARD_STAGES, DTYPES, REGISTRY, STAGES, Case, MHAConfig
+from mhaspec.spec.stages import VARIANT_STAGES
 
 SCHEMA = json.loads((resources.files("mhaspec.protocol") / "schema" / "messages.schema.json").read_text())
 DEFS = SCHEMA["$defs"]
@@ -262,7 +263,9 @@ def test_the_schema_names_what_the_spec_has():
     scalars = set(Case.model_fields) - {"config", "inputs", "weights", "d_output"}
     assert set(DEFS["scalars"]["properties"]) == scalars
     assert DEFS["dtype"]["enum"] == list(DTYPES)
-    assert DEFS["stage"]["enum"] == list(STAGES + BACKWARD_STAGES)
+    from mhaspec.protocol.contract import DECLARABLE_STAGES
+
+    assert DEFS["stage"]["enum"] == list(DECLARABLE_STAGES) == list(STAGES + VARIANT_STAGES + BACKWARD_STAGES)
     assert set(DEFS["safetensors_header"]["additionalProperties"]["properties"]["dtype"]["enum"]) == set(
         safetensors.CODES.values())
     assert set(DEFS["step_op"]["enum"]) | {"load", "close"} == set(wire.OPS)

@@ -28,10 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import AdapterError
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
 from ..spec.stages import VARIANT_STAGES
+from ..spec.variants import VARIANTS
 
 #: The stages a deviation may name: every stage, the variants' too (``q_rot``, ``k_rot``, ``lse``).
 DECLARABLE_STAGES: tuple[str, ...] = STAGES + VARIANT_STAGES + BACKWARD_STAGES
-from ..spec.variants import VARIANTS
 
 
 @runtime_checkable
