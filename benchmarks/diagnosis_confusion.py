@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import mhaspec  # noqa: E402
-import numpy as np  # noqa: E402
 from mhaspec.conformance import FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
 from tests.variants import (BUGS, CORRECT, DIAGNOSED_BUGS, LOOKALIKES, NATIVE, OUTPUT_ONLY_BUGS,  # noqa: E402

@@ -14,7 +14,6 @@ reference and the catalog judge the variants (wt-golden); a variant case is refu
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any

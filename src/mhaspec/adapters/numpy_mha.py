@@ -27,7 +27,7 @@ import numpy as np
 
 from ..spec import Case, MHAConfig
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
-from ..spec.variants import CONFIG_VARIANT_DEFAULTS, VARIANTS, alibi_slope_values
+from ..spec.variants import VARIANTS, alibi_slope_values, used_fields
 from .backends import numpy as backend
 
 
@@ -59,12 +59,6 @@ def rope(x: np.ndarray, heads: int, cos_sin: tuple[np.ndarray, np.ndarray], conf
     out[..., first] = a * cos - b * sin
     out[..., second] = b * cos + a * sin
     return out.reshape(B, L, F)
-
-
-def variant_fields(case: Case) -> list[str]:
-    """The variant fields a case uses (docs/spec.md §2a): ``config.softcap``, …, ``bias``."""
-    used = [f"config.{name}" for name, off in CONFIG_VARIANT_DEFAULTS.items() if getattr(case.config, name) != off]
-    return used + (["bias"] if case.inputs.bias is not None else [])
 
 
 def softcap(s: np.ndarray, cap: float) -> np.ndarray:
@@ -184,7 +178,7 @@ class NumpyMHA:
         gradient, the sum (self-attention: ``d_query``; shared key/value: ``d_key``).
         """
         assert case.d_output is not None, "case.d_output is missing"
-        used = variant_fields(case)
+        used = used_fields(case.config, case.inputs.bias is not None)
         if used:
             raise NotImplementedError(f"case {case.id}: the numpy adapter's backward is written for spec-1.1 "
                                       f"cases, not for the attention variants ({', '.join(used)})")

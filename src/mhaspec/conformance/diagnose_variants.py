@@ -44,7 +44,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import STAGE, variant_ops
 from ..spec.masks import visibility
-from ..spec.variants import alibi_slope_values
+from ..spec.variants import alibi_slope_values, features
 from .blocks import MAX_BLOCK_ELEMENTS
 from .compare import FAIL, StageResult, as_float_array
 from .model.softmax import softmax_visible
@@ -272,7 +272,7 @@ def alternative_tolerance(alt: np.ndarray, golden: np.ndarray, tol: np.ndarray, 
 
 
 def uses_variants(golden: GoldenCase) -> bool:
-    return golden.spec.config.has_variants or golden.inputs.get("bias") is not None
+    return bool(features(golden.spec))
 
 
 def variant_hints(golden: GoldenCase, returned: Mapping[str, Any], dtype: str,

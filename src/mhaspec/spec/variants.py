@@ -137,10 +137,14 @@ def drop_off_variants(dumped: Any, defaults: dict[str, Any]) -> Any:
 
 def features(spec: CaseSpec) -> list[str]:
     """The variant fields a case uses, by the name a user writes: ``config.window_left``, …, ``bias``."""
-    cfg = spec.config
-    used = [f"config.{name}" for name, off in CONFIG_VARIANT_DEFAULTS.items() if getattr(cfg, name) != off]
-    used += [name for name, off in CASE_VARIANT_DEFAULTS.items() if getattr(spec, name) != off]
-    return used
+    return used_fields(spec.config, spec.bias is not None)
+
+
+def used_fields(config: MHAConfig, has_bias: bool) -> list[str]:
+    """:func:`features` of a case with ``config`` and, if ``has_bias``, the additive ``bias`` input: what an
+    adapter's ``Case`` (``case.inputs.bias``) or a golden case (``golden.inputs``) tells without the spec."""
+    used = [f"config.{name}" for name, off in CONFIG_VARIANT_DEFAULTS.items() if getattr(config, name) != off]
+    return used + (["bias"] if has_bias else [])
 
 
 #: The name of each variant, as an adapter declares it (``variants``, docs/spec.md §5), with the fields
