@@ -222,7 +222,7 @@ def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({f"stage.{k}": v for k, v in cfg.variant_stage_shapes(B, T, S).items()})
         return shapes
     shapes["grad.d_output"] = (B, T, cfg.d_out)
-    shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs).items()})
+    shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs, shapes.get("input.bias")).items()})
     return shapes
 
 

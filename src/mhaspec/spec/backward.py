@@ -9,8 +9,12 @@ user (inputs, then weights, then biases)::
     d_head_outputs  (B, H, T, E)      d_concat split into heads
     d_attn_weights  (B, H, T, S)      d_head_outputs @ V_g(h)ᵀ          (masked entries: not compared)
     d_scores        (B, H, T, S)      P ⊙ (d_attn_weights − Σ_S P ⊙ d_attn_weights)   (masked: exactly 0)
-    d_q_proj        (B, T, H·D)       scale · d_scores @ K_g(h), heads merged
-    d_k_proj        (B, S, G·D)       scale · Σ_{h in group g} d_scoresᵀ @ Q_h
+    d_sink_logits   (H,)              −Σ_{B,T} p_sink ⊙ Σ_S P ⊙ d_attn_weights        (with sinks)
+    d_bias          (B|1, H|1, T, S)  d_scores summed over the axes the bias broadcasts  (with a bias input)
+    d_q_rot         (B, T, H·D)       scale · (d_scores ⊙ softcap′) @ K_rot, heads merged   (with RoPE)
+    d_k_rot         (B, S, G·D)       scale · Σ_group (d_scores ⊙ softcap′)ᵀ @ Q_rot     (with RoPE)
+    d_q_proj        (B, T, H·D)       scale · d_scores @ K_g(h), heads merged  (RoPE: d_q_rot turned back)
+    d_k_proj        (B, S, G·D)       scale · Σ_{h in group g} d_scoresᵀ @ Q_h  (RoPE: d_k_rot turned back)
     d_v_proj        (B, S, G·E)       Σ_{h in group g} attn_weightsᵀ @ d_head_outputs
     d_query         (B, T, d_model)   d_q_proj @ w_qᵀ   (self-attention: + d_k_proj @ w_kᵀ + d_v_proj @ w_vᵀ)
     d_key           (B, S, kdim)      d_k_proj @ w_kᵀ   (absent in self-attention cases)
@@ -31,7 +35,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .data import dyadic_tensor
-from .stages import BACKWARD_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, gradient_of
+from .stages import BACKWARD_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, gradient_of, has_stage
 
 #: For each kind of case inputs (``CaseSpec.inputs``): the tensors a case passes, each as the
 #: inputs it is passed as (docs/spec.md: one tensor passed as several inputs).
@@ -62,17 +66,25 @@ def make_d_output(seed: int, batch: int, tgt_len: int, config: MHAConfig) -> np.
 
 
 def backward_stage_shapes(
-    config: MHAConfig, batch: int, tgt_len: int, src_len: int, inputs: str = "distinct"
+    config: MHAConfig, batch: int, tgt_len: int, src_len: int, inputs: str = "distinct",
+    bias_shape: tuple[int, ...] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Canonical shape of every backward stage a case has, in :data:`BACKWARD_STAGES` order.
 
-    ``inputs`` is the case's kind of inputs (``"distinct"``, ``"shared_kv"``, ``"self"``).
+    ``inputs`` is the case's kind of inputs (``"distinct"``, ``"shared_kv"``, ``"self"``);
+    ``bias_shape`` the shape of its additive ``bias`` input (B|1, H|1, T, S), None without one.
     Without bias there are no ``d_b_*``; a tensor passed as several inputs has one
     gradient (:data:`INPUT_GRADIENTS`): self-attention has no ``d_key``/``d_value``,
-    shared key/value no ``d_value``.
+    shared key/value no ``d_value``.  The variants' gradients are there with their variant
+    (:func:`~mhaspec.spec.stages.has_stage`): ``d_q_rot``/``d_k_rot`` with RoPE,
+    ``d_sink_logits`` with sinks, ``d_bias`` (the ``bias`` input's shape) with a ``bias`` input.
     """
     inputs_have = INPUT_GRADIENTS[inputs]
     present = [name for name in BACKWARD_STAGES
                if (REGISTRY[name].only_with is None or config.bias)
-               and (REGISTRY[name].gradient_of is None or name in inputs_have)]
-    return {name: REGISTRY[name].shape(config, batch, tgt_len, src_len) for name in present}
+               and (REGISTRY[name].gradient_of is None or name in inputs_have)
+               and has_stage(name, config, bias_shape is not None)]
+    input_shapes = {"bias": bias_shape}
+    return {name: (input_shapes[REGISTRY[name].like_input]  # type: ignore[misc]
+                   if REGISTRY[name].like_input else REGISTRY[name].shape(config, batch, tgt_len, src_len))
+            for name in present}

@@ -18,10 +18,14 @@ Each is declared here, and only here, with the facts the rest of the code needs:
   the three projections, computed before attention);
 * ``only_with`` — a weight the stage exists only with (``b_q`` … : absent without bias);
 * ``variant`` — for a stage of the variants (docs/spec.md §2a), which one: ``"rope"`` (``q_rot``,
-  ``k_rot``: the stage exists only in a case with ``config.rope``) or ``"lse"`` (the log-sum-exp:
-  defined for every case, optional for an adapter); None for the spec-1.1 stages.  A variant stage is
-  declared here like any other, but it is not in :data:`STAGES` (the pipeline every spec-1.1 fixture
-  holds) nor in :func:`downstream` unless asked for (:func:`variant_stages`);
+  ``k_rot`` and their gradients: the stage exists only in a case with ``config.rope``), ``"sinks"``
+  (``d_sink_logits``: only with ``config.sinks``), ``"bias"`` (``d_bias``: only in a case with an
+  additive ``bias`` input) or ``"lse"`` (the log-sum-exp: defined for every case, optional for an
+  adapter); None for the spec-1.1 stages.  A variant stage is declared here like any other, but it is
+  not in :data:`STAGES` (the pipeline every spec-1.1 fixture holds) nor in :func:`downstream` unless
+  asked for (:func:`variant_stages`, :func:`has_stage`);
+* ``like_input`` — a stage whose shape is that of a case input, not one of the axis legend
+  (``d_bias`` has the ``bias`` input's (B|1, H|1, T, S)); ``axes`` then name the input's full shape;
 * ``gradient_of`` — for an input gradient, the case input (``query``, ``key``, ``value``) it
   is the gradient of; whether a case has it depends on its kind of inputs
   (:data:`~mhaspec.spec.backward.INPUT_GRADIENTS`).
@@ -59,6 +63,7 @@ class Stage:
     only_with: str | None = None
     gradient_of: str | None = None
     variant: str | None = None
+    like_input: str | None = None
 
     @property
     def rows(self) -> int | None:
@@ -120,6 +125,10 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in [
     Stage("d_head_outputs", "backward", ("B", "H", "T", "D_v")),
     Stage("d_attn_weights", "backward", ("B", "H", "T", "S"), masked="excluded"),
     Stage("d_scores", "backward", ("B", "H", "T", "S"), masked="zero"),
+    Stage("d_sink_logits", "backward", ("H",), variant="sinks"),
+    Stage("d_bias", "backward", ("B", "H", "T", "S"), variant="bias", like_input="bias"),
+    Stage("d_q_rot", "backward", ("B", "T", "H·D_k"), variant="rope"),
+    Stage("d_k_rot", "backward", ("B", "S", "H_kv·D_k"), variant="rope"),
     Stage("d_q_proj", "backward", ("B", "T", "H·D_k")),
     Stage("d_k_proj", "backward", ("B", "S", "H_kv·D_k")),
     Stage("d_v_proj", "backward", ("B", "S", "H_kv·D_v")),
@@ -132,15 +141,37 @@ REGISTRY: dict[str, Stage] = {s.name: s for s in [
 #: The forward stages in pipeline order (docs/spec.md §2): those of spec 1.1, which every case has.
 STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.direction == "forward" and s.variant is None)
 
-#: The stages of the variants (docs/spec.md §2a), in pipeline order.
-VARIANT_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.variant is not None)
+#: The forward stages of the variants (docs/spec.md §2a), in pipeline order.
+VARIANT_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items()
+                                        if s.variant is not None and s.direction == "forward")
+
+#: The backward stages of the variants (their gradients: docs/backward.md), in pipeline order.
+BACKWARD_VARIANT_STAGES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items()
+                                                 if s.variant is not None and s.direction == "backward")
+
+
+def has_stage(name: str, config: MHAConfig, has_bias: bool = False) -> bool:
+    """Whether a case of ``config`` (with an additive ``bias`` input if ``has_bias``) has stage ``name``
+    by its variant: a spec-1.1 stage always (its ``only_with``/``gradient_of`` aside), ``lse`` always,
+    a ``"rope"`` stage with ``config.rope``, ``d_sink_logits`` with ``config.sinks``, ``d_bias`` with
+    the ``bias`` input."""
+    variant = stage(name).variant
+    if variant is None or variant == "lse":
+        return True
+    if variant == "rope":
+        return config.rope is not None
+    if variant == "sinks":
+        return bool(config.sinks)
+    if variant == "bias":
+        return has_bias
+    raise AssertionError(f"stage {name}: unknown variant {variant!r}")  # pragma: no cover
 
 
 def variant_stages(config: MHAConfig) -> tuple[str, ...]:
-    """The variant stages a case of ``config`` has, in pipeline order: ``q_rot`` and ``k_rot`` with
-    ``config.rope``; ``lse`` always (the exact reference computes it for every case; an adapter may
+    """The forward variant stages a case of ``config`` has, in pipeline order: ``q_rot`` and ``k_rot``
+    with ``config.rope``; ``lse`` always (the exact reference computes it for every case; an adapter may
     return it or not)."""
-    return tuple(n for n in VARIANT_STAGES if REGISTRY[n].variant != "rope" or config.rope is not None)
+    return tuple(n for n in VARIANT_STAGES if has_stage(n, config))
 
 
 def forward_stages(config: MHAConfig) -> tuple[str, ...]:
