@@ -23,6 +23,11 @@ the combined boolean mask instead.  The variants, as SDPA takes them:
 * softcap: not expressible (SDPA has no hook between the scaled scores and the
   mask's addition): not declared, so those cases are ``unsupported``.
 
+Backward (``torch.autograd`` through SDPA's own): every gradient but ``d_scores`` and ``d_attn_weights``
+(inside the fused call); ``d_sink_logits`` is the ``sink_logits`` parameter's, through the sink column;
+``d_bias`` is the gradient of the float ``attn_mask`` passed as a leaf (``attn_mask=mask.requires_grad_()``,
+as a user learning a bias does), summed to the bias input's shape.
+
 Weights: the ``state_dict`` is the same as
 :class:`mhaspec.adapters.torch_layer.MultiHeadAttention`'s (``q_proj``,
 ``k_proj``, ``v_proj``, ``out_proj``; ``weight`` is ``(out, in)``; ``sink_logits`` (H,) with sinks).
