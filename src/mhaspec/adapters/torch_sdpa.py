@@ -139,7 +139,8 @@ class TorchSDPAAdapter:
         cfg = case.config
         additive = case.inputs.bias is not None or cfg.alibi_slopes is not None or cfg.sinks
         if additive:  # float: bias − slope·distance where visible, −inf where not
-            return {"attn_mask": backend.additive_mask(case, backend.dtype(case.dtype), self.device), "is_causal": False}
+            mask = backend.additive_mask(case, backend.dtype(case.dtype), self.device)  # (B|1, H|1, T, S)
+            return {"attn_mask": mask, "is_causal": False}
         if backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
             return {"attn_mask": None, "is_causal": True}
         return {"attn_mask": backend.keep_mask(case, self.device), "is_causal": False}  # bool, True = take part
