@@ -103,7 +103,8 @@ DIRECTIONS = {"d_query": "query", "d_bias": "bias", "d_sink_logits": "sink_logit
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_float64_gradients_are_the_loss_s_directional_derivatives(name):
     """⟨gradient, v⟩ = (L(x + εv) − L(x − εv)) / 2ε along a random v: a central difference is off by
-    ε²/6·|L‴| + u·|L|/ε ≈ 1e-10 of ⟨|g|, |v|⟩ here (ε = 1e-5); 1e-7 of it leaves room, and a variant
+    ε²/6·|L‴| + u·|L|/ε (ε = 1e-5): measured at most 1e-9 of ⟨|g|, |v|⟩ ("sinks", d_sink_logits; in
+    "window_zero" every row sees one key and d_query is 0, the difference too); 1e-7 leaves room, and a variant
     left out of the backward (softcap′ 1 − tanh², RoPE's turn back, the sink's −p·δ, a bias summed over
     the wrong axes) moves it by percents."""
     case = spec_of(name).case("float64")
