@@ -222,3 +222,29 @@ def test_d_bias_entries_that_sum_only_masked_scores_must_be_exactly_zero(goldens
     assert blind.any() and (golden.stages["d_bias"][blind] == 0).all()
     tol = backward_bounds(golden, "bfloat16", precision=precision)["d_bias"].tolerance(8.0)
     assert (tol[blind] == 0).all() and (tol[~blind] > 0).all()
+
+
+def test_softcap_slope_bounds_the_move_of_sech2() -> None:
+    """|sech²(x/c) − sech²(s0/c)| ≤ min(h·|x − s0|, g) for every x within τ of s0 (the mean value theorem with
+    h the largest |d sech²/dx| over the move), on a grid of logits, caps and moves."""
+    from mhaspec.conformance.model.backward_variants import softcap_slope
+
+    rng = np.random.default_rng(31)
+    for cap in (0.5, 2.0, 30.0):
+        s0 = rng.uniform(-6 * cap, 6 * cap, 4000)
+        tau = cap * 10.0 ** rng.uniform(-6, 0.5, s0.shape)
+        x = s0 + tau * rng.uniform(-1, 1, s0.shape)
+        sech2, g, h = softcap_slope(s0, tau, cap)
+        moved = np.abs(1 / np.cosh(x / cap) ** 2 - sech2)
+        assert (moved <= np.minimum(h * np.abs(x - s0), g) * (1 + 1e-12) + 1e-300).all(), cap
+        assert (moved[tau > cap] > 0.05 * (h * tau)[tau > cap]).any()  # not vacuous: h is of the move's size
+
+
+def test_a_variant_gradient_of_a_case_without_the_variant_is_a_contract_error_that_names_it(goldens) -> None:
+    from mhaspec.conformance.backward import contract_error
+
+    golden = goldens["rope"]  # no sinks, no bias input
+    said = contract_error({"d_q_rot": golden.stages["d_q_rot"], "d_sink_logits": np.zeros(4)}, golden)
+    assert "d_sink_logits" in said and "(no sinks)" in said
+    assert contract_error({"d_bias": np.zeros((1, 1, 9, 11))}, golden).endswith("(no bias)")
+    assert contract_error({"d_q_rot": golden.stages["d_q_rot"]}, golden) == ""

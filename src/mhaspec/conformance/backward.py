@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import (BACKWARD_STAGES, INPUT_GRADIENT_STAGES, INPUT_GRADIENTS, STAGE, STAGES, compared_entries,
-                    gradient_of)
+from ..spec import (BACKWARD_STAGES, INPUT_GRADIENT_STAGES, INPUT_GRADIENTS, REGISTRY, STAGE, STAGES,
+                    compared_entries, gradient_of)
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
 from .tolerance import backward_bounds, local_checks
@@ -59,7 +59,8 @@ def contract_error(returned: Any, golden: GoldenCase) -> str:
                 f"{SHARED_KV_NOTE}, reported as {gradient_of('key')} alone")
     absent = [n for n in names if n not in golden.stages]
     if absent:
-        return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have (no bias)"
+        why = ", ".join(sorted({f"no {REGISTRY[n].variant or 'bias'}" for n in absent}))
+        return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have ({why})"
     if not names:
         return "backward() returned no stage"
     return ""
