@@ -1,0 +1,72 @@
+"""The variants' backward tolerances, two-sided per dtype: the worst error/tolerance (golden and local) of a
+plain correct backward on each small variant case of tests/test_variant_backward_tolerances.py, per
+precision contract and dtype — over every backward stage, and for each of the variants' own gradients
+(d_sink_logits, d_bias, d_q_rot, d_k_rot) and d_q_proj (turned back with RoPE) — and the bugs of that file
+with the first failing stage.
+
+    PYTHONPATH=src python benchmarks/variant_backward_tolerance_figures.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_variant_backward_tolerances import (BUGS, CASES, DTYPES, golden_with_backward, judge,  # noqa: E402
+                                                    worst_ratio)
+from mhaspec.conformance.compare import FAIL, PASS, UNINFORMATIVE  # noqa: E402
+
+SHOWN = ("d_sink_logits", "d_bias", "d_q_rot", "d_k_rot", "d_q_proj")
+
+
+def ratio(st) -> float:
+    return max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0)
+
+
+def main() -> None:
+    goldens = {name: golden_with_backward(spec) for name, spec in CASES.items()}
+    print(f"correct plain backward on {len(goldens)} variant cases, worst error/tolerance (golden and local):")
+    print(f"{'precision':10} {'dtype':9} {'every stage':>12} " + " ".join(f"{s:>13}" for s in SHOWN)
+          + f" {'not pass':>8} {'of them uninformative':>22}  worst case/stage")
+    for precision in ("standard", "worst-case"):
+        for dtype in DTYPES:
+            worst, where, bad, unsure, unsure_at = 0.0, "", 0, 0, set()
+            per = dict.fromkeys(SHOWN, 0.0)
+            for name, golden in goldens.items():
+                stages = judge(golden, dtype, precision)
+                bad += sum(st.verdict != PASS for st in stages)
+                unsure += sum(st.verdict == UNINFORMATIVE for st in stages)
+                unsure_at |= {f"{name}/{st.stage}" for st in stages if st.verdict == UNINFORMATIVE}
+                for st in stages:
+                    if st.stage in per:
+                        per[st.stage] = max(per[st.stage], ratio(st))
+                if worst_ratio(stages) > worst:
+                    worst = worst_ratio(stages)
+                    where = f"{name}/{max(stages, key=ratio).stage}"
+            print(f"{precision:10} {dtype:9} {worst:12.3f} " + " ".join(f"{per[s]:13.3f}" for s in SHOWN)
+                  + f" {bad:8d} {unsure:22d}  {where}")
+            if unsure_at:
+                print(f"{'':21} uninformative: {', '.join(sorted(unsure_at))}")
+    print()
+    print("bugs (standard contract): caught at the expected first stage / cases it applies to")
+    for bug, (applies, stage) in BUGS.items():
+        row = []
+        for dtype in DTYPES:
+            n = right = 0
+            wrong: set[str] = set()
+            for name, golden in goldens.items():
+                if not applies(golden.spec):
+                    continue
+                n += 1
+                stages = judge(golden, dtype, bug=bug)
+                first = next((st.stage for st in stages if st.verdict == FAIL), None)
+                right += first == stage(golden.spec)
+                if first != stage(golden.spec):
+                    wrong.add(f"{name}:{first}")
+            row.append(f"{dtype} {right}/{n}" + (f" ({', '.join(sorted(wrong))})" if wrong else ""))
+        print(f"  {bug}: " + "; ".join(row))
+
+
+if __name__ == "__main__":
+    main()
