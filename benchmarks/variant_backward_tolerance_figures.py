@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_variant_backward_tolerances import (BUGS, CASES, DTYPES, golden_with_backward, judge,  # noqa: E402
-                                                    worst_ratio)
-from mhaspec.conformance.compare import FAIL, PASS, UNINFORMATIVE  # noqa: E402
+from tests.test_variant_backward_tolerances import (BUGS, CASES, DTYPES, first_failure,  # noqa: E402
+                                                    golden_with_backward, judge, worst_ratio)
+from mhaspec.conformance.compare import PASS, UNINFORMATIVE  # noqa: E402
 
 SHOWN = ("d_sink_logits", "d_bias", "d_q_rot", "d_k_rot", "d_q_proj")
 
@@ -59,8 +59,7 @@ def main() -> None:
                 if not applies(golden.spec):
                     continue
                 n += 1
-                stages = judge(golden, dtype, bug=bug)
-                first = next((st.stage for st in stages if st.verdict == FAIL), None)
+                first = first_failure(judge(golden, dtype, bug=bug))
                 right += first == stage(golden.spec)
                 if first != stage(golden.spec):
                     wrong.add(f"{name}:{first}")

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_variant_tolerances import CASES as FORWARD_CASES, DTYPES, _spec, golden_of, implementation
+from tests.test_variant_tolerances import CASES as FORWARD_CASES, DTYPES, _spec, first_failure, golden_of, implementation
 
 from mhaspec.conformance.backward import judge_backward
-from mhaspec.conformance.compare import FAIL, PASS, UNINFORMATIVE
+from mhaspec.conformance.compare import PASS, UNINFORMATIVE
 from mhaspec.fixtures import GoldenCase
 from mhaspec.reference import backward
 from mhaspec.spec import variant_ops
@@ -208,8 +208,8 @@ def test_each_backward_bug_fails_at_its_stage(goldens, bug: str, dtype: str) -> 
             continue
         judged += 1
         stages = judge(golden, dtype, bug=bug)
-        first = next((st.stage for st in stages if st.verdict == FAIL), None)
-        assert first == where(golden.spec), (bug, name, dtype, [(s.stage, s.verdict, s.message) for s in stages])
+        assert first_failure(stages) == where(golden.spec), (bug, name, dtype,
+                                                             [(s.stage, s.verdict, s.message) for s in stages])
     assert judged
 
 
