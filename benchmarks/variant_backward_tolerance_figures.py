@@ -1,5 +1,6 @@
 """The variants' backward tolerances, two-sided per dtype: the worst error/tolerance (golden and local) of a
-plain correct backward on each small variant case of tests/test_variant_backward_tolerances.py, per
+plain correct backward on each small variant case of tests/test_variant_backward_tolerances.py and on the
+catalog's variant cases (the stored golden), per
 precision contract and dtype — over every backward stage, and for each of the variants' own gradients
 (d_sink_logits, d_bias, d_q_rot, d_k_rot) and d_q_proj (turned back with RoPE) — and the bugs of that file
 with the first failing stage.
@@ -16,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.test_variant_backward_tolerances import (BUGS, CASES, DTYPES, first_failure,  # noqa: E402
                                                     golden_with_backward, judge, worst_ratio)
 from mhaspec.conformance.compare import PASS, UNINFORMATIVE  # noqa: E402
+from mhaspec.fixtures import GoldenSet  # noqa: E402
+from mhaspec.spec.variants import variants_used  # noqa: E402
 
 SHOWN = ("d_sink_logits", "d_bias", "d_q_rot", "d_k_rot", "d_q_proj")
 
@@ -24,9 +27,9 @@ def ratio(st) -> float:
     return max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0)
 
 
-def main() -> None:
-    goldens = {name: golden_with_backward(spec) for name, spec in CASES.items()}
-    print(f"correct plain backward on {len(goldens)} variant cases, worst error/tolerance (golden and local):")
+def correct_table(goldens: dict, what: str) -> None:
+    """The worst error/tolerance of the plain backward on ``goldens``, per contract and dtype."""
+    print(f"correct plain backward on {what}, worst error/tolerance (golden and local):")
     print(f"{'precision':10} {'dtype':9} {'every stage':>12} " + " ".join(f"{s:>13}" for s in SHOWN)
           + f" {'not pass':>8} {'of them uninformative':>22}  worst case/stage")
     for precision in ("standard", "worst-case"):
@@ -49,6 +52,14 @@ def main() -> None:
             if unsure_at:
                 print(f"{'':21} uninformative: {', '.join(sorted(unsure_at))}")
     print()
+
+
+def main() -> None:
+    goldens = {name: golden_with_backward(spec) for name, spec in CASES.items()}
+    correct_table(goldens, f"{len(goldens)} small variant cases (golden built from the exact reference)")
+    golden_set = GoldenSet()
+    stored = {i: golden_set.load(i) for i in golden_set.ids() if variants_used(golden_set.load(i).spec)}
+    correct_table(stored, f"the catalog's {len(stored)} variant cases (the stored golden)")
     print("bugs (standard contract): caught at the expected first stage / cases it applies to")
     for bug, (applies, stage) in BUGS.items():
         row = []

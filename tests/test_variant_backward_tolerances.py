@@ -168,10 +168,11 @@ def judge(golden: GoldenCase, dtype: str, precision: str = "standard", bug: str 
     return judge_backward(returned, golden, dtype, forward=forward, precision=precision)
 
 
-#: The largest error/tolerance asked of the plain implementation, golden and local.  Not 0.5: the local check
-#: of d_q_rot / d_q_proj allows the result three storage roundings (ρ(S) = γ_acc(S + k) + 3u) and this
-#: implementation stores it twice (the product, then ·scale), so where |d_q| ≈ Σ|dS||K| it reaches 2/3.
-MARGIN = 0.7
+#: The largest error/tolerance asked of the plain implementation, golden and local.  Not 0.5: the local checks
+#: of d_q_rot / d_k_rot (d_q_proj / d_k_proj) allow the result three storage roundings (ρ(n) = γ_acc(n + k) + 3u)
+#: and this implementation stores it twice (the product or group sum, then ·scale), so where |d_q| ≈ Σ|dS||K|
+#: it reaches 2/3 and its float32 sums' share of γ_acc(n + k) on top (0.70 on the catalog's alibi_standard, float16).
+MARGIN = 0.75
 
 
 def worst_ratio(stages: list) -> float:
@@ -196,6 +197,24 @@ def test_a_correct_plain_backward_passes_every_variant_stage_with_margin(goldens
                                                 max(stages, key=lambda s: max(s.worst_ratio or 0, s.local_worst_ratio or 0)).stage)
         passed |= {st.stage for st in stages if st.verdict == PASS}
     assert {"d_sink_logits", "d_bias", "d_q_rot", "d_k_rot"} <= passed or precision == "worst-case" and dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
+def test_a_correct_plain_backward_passes_the_catalogs_variant_cases(precision: str) -> None:
+    """The stored golden of the catalog's variant cases (every dtype; the small cases above are the built ones)."""
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.spec.variants import variants_used
+
+    golden_set = GoldenSet()
+    ids = [i for i in golden_set.ids() if variants_used(golden_set.load(i).spec)]
+    assert len(ids) >= 23
+    ok = (PASS,) if precision == "standard" else (PASS, UNINFORMATIVE)
+    for dtype in DTYPES:
+        for case_id in ids:
+            stages = judge(golden_set.load(case_id), dtype, precision)
+            assert all(st.verdict in ok for st in stages), (case_id, dtype, [(st.stage, st.verdict, st.message)
+                                                                             for st in stages if st.verdict not in ok])
+            assert worst_ratio(stages) <= MARGIN, (case_id, dtype, worst_ratio(stages))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
