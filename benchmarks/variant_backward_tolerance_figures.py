@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.test_variant_backward_tolerances import (BUGS, CASES, DTYPES, first_failure,  # noqa: E402
-                                                    golden_with_backward, judge, worst_ratio)
+                                                    golden_with_backward, judge, ratio, worst_ratio, worst_stage)
 from tests.backward_variants import DT  # noqa: E402
 from tests.test_variant_backward_tolerances import plain_backward  # noqa: E402
 from tests.test_variant_tolerances import implementation  # noqa: E402
@@ -25,10 +25,6 @@ from mhaspec.fixtures import GoldenSet  # noqa: E402
 from mhaspec.spec.variants import variants_used  # noqa: E402
 
 SHOWN = ("d_sink_logits", "d_bias", "d_q_rot", "d_k_rot", "d_q_proj")
-
-
-def ratio(st) -> float:
-    return max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0)
 
 
 def correct_table(goldens: dict, what: str) -> None:
@@ -50,7 +46,7 @@ def correct_table(goldens: dict, what: str) -> None:
                         per[st.stage] = max(per[st.stage], ratio(st))
                 if worst_ratio(stages) > worst:
                     worst = worst_ratio(stages)
-                    where = f"{name}/{max(stages, key=ratio).stage}"
+                    where = f"{name}/{worst_stage(stages)}"
             print(f"{precision:10} {dtype:9} {worst:12.3f} " + " ".join(f"{per[s]:13.3f}" for s in SHOWN)
                   + f" {bad:8d} {unsure:22d}  {where}")
             if unsure_at:

@@ -1,8 +1,9 @@
 """The variants' backward tolerances, two-sided per dtype (docs/backward.md "The variants' gradients"): a plain
 correct backward in the dtype under test (float32 sums for 16-bit dtypes, every stage stored in the dtype,
-RoPE's cos and sin from float32 angles stored in the dtype as HF does, softcap′ as autograd forms it,
+RoPE's cos and sin from angles in the accumulator stored in the dtype as HF does, softcap′ as autograd forms it,
 1 − t² of the stored tanh) passes every backward stage of every small variant case of
-tests/test_variant_tolerances.py (and two with a bias that broadcasts over one axis), with margin (:data:`MARGIN`), in float64, float32, float16 and bfloat16 under both precision
+tests/test_variant_tolerances.py (and two with a bias that broadcasts over one axis) and of the catalog,
+with margin (:data:`MARGIN`), in float64, float32, float16 and bfloat16 under both precision
 contracts; and three bugs fail at their stage: softcap′ missing, d_bias summed over a mis-viewed axis, RoPE
 turned back by +θ.  The golden is the exact reference's (:func:`mhaspec.reference.backward`), built in memory.
 
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_variant_tolerances import CASES as FORWARD_CASES, DTYPES, _spec, first_failure, golden_of, implementation
+from tests.test_variant_tolerances import (CASES as FORWARD_CASES, DTYPES, _spec, first_failure, golden_of,
+                                           implementation)
 
 from mhaspec.conformance.backward import judge_backward
 from mhaspec.conformance.compare import PASS, UNINFORMATIVE
@@ -175,8 +177,17 @@ def judge(golden: GoldenCase, dtype: str, precision: str = "standard", bug: str 
 MARGIN = 0.75
 
 
+def ratio(st: Any) -> float:
+    """A verdict's worst error/tolerance, golden or local."""
+    return max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0)
+
+
 def worst_ratio(stages: list) -> float:
-    return max(max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0) for st in stages)
+    return max(ratio(st) for st in stages)
+
+
+def worst_stage(stages: list) -> str:
+    return max(stages, key=ratio).stage
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +204,15 @@ def test_a_correct_plain_backward_passes_every_variant_stage_with_margin(goldens
         stages = judge(golden, dtype, precision)
         bad = [(st.stage, st.verdict, st.message) for st in stages if st.verdict not in ok]
         assert not bad, (name, dtype, precision, bad)
-        assert worst_ratio(stages) <= MARGIN, (name, dtype, precision, worst_ratio(stages),
-                                                max(stages, key=lambda s: max(s.worst_ratio or 0, s.local_worst_ratio or 0)).stage)
+        assert worst_ratio(stages) <= MARGIN, (name, dtype, precision, worst_ratio(stages), worst_stage(stages))
         passed |= {st.stage for st in stages if st.verdict == PASS}
         if precision == "standard":  # the systematic-error test runs on the variants' gradients like any other
             big = {st.stage for st in stages if st.stage in ("d_bias", "d_q_rot", "d_k_rot")}
             assert all(st.rms_ratio is not None and st.rms_ratio <= 1 for st in stages if st.stage in big), name
-    assert {"d_sink_logits", "d_bias", "d_q_rot", "d_k_rot"} <= passed or precision == "worst-case" and dtype == "bfloat16"
+    # (worst-case bfloat16: d_sink_logits is uninformative on every sink case, docs/backward.md)
+    expected = {"d_bias", "d_q_rot", "d_k_rot"} | ({"d_sink_logits"} if (precision, dtype) != ("worst-case", "bfloat16")
+                                                    else set())
+    assert expected <= passed
 
 
 @pytest.mark.parametrize("precision", ["standard", "worst-case"])
