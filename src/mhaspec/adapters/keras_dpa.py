@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case
+from ..protocol.contract import Deviation
+from ..spec import CATALOG, Case
 from ..spec.variant_ops import alibi
 from .backends import declared, variants
-from .backends.tensorflow import array_in, array_out, distinct_inputs, keep_mask, quiet_import, tf
-from .keras_mha import _deviations
+from .backends.tensorflow import array_in, array_out, declared_at, distinct_inputs, keep_mask, quiet_import, tf
+from .keras_mha import _SCALE_INEXACT_IN_FLOAT32, _deviations
 
 keras = quiet_import("keras")
 ops = keras.ops
@@ -104,6 +105,21 @@ def stages_of(case: Case, query: Any, key: Any, value: Any, weights: Mapping[str
     return out
 
 
+def scale_in_float32_variants() -> list[Deviation]:
+    """``keras.scale-in-float32`` carried into the variants' gradients, one declaration per catalog case whose
+    1/√D_k is not a float32 number, naming those it has: ``d_bias`` with a bias input, ``d_q_rot`` and
+    ``d_k_rot`` with RoPE, and then ``d_b_k`` (with RoPE the key bias turns with the position, so its gradient
+    is no longer ~0 and carries the scale's rounding as d_k_proj does)."""
+    out = []
+    for spec in CATALOG:
+        cfg = spec.config
+        stages = (["d_bias"] if spec.bias is not None else []) + (["d_[qk]_rot"] if cfg.rope is not None else []) \
+            + (["d_b_k"] if cfg.rope is not None and cfg.bias else [])
+        if spec.id in _SCALE_INEXACT_IN_FLOAT32 and stages:
+            out += declared_at("keras.scale-in-float32", ("|".join(stages),), case=spec.id)
+    return out
+
+
 class KerasDPAAdapter:
     """``keras.ops.dot_product_attention`` between ``keras.ops`` projections (TensorFlow backend)."""
 
@@ -112,6 +128,7 @@ class KerasDPAAdapter:
     variants = frozenset({"window", "bias", "alibi", "rope"})
     #: those of the layers' fused path, which is this op, and BiasAddGrad's bfloat16 sums of every bias
     known_deviations = [*_deviations(("head_outputs", "concat", "output"), fully_masked=True, bias_add=False),
+                        *scale_in_float32_variants(),
                         *declared("tensorflow", "keras-dpa.bias-add-grad-bfloat16")]
 
     def supports(self, case: Case) -> bool | str:
