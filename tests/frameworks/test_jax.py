@@ -473,6 +473,24 @@ def test_backward_returns_the_variants_gradients_of_the_exact_reference(name: st
     assert ("d_sink_logits" in returned) == (name == "jax")
 
 
+def test_jax_dpa_uniform_rows_do_not_reach_the_variants_gradients() -> None:
+    """Rows that see no key attend uniformly in jax.nn.dot_product_attention (declared: jax-dpa.fully-masked-backward,
+    through P to d_v_proj and d_w_o), but its mask is a ``where``, which passes no gradient to a masked logit: d_bias
+    is exactly 0 on those rows, and d_bias, d_q_rot, d_k_rot stay within its float32 softmax of the reference.
+    (Its lse of such a row, finite where the spec has −inf, is under stop_gradient: no backward at all.)"""
+    from mhaspec.spec.variants import BiasSpec, RopeSpec
+
+    spec = variant_spec("empty_rows", causal_alignment="bottom_right", window_left=1, window_right=0, tgt_len=6,
+                        src_len=4, bias=BiasSpec(per_batch=True), rope=RopeSpec(rotary_dim=4))
+    seen = spec.case("float64").visible.any(axis=-1)  # (B, H, T)
+    assert not seen.all()
+    grads = load_adapter("jax-dpa").backward(spec.case("float64"))
+    assert (grads["d_bias"][~seen] == 0).all()
+    assert_matches_reference({k: grads[k] for k in ("d_bias", "d_q_rot", "d_k_rot")}, spec, rtol=4e-6)
+    with pytest.raises(AssertionError, match="d_v_proj"):  # the declared deviation is there, where it is declared
+        assert_matches_reference({"d_v_proj": grads["d_v_proj"]}, spec, rtol=4e-6)
+
+
 @pytest.mark.parametrize("name", ["jax", "jax-dpa"])
 def test_one_compilation_per_variant_case(name: str) -> None:
     """A variant case of new shapes costs one XLA compilation too: RoPE's tables, ALiBi and the window are

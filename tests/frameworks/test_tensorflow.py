@@ -345,6 +345,23 @@ def test_keras_dpa_backward_returns_the_variants_gradients_of_the_exact_referenc
     assert_matches_reference(adapter.backward(exact_scale.case("float64")), exact_scale, rtol=1e-13)
 
 
+def test_keras_dpa_uniform_rows_do_not_reach_the_variants_gradients():
+    """Rows that see no key attend uniformly in the op (declared: keras.fully-masked-backward, through P to d_v_proj
+    and d_w_o), but its mask is a ``tf.where``, which passes no gradient to a masked logit: d_bias is exactly 0 on
+    those rows, and d_bias, d_q_rot, d_k_rot stay within the float32 scale's rounding of the reference."""
+    from mhaspec.spec.variants import BiasSpec, RopeSpec
+
+    spec = variant_spec("empty_rows", causal_alignment="bottom_right", window_left=1, window_right=0, tgt_len=6,
+                        src_len=4, bias=BiasSpec(per_batch=True), rope=RopeSpec(rotary_dim=4))
+    seen = spec.case("float64").visible.any(axis=-1)  # (B, H, T)
+    assert not seen.all()
+    grads = keras_dpa.KerasDPAAdapter().backward(spec.case("float64"))
+    assert (grads["d_bias"][~seen] == 0).all()
+    assert_matches_reference({k: grads[k] for k in ("d_bias", "d_q_rot", "d_k_rot")}, spec, rtol=2e-7)
+    with pytest.raises(AssertionError, match="d_v_proj"):  # the declared deviation is there, where it is declared
+        assert_matches_reference({"d_v_proj": grads["d_v_proj"]}, spec, rtol=2e-7)
+
+
 def test_keras_dpa_window_and_bottom_right_go_into_the_mask():
     case = variant_spec("w", causal=True, causal_alignment="bottom_right", window_left=1, tgt_len=4,
                         src_len=6).case("float32")
