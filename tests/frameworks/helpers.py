@@ -139,5 +139,6 @@ def backward_shapes(spec: Any, hidden: tuple[str, ...] = ()) -> dict[str, tuple[
 
     case = spec.case("float64")
     bias = case.inputs.bias
-    shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, spec.inputs, None if bias is None else bias.shape)
+    bias_shape = None if bias is None else bias.shape
+    shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, spec.inputs, bias_shape)
     return {name: shape for name, shape in shapes.items() if name not in hidden}

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_matches_reference, assert_same_weights, backward_shapes,
-                                      check_here,
-                                     golden_case, variant_spec, variant_specs)
+from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_matches_reference, assert_same_weights,
+                                      backward_shapes, check_here, golden_case, variant_spec, variant_specs)
 
 jax = require("jax")
 require("flax")
