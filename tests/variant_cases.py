@@ -116,19 +116,22 @@ def variant_golden():
     return OnTheFlyGolden(catalog, "tests/variant_cases.py"), catalog.ids()
 
 
-_REPORTS: dict[int, tuple[Any, Any]] = {}
+_REPORTS: dict[tuple[int, str, bool], tuple[Any, Any]] = {}
 
 
-def variant_report(adapter) -> Any:
-    """``adapter``'s report on the variant cases in every dtype (in this process), once per session."""
+def variant_report(adapter, precision: str = "standard", backward: bool = False) -> Any:
+    """``adapter``'s report on the variant cases in every dtype (in this process), once per session
+    (``precision``, ``backward``: :func:`mhaspec.check`'s)."""
     import mhaspec
 
-    if id(adapter) not in _REPORTS:  # the adapter is kept with its report: its id is never reused
+    key = (id(adapter), precision, backward)
+    if key not in _REPORTS:  # the adapter is kept with its report: its id is never reused
         golden, ids = variant_golden()
         with judged_variants():
-            report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False)
-        _REPORTS[id(adapter)] = (adapter, report)
-    return _REPORTS[id(adapter)][1]
+            report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False,
+                                   precision=precision, backward=backward)
+        _REPORTS[key] = (adapter, report)
+    return _REPORTS[key][1]
 
 
 @lru_cache(maxsize=None)
