@@ -6,9 +6,11 @@ The loss is ``L = Σ d_output ⊙ output``; every stage is ∂L/∂(stage)
     d_output (B,T,d_out) ─@w_oᵀ─► d_concat (B,T,H·E) ─split─► d_head_outputs dO (B,H,T,E)
         │                                                      ├─ dO Vᵀ ─► d_attn_weights dP (B,H,T,S)
         │                                                      │              │ P ⊙ (dP − Σ_S P⊙dP)
-        │                                                      │           d_scores dS (B,H,T,S)
-        │                                                      │              ├─ scale·dS K  ─merge─► d_q_proj
-        │                                                      │              └─ scale·Σ_group dSᵀQ ─► d_k_proj
+        │                                                      │           d_scores dS (B,H,T,S) ─► d_bias, d_sink_logits
+        │                                                      │              │ ⊙ softcap′ (with softcap)
+        │                                                      │           d_raw (B,H,T,S)
+        │                                                      │              ├─ scale·d_raw K  ─merge─► d_q_proj (RoPE: d_q_rot, turned back)
+        │                                                      │              └─ scale·Σ_group d_rawᵀQ ─► d_k_proj (RoPE: d_k_rot, turned back)
         │                                                      └─ Σ_group Pᵀ dO ───────────────────► d_v_proj
         └─ concatᵀ d_output ─► d_w_o,  Σ d_output ─► d_b_o
     d_q_proj ─@w_qᵀ─► d_query,  queryᵀ d_q_proj ─► d_w_q,  Σ d_q_proj ─► d_b_q   (and k, v alike)
@@ -25,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..spec import INPUT_GRADIENTS, MHAConfig
-from .mha import _matmul, merge_heads, split_heads
+from .mha import _matmul, merge_heads, scores, split_heads
 
 
 def _grouped(x: np.ndarray, groups: int) -> np.ndarray:
@@ -52,14 +54,19 @@ def d_attn_weights(dO: np.ndarray, V: np.ndarray, visible: np.ndarray) -> np.nda
     return np.where(visible, _matmul(dO, np.swapaxes(V, -1, -2)), 0.0)
 
 
+def softmax_delta(p: np.ndarray, dP: np.ndarray) -> np.ndarray:
+    """δ = Σ_S P ⊙ dP per query row, one fsum per row.   p, dP (B, H, T, S) -> (B, H, T, 1)."""
+    return _matmul(p[..., None, :], dP[..., :, None])[..., 0]
+
+
 def d_scores(p: np.ndarray, dP: np.ndarray, visible: np.ndarray) -> np.ndarray:
-    """The softmax Jacobian: P ⊙ (dP − δ) with δ = Σ_S P ⊙ dP per query row.
+    """The softmax Jacobian: P ⊙ (dP − δ) with δ = Σ_S P ⊙ dP per query row (:func:`softmax_delta`;
+    with sinks too: the sink's value is 0, so it adds nothing to δ).
 
     Masked entries and rows that see no key are exactly 0 (P is 0 there).
     p, dP, visible (B, H, T, S) -> (B, H, T, S).
     """
-    delta = _matmul(p[..., None, :], dP[..., :, None])[..., 0]  # (B, H, T, 1): Σ_S p·dP, one fsum per row
-    return np.where(visible, p * (dP - delta), 0.0)
+    return np.where(visible, p * (dP - softmax_delta(p, dP)), 0.0)
 
 
 def d_q_heads(dS: np.ndarray, K: np.ndarray, scale: float) -> np.ndarray:
@@ -108,31 +115,48 @@ def backward(
     d_output: np.ndarray,
     inputs_kind: str = "distinct",
 ) -> dict[str, np.ndarray]:
-    """Every backward stage (docs/backward.md), by name, in float64, from the forward ``stages``.
+    """Every backward stage (docs/backward.md), by name, in float64, from the forward ``stages``
+    (with RoPE: ``q_rot`` and ``k_rot`` among them).
 
     ``inputs_kind`` (``CaseSpec.inputs``): a tensor passed as several inputs gets one
     gradient, the sum of theirs (self-attention: ``d_query``; shared key/value: ``d_key``).
+    The variants (:mod:`.variants`): ``d_sink_logits`` with sinks, ``d_bias`` with a ``bias`` input,
+    ``d_q_rot`` and ``d_k_rot`` with RoPE (turned back into ``d_q_proj``, ``d_k_proj``); softcap's
+    derivative enters between ``d_scores`` and the gradients of Q and K; ALiBi has none.
     """
+    from . import variants  # beside this module; imported here as it imports from .mha
+
     H, G, group = config.H, config.H_kv, config.group_size
     scale = float(config.scale)  # type: ignore[arg-type]
-    Q = split_heads(stages["q_proj"], H)  # (B, H, T, D)
-    K = np.repeat(split_heads(stages["k_proj"], G), group, axis=1)  # (B, H, S, D)
+    rotated = config.rope is not None
+    Q = split_heads(stages["q_rot" if rotated else "q_proj"], H)  # (B, H, T, D)
+    K = np.repeat(split_heads(stages["k_rot" if rotated else "k_proj"], G), group, axis=1)  # (B, H, S, D)
     V = np.repeat(split_heads(stages["v_proj"], G), group, axis=1)  # (B, H, S, E)
     p = stages["attn_weights"]
     # 1. through the output projection and the head merge
     dc = d_concat(d_output, weights["w_o"])
     dO = d_head_outputs(dc, H)
-    # 2. through attention
+    # 2. through attention (and the variants between the scores and Q, K)
     dP = d_attn_weights(dO, V, visible)
     dS = d_scores(p, dP, visible)
-    dq = merge_heads(d_q_heads(dS, K, scale))
-    dk = merge_heads(d_k_heads(dS, Q, scale, G))
+    out = {"d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS}
+    if config.sinks:
+        p_sink = variants.sink_weights(stages["scores"], visible, weights["sink_logits"])  # (B, H, T)
+        out["d_sink_logits"] = variants.d_sink_logits(p_sink, softmax_delta(p, dP)[..., 0])
+    bias = inputs.get("bias")
+    if bias is not None:
+        out["d_bias"] = variants.d_bias(dS, bias.shape)
+    d_raw = dS if config.softcap is None else variants.softcap_back(dS, scores(Q, K, scale), config.softcap)
+    dq = merge_heads(d_q_heads(d_raw, K, scale))
+    dk = merge_heads(d_k_heads(d_raw, Q, scale, G))
     dv = merge_heads(d_v_heads(p, dO, G))
+    if rotated:
+        q_pos, k_pos = variants.rope_positions(config, Q.shape[2], K.shape[2])  # (T,), (S,)
+        out["d_q_rot"], out["d_k_rot"] = dq, dk
+        dq = variants.rope(dq, H, q_pos, config, back=True)
+        dk = variants.rope(dk, G, k_pos, config, back=True)
     # 3. through the projections: inputs, weights, biases
-    out = {
-        "d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS,
-        "d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv,
-    }
+    out.update({"d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv})
     proj = {"q": dq, "k": dk, "v": dv}
     for name, sums in INPUT_GRADIENTS[inputs_kind].items():  # one tensor: the sum of its inputs' gradients
         out[name] = input_grad([proj[n] for n in sums], [weights[f"w_{n}"] for n in sums])

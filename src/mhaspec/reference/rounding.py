@@ -1,5 +1,6 @@
-"""Correctly rounded elementary functions for the exact reference: tanh (in softcap), cos and sin (in
-RoPE) and the log-sum-exp, each rounded once to float64.
+"""Correctly rounded elementary functions for the exact reference: tanh (in softcap) and its derivative
+1 − tanh² (softcap′, in the backward), cos and sin (in RoPE) and the log-sum-exp, each rounded once to
+float64.
 
 numpy's and libm's ``tanh``, ``sin``, ``cos`` and ``log`` may differ in the last bit between platforms;
 the fixtures must not.  Each function here evaluates its value in :mod:`decimal` (whose ``+ − × ÷``,
@@ -96,6 +97,29 @@ def softcap(score: float, cap: float) -> float:
         return value, abs(value) * _ulps(digits - 5)
 
     return _ziv(evaluate, f"softcap({score!r}, {cap!r})")
+
+
+def softcap_slope(score: float, cap: float) -> float:
+    """1 − tanh²(score / cap), the derivative of cap · tanh(score / cap) (softcap′, in the backward),
+    correctly rounded to float64 from the exact real at the float64 ``score``.
+
+    Evaluated as 4y / (1 + y)² with y = e^(−2a), a = |score / cap| (= sech²: positive terms only, no
+    cancellation).  Error at ``prec`` digits: score / cap and the product −2a round once each (absolute
+    error below 4a·10^-prec in the argument of exp, which exp makes relative, plus exp's own 10^-prec);
+    the value's relative sensitivity to y is (1 − y) / (1 + y) <= 1; 1 + y (twice, in the square), the
+    square, 4y and the quotient round once each: relative error below (4a + 7)·10^-prec, claimed
+    (4a + 8)·10^(2 − prec)."""
+    if score == 0.0:
+        return 1.0
+
+    def evaluate(digits: int) -> tuple[Decimal, Decimal]:
+        ctx = Context(prec=digits)
+        a = abs(ctx.divide(Decimal(score), Decimal(cap)))
+        y = ctx.exp(ctx.multiply(Decimal(-2), a))
+        value = ctx.divide(ctx.multiply(Decimal(4), y), ctx.multiply(ctx.add(1, y), ctx.add(1, y)))
+        return value, value * (4 * a + 8) * _ulps(digits - 2)
+
+    return _ziv(evaluate, f"softcap_slope({score!r}, {cap!r})")
 
 
 def rope_angle(position: int, pair: int, rotary_dim: int, theta: float, ctx: Context) -> Decimal:

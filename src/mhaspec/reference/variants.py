@@ -7,6 +7,15 @@ Order of operations (the composition is :func:`mhaspec.reference.mha.forward`)::
     scores ─softmax over the visible keys, sink logit in the denominator─► attn_weights, lse
 
 A window changes only which keys are visible (:func:`mhaspec.spec.masks.visibility`).
+
+Their backward (docs/backward.md; the composition is :func:`mhaspec.reference.backward.backward`)::
+
+    d_scores ─► d_bias (summed over the axes the bias broadcasts)
+             ─► d_sink_logits (−Σ_{B,T} p_sink · δ)
+             ─⊙ softcap′ = 1 − tanh²(s/c)─► d_raw ─scale·d_raw K_rot, scale·Σ_group d_rawᵀ Q_rot─► d_q_rot, d_k_rot
+    d_q_rot, d_k_rot ─rope turned back (Rᵀ)─► d_q_proj, d_k_proj
+
+ALiBi's slopes are constants: no gradient.
 """
 
 from __future__ import annotations
@@ -19,18 +28,23 @@ import numpy as np
 from ..spec import MHAConfig
 from ..spec.masks import alignment_offset
 from ..spec.variants import alibi_slope_values
-from .mha import _exp
+from .mha import _exp, _matmul
 from .rounding import exact_sum, log_sum_exp, rope_cos_sin
 from .rounding import softcap as _softcap_one
+from .rounding import softcap_slope as _softcap_slope_one
 
 
-def rope(x: np.ndarray, heads: int, positions: np.ndarray, config: MHAConfig) -> np.ndarray:
+def rope(x: np.ndarray, heads: int, positions: np.ndarray, config: MHAConfig, back: bool = False) -> np.ndarray:
     """Rotary embedding of each head's first ``rotary_dim`` features.   x (B, L, heads·D) -> (B, L, heads·D).
 
     Pair k of row l turns by the angle positions[l] · theta^(−2k/r): (a, b) -> (a·cos − b·sin,
     b·cos + a·sin), where (a, b) is features (k, k + r/2) in style "half" and (2k, 2k + 1) in style
     "interleaved".  cos and sin are correctly rounded; each rotated entry is summed exactly from
-    them and rounded once."""
+    them and rounded once.
+
+    ``back``: turned back by the same angle, (a, b) -> (a·cos + b·sin, b·cos − a·sin): the transpose
+    Rᵀ of the rotation, which takes a gradient of the rotated features to that of the unrotated ones
+    (d_q_proj = Rᵀ d_q_rot); features past rotary_dim pass through either way."""
     spec = config.rope
     assert spec is not None and spec.rotary_dim is not None
     B, L, F = x.shape
@@ -45,6 +59,7 @@ def rope(x: np.ndarray, heads: int, positions: np.ndarray, config: MHAConfig) ->
     for l, pos in enumerate(positions.tolist()):
         for k in range(half):
             cos, sin = (Fraction(v) for v in rope_cos_sin(int(pos), k, r, spec.theta))
+            sin = -sin if back else sin
             a_idx, b_idx = first[k], second[k]
             for b in range(B):
                 for h in range(heads):
@@ -92,13 +107,13 @@ def add_bias(s: np.ndarray, bias: np.ndarray | None, slopes: np.ndarray | None, 
     return out
 
 
-def softmax_with_sinks(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray) -> np.ndarray:
-    """p_j = e^(s_j) / (Σ_visible e^(s_k) + e^(sink_h)): the sink takes a share of each row, which then
-    sums to less than 1.  Invisible entries and rows that see no key are 0.
-
-    s, visible (B, H, T, S); sink_logits (H,).  Like :func:`.mha.softmax`: the row's maximum
-    (here over the visible scores and the sink) is subtracted before the correctly rounded exp, and the
-    denominator is summed with fsum."""
+def _sink_softmax_parts(
+    s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(e (B, H, T, S), e_sink (B, H, T, 1), total (B, H, T, 1)): the softmax-with-sinks' numerators
+    e^(s_j − peak) (0 where invisible), the sink's e^(sink_h − peak) (0 for a row that sees no key) and
+    their fsum, with peak the row's maximum over the visible scores and the sink; each exp correctly
+    rounded."""
     B, H, T, S = s.shape
     sink = np.broadcast_to(np.asarray(sink_logits, dtype=np.float64)[None, :, None, None], (B, H, T, 1))
     row_max = np.max(np.where(visible, s, -np.inf), axis=-1, keepdims=True)  # (B, H, T, 1)
@@ -109,7 +124,26 @@ def softmax_with_sinks(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarr
     e_sink = np.where(seen, _exp(sink - peak), 0.0)  # (B, H, T, 1)
     rows = np.concatenate([e, e_sink], axis=-1).reshape(-1, S + 1).tolist()
     total = np.array([math.fsum(r) for r in rows]).reshape(peak.shape)
+    return e, e_sink, total
+
+
+def softmax_with_sinks(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray) -> np.ndarray:
+    """p_j = e^(s_j) / (Σ_visible e^(s_k) + e^(sink_h)): the sink takes a share of each row, which then
+    sums to less than 1.  Invisible entries and rows that see no key are 0.
+
+    s, visible (B, H, T, S); sink_logits (H,).  Like :func:`.mha.softmax`: the row's maximum
+    (here over the visible scores and the sink) is subtracted before the correctly rounded exp, and the
+    denominator is summed with fsum."""
+    e, _, total = _sink_softmax_parts(s, visible, sink_logits)
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def sink_weights(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray) -> np.ndarray:
+    """p_sink = e^(sink_h) / (Σ_visible e^(s_k) + e^(sink_h)), the sink's share of each row (= e^(sink_h −
+    lse)), computed like the row's attention weights (:func:`softmax_with_sinks`); 0 for a row that sees
+    no key.   s, visible (B, H, T, S); sink_logits (H,) -> (B, H, T)."""
+    _, e_sink, total = _sink_softmax_parts(s, visible, sink_logits)
+    return np.divide(e_sink, total, out=np.zeros_like(e_sink), where=total > 0)[..., 0]
 
 
 def lse(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray | None) -> np.ndarray:
@@ -128,3 +162,32 @@ def lse(s: np.ndarray, visible: np.ndarray, sink_logits: np.ndarray | None) -> n
 def alibi_slopes(config: MHAConfig) -> np.ndarray | None:
     """(H,) float64 slopes, or None without ALiBi (:func:`mhaspec.spec.variants.alibi_slope_values`)."""
     return alibi_slope_values(config)
+
+
+# -- the backward ------------------------------------------------------------------------------------
+
+def softcap_back(dS: np.ndarray, raw: np.ndarray, cap: float) -> np.ndarray:
+    """d_raw = d_scores ⊙ (1 − tanh²(raw / cap)), the gradient of the raw score scale·Q_rot K_rotᵀ
+    through softcap: softcap′ correctly rounded from the float64 raw score
+    (:func:`.rounding.softcap_slope`), the product rounded once.   dS, raw (B, H, T, S) -> (B, H, T, S)."""
+    slope = [_softcap_slope_one(v, cap) for v in raw.ravel().tolist()]
+    return dS * np.array(slope, dtype=np.float64).reshape(raw.shape)
+
+
+def d_sink_logits(p_sink: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """−Σ_{b, i} p_sink · δ per head, one fsum of the rounded products over (b, i).
+
+    p_sink (B, H, T) (:func:`sink_weights`), δ (B, H, T) (Σ_visible P ⊙ dP per row) -> (H,)."""
+    B, H, T = p_sink.shape
+    rows = np.moveaxis(p_sink, 1, 0).reshape(H, 1, B * T)  # (H, 1, B·T)
+    cols = np.moveaxis(delta, 1, 0).reshape(H, B * T, 1)  # (H, B·T, 1)
+    return -_matmul(rows, cols)[:, 0, 0]
+
+
+def d_bias(dS: np.ndarray, bias_shape: tuple[int, ...]) -> np.ndarray:
+    """d_scores summed, one fsum per entry, over the axes the bias broadcasts (B when its first axis is 1,
+    H when its second is).   dS (B, H, T, S) -> bias_shape (B|1, H|1, T, S)."""
+    summed = tuple(axis for axis in (0, 1) if bias_shape[axis] == 1)
+    kept_last = np.moveaxis(dS, summed, tuple(range(dS.ndim - len(summed), dS.ndim)))  # (kept…, summed…)
+    rows = kept_last.reshape(-1, math.prod(dS.shape[a] for a in summed)).tolist()
+    return np.array([math.fsum(r) for r in rows], dtype=np.float64).reshape(bias_shape)

@@ -37,6 +37,7 @@ import numpy as np
 from ...fixtures import GoldenCase
 from ...spec import INPUT_GRADIENTS, STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from . import backward_variants as bv
 from .softmax import rest_of_row, softmax_sigma2
 from .forward import worst_case_allowed, worst_case_tolerances
 from .vocabulary import (EXACT, LINEAR, Bound, Error, Rounding, grouped, grouped_t, heads, merge, product, rounding,
@@ -100,19 +101,37 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
     e_dS = e_P * (diff + e_diff) + P * e_diff + r.rel(0) * (P + e_P) * (dP + e_dP + delta + e_delta)
     e_dS = np.where(visible, e_dS, 0.0)
 
-    # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
+    # 3a. the variants' gradients of the logits (docs/backward.md "The variants' gradients"): d_bias,
+    #     d_sink_logits; softcap′ d_raw = dS ⊙ sech²(s0/c) (d_raw = dS without softcap).
     dS = A(g[STAGE.d_scores])
-    K, e_K = A(heads(g[STAGE.k_proj], G, group)), heads(fw[STAGE.k_proj], G, group)
-    Q, e_Q = A(heads(g[STAGE.q_proj], H)), heads(fw[STAGE.q_proj], H)
+    variant = {}
+    if STAGE.d_bias in g:
+        variant[STAGE.d_bias] = bv.bias_grad_worst(golden, dS, e_dS, r)
+    if STAGE.d_sink_logits in g:
+        variant[STAGE.d_sink_logits] = bv.sink_grad_worst(golden, delta, e_delta, fw[STAGE.lse][..., None], r)
+    q_name, k_name = bv.score_operands(cfg)  # Q_rot, K_rot with RoPE
+    d_raw, e_draw = dS, e_dS
+    if cfg.softcap is not None:
+        s0, e_s0 = bv.raw_error_worst(golden, fw[q_name], fw[k_name], r)
+        d_raw, e_draw = bv.capped_grad_worst(dS, e_dS, s0, e_s0, float(cfg.softcap), r)
+
+    # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO — with RoPE
+    #    d_q_rot, d_k_rot, turned back into d_q_proj, d_k_proj.
+    K, e_K = A(heads(g[k_name], G, group)), heads(fw[k_name], G, group)
+    Q, e_Q = A(heads(g[q_name], H)), heads(fw[q_name], H)
     n_group = group * golden.spec.tgt_len
-    e_dq = merge(scale * _product_bound(dS, e_dS, K, e_K, S, r))
-    e_dk = merge(scale * _product_bound(grouped_t(dS, G), grouped_t(e_dS, G), grouped(Q, G), grouped(e_Q, G),
+    e_dq = merge(scale * _product_bound(d_raw, e_draw, K, e_K, S, r))
+    e_dk = merge(scale * _product_bound(grouped_t(d_raw, G), grouped_t(e_draw, G), grouped(Q, G), grouped(e_Q, G),
                                          n_group, r))
+    if cfg.rope is not None:
+        variant[STAGE.d_q_rot], variant[STAGE.d_k_rot] = e_dq, e_dk
+        e_dq = bv.back_rotated_worst(golden, "q", g[STAGE.d_q_rot], e_dq, g[STAGE.d_q_proj], r)
+        e_dk = bv.back_rotated_worst(golden, "k", g[STAGE.d_k_rot], e_dk, g[STAGE.d_k_proj], r)
     e_dv = merge(_product_bound(grouped_t(P, G), grouped_t(e_P, G), grouped(dO, G), grouped(e_dO, G),
                                  n_group, r))
     bounds = {
         STAGE.d_concat: e_dc, STAGE.d_head_outputs: e_dO, STAGE.d_attn_weights: e_dP, STAGE.d_scores: e_dS,
-        STAGE.d_q_proj: e_dq, STAGE.d_k_proj: e_dk, STAGE.d_v_proj: e_dv,
+        STAGE.d_q_proj: e_dq, STAGE.d_k_proj: e_dk, STAGE.d_v_proj: e_dv, **variant,
     }
 
     # 5. input gradients: Σ_i d_y_i @ w_iᵀ (three terms for self-attention's one input tensor).
@@ -143,6 +162,8 @@ def backward_tolerances(golden: GoldenCase, dtype: str, forward: Mapping[str, np
 
     out = worst_case_allowed({name: b for name, b in bounds.items() if name in g}, r.floor)
     out[STAGE.d_scores] = np.where(visible, out[STAGE.d_scores], 0.0)  # masked: exactly 0
+    if STAGE.d_bias in out:  # an entry that sums only masked (exact 0) d_scores: exactly 0
+        out[STAGE.d_bias] = np.where(bv.bias_seen(golden), out[STAGE.d_bias], 0.0)
     return out
 
 
@@ -241,11 +262,30 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
                                     np.where(vis, np.maximum(lin_p, lin_o), 0.0))
         e_dS = err[STAGE.d_scores]
 
-        # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO.
-        K = heads(g[STAGE.k_proj], G, group)
-        e_K = _forward_err(fb[STAGE.k_proj], carried=False).map(lambda x: heads(x, G, group))
-        Q = heads(g[STAGE.q_proj], H)
-        e_Q = _forward_err(fb[STAGE.q_proj], carried=False).map(lambda x: heads(x, H))
+        # 3a. the variants' gradients of the logits (docs/backward.md "The variants' gradients"): d_bias,
+        #     d_sink_logits (δ's own error: the larger of its two routes'); softcap′ d_raw = dS ⊙ sech²(s0/c).
+        if STAGE.d_bias in g:
+            err[STAGE.d_bias] = bv.bias_grad(golden, dS, e_dS, r)
+        if STAGE.d_sink_logits in g:
+            e_delta = Error(np.maximum(np.sum(dPv**2 * vP + P**2 * vdP, -1, keepdims=True), var_d),
+                            np.maximum(gam(S) * np.sum(A(P * dPv), -1, keepdims=True),
+                                       gam(E) * np.sum(A(dO * O), -1, keepdims=True)),
+                            np.maximum(np.sum(A(dPv) * lP + P * ldP, -1, keepdims=True), lin_d))
+            err[STAGE.d_sink_logits] = bv.sink_grad(golden, delta, e_delta,
+                                                    _forward_err(fb[STAGE.lse], carried=True).map(lambda x: x[..., None]), r)
+        q_name, k_name = bv.score_operands(cfg)  # Q_rot, K_rot with RoPE
+        e_q, e_k = (_forward_err(fb[x], carried=False) for x in (q_name, k_name))
+        d_raw, e_draw = dS, e_dS
+        if cfg.softcap is not None:
+            s0, e_s0 = bv.raw_error(golden, e_q, e_k, r)
+            d_raw, e_draw = bv.capped_grad(dS, e_dS, s0, e_s0, float(cfg.softcap), r)
+
+        # 4. d_q_proj = scale·dS K;  d_k_proj = scale·Σ_group dSᵀ Q;  d_v_proj = Σ_group Pᵀ dO — with RoPE
+        #    d_q_rot, d_k_rot, turned back into d_q_proj, d_k_proj.
+        K = heads(g[k_name], G, group)
+        e_K = e_k.map(lambda x: heads(x, G, group))
+        Q = heads(g[q_name], H)
+        e_Q = e_q.map(lambda x: heads(x, H))
 
         def merged_stored(x: Error, y: np.ndarray) -> Error:  # merged to the canonical shape, stored in the dtype
             x = x.map(merge)
@@ -258,10 +298,14 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
             return grouped(x, G)
 
         n_group = group * T
-        e = product(dS, e_dS, K, e_K, gam(S), u)
-        err[STAGE.d_q_proj] = merged_stored(e.scaled(scale), g[STAGE.d_q_proj])
-        e = product(stacked_t(dS), e_dS.map(stacked_t), stacked(Q), e_Q.map(stacked), gam(n_group), u)
-        err[STAGE.d_k_proj] = merged_stored(e.scaled(scale), g[STAGE.d_k_proj])
+        d_q, d_k = (STAGE.d_q_rot, STAGE.d_k_rot) if cfg.rope is not None else (STAGE.d_q_proj, STAGE.d_k_proj)
+        e = product(d_raw, e_draw, K, e_K, gam(S), u)
+        err[d_q] = merged_stored(e.scaled(scale), g[d_q])
+        e = product(stacked_t(d_raw), e_draw.map(stacked_t), stacked(Q), e_Q.map(stacked), gam(n_group), u)
+        err[d_k] = merged_stored(e.scaled(scale), g[d_k])
+        if cfg.rope is not None:
+            err[STAGE.d_q_proj] = bv.back_rotated(golden, "q", g[d_q], err[d_q], g[STAGE.d_q_proj], r)
+            err[STAGE.d_k_proj] = bv.back_rotated(golden, "k", g[d_k], err[d_k], g[STAGE.d_k_proj], r)
         e_Pg = Error(stacked_t(vP), lin=stacked_t(lP))
         e = product(stacked_t(P), e_Pg, stacked(dO), e_dO.map(stacked), gam(n_group), u)
         err[STAGE.d_v_proj] = merged_stored(e, g[STAGE.d_v_proj])
@@ -305,4 +349,7 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
     out = {name: e.bound(r.floor, g[name].shape) for name, e in err.items() if name in g}
     b = out[STAGE.d_scores]
     out[STAGE.d_scores] = Bound(np.where(vis, b.sigma, 0.0), np.where(vis, b.worst, 0.0))
+    if STAGE.d_bias in out:  # an entry that sums only masked (exact 0) d_scores: exactly 0
+        b, seen = out[STAGE.d_bias], bv.bias_seen(golden)
+        out[STAGE.d_bias] = Bound(np.where(seen, b.sigma, 0.0), np.where(seen, b.worst, 0.0))
     return out

@@ -300,15 +300,14 @@ def per_row(x: np.ndarray | None, shape: tuple[int, int, int, int]) -> np.ndarra
     return None if x is None else np.broadcast_to(x, shape).reshape(B * H, T, S)
 
 
-def score_errors(golden: GoldenCase, q: np.ndarray, e_q: Error, k: np.ndarray, e_k: Error,
-                 r: Rounding) -> tuple[np.ndarray, Error]:
-    """(scores (N, T, S) in float64, their error) from q (B, T, H·D) and k (B, S, G·D) carrying ``e_q``,
-    ``e_k`` (q_rot, k_rot with RoPE): :func:`.forward.scores` of scale·Q Kᵀ, then :func:`capped`,
-    then :func:`biased` — each where the case has it."""
+def raw_score_errors(golden: GoldenCase, q: np.ndarray, e_q: Error, k: np.ndarray, e_k: Error,
+                     r: Rounding) -> tuple[np.ndarray, Error]:
+    """(s0 = scale·Q Kᵀ (N, T, S) in float64, its error) from q (B, T, H·D) and k (B, S, G·D) carrying
+    ``e_q``, ``e_k`` (q_rot, k_rot with RoPE): :func:`.forward.scores` — the logit before softcap, bias
+    and ALiBi (the backward's softcap′ reads it: :mod:`.backward_variants`)."""
     cfg = golden.spec.config
     H, G, group = cfg.H, cfg.H_kv, cfg.group_size
-    shape = golden.visible.shape
-    B, _, T, S = shape
+    B, _, T, S = golden.visible.shape
     N = B * H
     Q, K = heads(q, H).reshape(N, T, -1), heads(k, G, group).reshape(N, S, -1)
     tQ2 = heads(np.broadcast_to(e_q.total_var, q.shape), H).reshape(N, T, -1)
@@ -316,7 +315,17 @@ def score_errors(golden: GoldenCase, q: np.ndarray, e_q: Error, k: np.ndarray, e
     c = AttentionConstants.of(golden, r)
     s0 = c.scale * (Q @ swap(K))
     KK = Pair.of(swap(np.concatenate([K * K, tK2 / r.u**2], axis=-1)))
-    e_s = scores(c, Q, tQ2, KK, Pair.of(swap(np.abs(K))), s0)
+    return s0, scores(c, Q, tQ2, KK, Pair.of(swap(np.abs(K))), s0)
+
+
+def score_errors(golden: GoldenCase, q: np.ndarray, e_q: Error, k: np.ndarray, e_k: Error,
+                 r: Rounding) -> tuple[np.ndarray, Error]:
+    """(scores (N, T, S) in float64, their error) from q (B, T, H·D) and k (B, S, G·D) carrying ``e_q``,
+    ``e_k`` (q_rot, k_rot with RoPE): :func:`raw_score_errors`, then :func:`capped`, then :func:`biased` —
+    each where the case has it."""
+    cfg = golden.spec.config
+    shape = golden.visible.shape
+    s0, e_s = raw_score_errors(golden, q, e_q, k, e_k, r)
     s = s0
     if cfg.softcap is not None:
         s, e_s = capped(s0, e_s, float(cfg.softcap), r)
@@ -409,6 +418,20 @@ def spec11_lse_worst(golden: GoldenCase, scores_tolerance: np.ndarray, dtype: st
     return np.where(np.isfinite(lse_), np.nan_to_num(out, nan=np.inf) + rule.floor, 0.0)
 
 
+def raw_scores_worst(golden: GoldenCase, q: np.ndarray, e_q: np.ndarray, k: np.ndarray, e_k: np.ndarray, u: float,
+                     kx: int) -> np.ndarray:
+    """The worst-case contract's |δs0| (N, T, S) of s0 = scale·Q Kᵀ from q (B, T, H·D), k (B, S, G·D) off by
+    ``e_q``, ``e_k``: (hi − scale·|Q||K|ᵀ) + γ_d(D_k + k)·hi, hi = scale·(|Q| + e_Q)(|K| + e_K)ᵀ."""
+    cfg = golden.spec.config
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    B, _, T, S = golden.visible.shape
+    N = B * H
+    q_abs, k_abs = np.abs(heads(q, H)).reshape(N, T, -1), np.abs(heads(k, G, group)).reshape(N, S, -1)
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    hi = scale * ((q_abs + heads(e_q, H).reshape(N, T, -1)) @ swap(k_abs + heads(e_k, G, group).reshape(N, S, -1)))
+    return (hi - scale * (q_abs @ swap(k_abs))) + gamma(cfg.D_k + kx, u) * hi
+
+
 def worst_case_tolerances(golden: GoldenCase, dtype: str,
                           table: ToleranceTable = DEFAULT_TOLERANCES) -> dict[str, np.ndarray]:
     """The ``precision="worst-case"`` tolerances of a case with variants (and of ``lse`` in any case):
@@ -436,10 +459,8 @@ def worst_case_tolerances(golden: GoldenCase, dtype: str,
             e_q, e_k = rope_worst(q, e_q, H, q_pos, cfg, u, q_rot), rope_worst(k, e_k, G, k_pos, cfg, u, k_rot)
             q, k = q_rot, k_rot
             errors.update({STAGE.q_rot: e_q, STAGE.k_rot: e_k})
-        q_abs, k_abs = np.abs(heads(q, H)).reshape(N, T, -1), np.abs(heads(k, G, group)).reshape(N, S, -1)
+        e_s = raw_scores_worst(golden, q, e_q, k, e_k, u, kx)
         scale = float(cfg.scale)  # type: ignore[arg-type]
-        hi = scale * ((q_abs + heads(e_q, H).reshape(N, T, -1)) @ swap(k_abs + heads(e_k, G, group).reshape(N, S, -1)))
-        e_s = (hi - scale * (q_abs @ swap(k_abs))) + gamma(cfg.D_k + kx, u) * hi
         s = g[STAGE.scores].reshape(N, T, S)
         if cfg.softcap is not None or cfg.alibi_slopes is not None or golden.inputs.get("bias") is not None:
             s0 = scale * (heads(q, H).reshape(N, T, -1) @ swap(heads(k, G, group).reshape(N, S, -1)))
