@@ -96,11 +96,15 @@ class VariantBackward(BackwardVariant):
         Q = q.reshape(B, T, H, -1).transpose(0, 2, 1, 3)  # (B, H, T, D)
         K = np.repeat(k.reshape(B, S, G, -1).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, D)
         V = np.repeat(v.reshape(B, S, G, -1).transpose(0, 2, 1, 3), H // G, axis=1)  # (B, H, S, E)
-        raw = r(self.mm(Q, np.swapaxes(K, -1, -2)).astype(acc) * r(self._scale(case)).astype(acc))  # (B, H, T, S)
-        capped = raw if cfg.softcap is None else zoo._softcap(raw, cfg.softcap, r, acc)
-        add = zoo._additive(case, acc, r)  # (B|1, H|1, T, S) or None
-        s = capped if add is None else r(capped.astype(acc) + r(add).astype(acc))
+        if self._recomputes():  # FlashAttention: the scores never stored, kept in float32 forward and backward
+            raw, capped, s = self._block_scores(case, Q, K, 0, S, zoo)
+        else:  # HF's eager way: each step stored in the dtype
+            raw = r(self.mm(Q, np.swapaxes(K, -1, -2)).astype(acc) * r(self._scale(case)).astype(acc))  # (B, H, T, S)
+            capped = raw if cfg.softcap is None else zoo._softcap(raw, cfg.softcap, r, acc)
+            add = zoo._additive(case, acc, r)  # (B|1, H|1, T, S) or None
+            s = capped if add is None else r(capped.astype(acc) + r(add).astype(acc))
         p, p_sink, lse, lse_keys = self._softmax(case, s, self.visible(case))
+        s = r(s)
         o = self.mm(p, V)  # (B, H, T, E)
         c = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
         out.update(scores=s, attn_weights=p, head_outputs=o, concat=c, output=self.lin(c, w.w_o, w.b_o))
@@ -167,25 +171,28 @@ class VariantBackward(BackwardVariant):
         out = self._through_projections(case, f["concat"], dy, out)
         return {k: v for k, v in out.items() if k in LEAF_GRADIENTS} if self.leaf_only else out
 
+    def _block_scores(self, case: Case, Q, K, j0: int, j1: int, zoo: Variant) -> tuple[np.ndarray, ...]:
+        """(raw, capped, scores) (B, H, T, j1 − j0) of keys j0 … j1 − 1 in float32 (float64 in a float64 run),
+        never rounded to the dtype: scale·Q_rot K_rotᵀ, softcap, bias and ALiBi (``zoo._additive``)."""
+        sm, cap = self._softmax_dtype(), case.config.softcap
+        raw = (Q.astype(sm) @ np.swapaxes(K[:, :, j0:j1].astype(sm), -1, -2)) * sm(self.r(self._scale(case)))
+        capped = raw if cap is None else sm(cap) * np.tanh(raw / sm(cap))
+        add = zoo._additive(case, sm, self.r, j0, j1)
+        return raw, capped, capped if add is None else capped + add
+
     def _recompute(self, case: Case, f) -> tuple[np.ndarray, np.ndarray]:
         """(P (B, H, T, S) in the dtype, the lse (B, H, T, 1) it used): per block of 4 keys, the scores
-        recomputed from Q_rot, K_rot in float32 (float64 in a float64 run) with softcap, bias and ALiBi,
-        then P = exp(s − lse) at the visible keys, the forward's lse (the sink in it) saved in float32."""
-        cfg, S = case.config, case.src_len
-        sm = self._softmax_dtype()
-        Q, K = f["_Q"].astype(sm), f["_K"].astype(sm)
+        recomputed from Q_rot, K_rot as the forward took them (:meth:`_block_scores`), then P = exp(s − lse)
+        at the visible keys, the forward's lse (the sink in it) saved in float32."""
+        S = case.src_len
         zoo = self._zoo(alibi_column_anchor=self.alibi_anchor_in_recompute)
         allowed = self.visible(case, window=not self.window_ignored_in_recompute)
         lse = f["_lse_keys"] if self.sink_missing_in_recompute else f["_lse"]  # (B, H, T, 1)
         seen = np.isfinite(lse)
-        P = np.zeros(allowed.shape, dtype=sm)
+        P = np.zeros(allowed.shape, dtype=lse.dtype)
         for j0 in range(0, S, 4):
             j1 = min(S, j0 + 4)
-            sb = (Q @ np.swapaxes(K[:, :, j0:j1], -1, -2)) * sm(self.r(self._scale(case)))  # (B, H, T, j1 − j0)
-            if cfg.softcap is not None:
-                sb = sm(cfg.softcap) * np.tanh(sb / sm(cfg.softcap))
-            add = zoo._additive(case, sm, self.r, j0, j1)
-            sb = sb if add is None else sb + add
+            sb = self._block_scores(case, f["_Q"], f["_K"], j0, j1, zoo)[2]
             with np.errstate(over="ignore"):
                 P[..., j0:j1] = np.where(allowed[..., j0:j1] & seen, np.exp(sb - np.where(seen, lse, 0)), 0)
         return self.r(P), lse
