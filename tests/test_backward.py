@@ -14,10 +14,11 @@ import mhaspec
 from mhaspec.cli import main
 from mhaspec.conformance import ERROR, FAIL, NOT_EXPOSED, PASS
 from mhaspec.conformance.compare import UNINFORMATIVE
-from mhaspec.fixtures import GoldenSet, forward_only
+from mhaspec.fixtures import GoldenSet
 from mhaspec.reference import backward as reference_backward
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES, INPUT_GRADIENTS, STAGES, MHAConfig, backward_stage_shapes
 from mhaspec.spec.stages import BACKWARD_VARIANT_STAGES, forward_stages
+from mhaspec.spec.variants import variants_used
 
 from .backward_variants import BUGS, CORRECT, BackwardVariant
 from .reports import report_of
@@ -69,11 +70,10 @@ def test_case_carries_d_output_and_fixtures_the_backward_stages():
     for golden in GOLDEN:
         case = golden.case("float32")
         assert np.array_equal(case.d_output, golden.spec.make_d_output())
-        if forward_only(golden.spec):  # a case with an attention variant: no backward golden yet
-            assert golden.d_output is None and not [s for s in golden.stages if s in BACKWARD_STAGES], golden.id
-            continue
+        assert np.array_equal(golden.d_output, golden.spec.make_d_output()), golden.id  # variant cases too
+        bias = golden.inputs.get("bias")
         expected = backward_stage_shapes(golden.spec.config, golden.spec.batch, golden.spec.tgt_len,
-                                         golden.spec.src_len, golden.spec.inputs)
+                                         golden.spec.src_len, golden.spec.inputs, None if bias is None else bias.shape)
         assert {s: golden.stages[s].shape for s in expected} == expected
         assert [s for s in golden.stages if s in BACKWARD_STAGES] == list(expected)
 
@@ -94,12 +94,15 @@ def test_masked_positions_get_zero_gradient_and_rows_that_see_no_key_contribute_
         assert np.all(d_q[blind.transpose(0, 2, 1)] == 0)
 
 
-def test_d_b_k_is_zero_up_to_rounding():
-    # A key bias shifts every score of a query row by the same amount: softmax ignores it.
+def test_d_b_k_is_zero_up_to_rounding_unless_a_variant_makes_the_shift_count():
+    # A key bias shifts every score of a query row by the same amount: softmax ignores it — unless RoPE
+    # turns the bias by each key's position, softcap bends the shift, or a sink does not shift with it.
     for golden in GOLDEN:
         if "d_b_k" in golden.stages:
+            cfg = golden.spec.config
             scale = np.abs(golden.stages["d_k_proj"]).sum() + 1
-            assert np.abs(golden.stages["d_b_k"]).max() <= 1e-14 * scale, golden.id
+            zero = np.abs(golden.stages["d_b_k"]).max() <= 1e-14 * scale
+            assert zero == (cfg.rope is None and cfg.softcap is None and not cfg.sinks), golden.id
 
 
 # -- the reference against numerical differentiation --------------------------------------------
@@ -203,7 +206,7 @@ def test_numpy_backward_conforms_and_reports_every_backward_stage(tmp_path):
         names = [st["stage"] for st in r["stages"]]
         golden = GOLDEN.load(r["case"])
         if r["verdict"] == "unsupported":  # a variant the adapter does not declare
-            assert forward_only(golden.spec) and not names, r
+            assert variants_used(golden.spec) and not names, r
             continue
         # the forward stages it returns: lse in every case (before attn_weights), q_rot and k_rot with rope
         assert names == list(forward_stages(golden.spec.config)) + [s for s in BACKWARD_STAGES if s in golden.stages]
@@ -276,6 +279,19 @@ def test_a_gradient_folded_into_another_is_a_contract_error_that_says_where_it_w
     assert contract_error({"d_key": some}, shared) == ""  # the one memory tensor's gradient
 
 
+def test_a_variant_gradient_of_a_case_without_the_variant_is_a_contract_error_that_says_why():
+    from mhaspec.conformance.backward import contract_error
+
+    some = np.zeros(1)
+    assert contract_error({"d_q_rot": some, "d_k_rot": some, "d_sink_logits": some}, GOLDEN.load("softcap")) == (
+        "backward() returned d_q_rot, d_k_rot, d_sink_logits, which case softcap does not have (no RoPE, no sinks)")
+    assert contract_error({"d_bias": some, "d_b_q": some}, GOLDEN.load("no_bias")) == (
+        "backward() returned d_bias, d_b_q, which case no_bias does not have (no bias input, no projection biases)")
+    assert contract_error({"d_bias": some}, GOLDEN.load("bias_per_head")) == ""
+    assert contract_error({"d_q_rot": some, "d_sink_logits": some}, GOLDEN.load("gpt_oss_sinks_window")) == (
+        "backward() returned d_q_rot, which case gpt_oss_sinks_window does not have (no RoPE)")
+
+
 def test_shared_kv_d_key_must_be_the_total():
     partial = _Returns(lambda out, case: {**out, "d_key": BackwardVariant().backward(
         case.model_copy(update={"key_is_value": False}))["d_key"]})
@@ -336,7 +352,7 @@ def test_correct_backward_implementations_pass_every_case_and_dtype(name):
     assert report.ok, report.table()
     assert len(report.results) == len(DTYPES) * len(CATALOG)
     judged = {st.stage for r in report.results for st in r.stages if st.verdict == PASS}
-    assert set(SPEC_1_1_BACKWARD) <= judged  # TODO(variants' backward golden): every BACKWARD_STAGES
+    assert set(BACKWARD_STAGES) <= judged  # the variants' gradients too: every variant case has a backward golden
     margin = report.smallest_margin()
     assert margin >= 2, f"{name}: smallest margin {margin:.3g}x"
 

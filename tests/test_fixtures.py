@@ -177,6 +177,43 @@ def test_every_input_and_weight_is_exact_in_float16_and_bfloat16():
     assert {"bias", "sink_logits", "query", "w_q"} <= seen
 
 
+def test_variant_fixtures_hold_the_backward_with_the_gradients_of_their_variants():
+    """Every variant case stores d_output and its backward stages (docs/spec.md §2a), with d_q_rot and
+    d_k_rot exactly where it has RoPE, d_sink_logits where it has sinks, d_bias where it has a bias input."""
+    from mhaspec.spec import BACKWARD_STAGES, backward_stage_shapes
+    from mhaspec.spec.stages import BACKWARD_VARIANT_STAGES
+    from mhaspec.spec.variants import variants_used
+
+    seen = set()
+    for golden in GoldenSet():
+        spec, cfg = golden.spec, golden.spec.config
+        if not variants_used(spec):
+            continue
+        assert np.array_equal(golden.d_output, spec.make_d_output()), spec.id
+        bias = golden.inputs.get("bias")
+        expected = backward_stage_shapes(cfg, spec.batch, spec.tgt_len, spec.src_len, spec.inputs,
+                                         None if bias is None else bias.shape)
+        assert {s: golden.stages[s].shape for s in golden.stages if s in BACKWARD_STAGES} == expected, spec.id
+        has = {s for s in BACKWARD_VARIANT_STAGES if s in golden.stages}
+        assert has == ({"d_q_rot", "d_k_rot"} if cfg.rope else set()) | ({"d_sink_logits"} if cfg.sinks else set()) \
+            | ({"d_bias"} if spec.bias is not None else set()), spec.id
+        seen |= has
+    assert seen == set(BACKWARD_VARIANT_STAGES)
+
+
+@pytest.mark.parametrize("case_id, shape, summed", [
+    ("bias_per_head", (1, 2, 6, 5), (0,)),  # B = 3, not per batch: summed over B
+    ("t5_bias", (1, 3, 5, 7), (0,)),  # B = 2, not per batch
+    ("bias_per_batch", (2, 1, 5, 5), (1,)),  # H = 4, not per head: summed over H
+])
+def test_d_bias_has_the_bias_input_s_shape_and_sums_d_scores_over_the_broadcast_axes(case_id, shape, summed):
+    """(B, H, T, S: the catalog's cases, spec/catalog.py.)"""
+    golden = GoldenSet().load(case_id)
+    assert golden.inputs["bias"].shape == golden.stages["d_bias"].shape == shape
+    np.testing.assert_allclose(golden.stages["d_bias"], golden.stages["d_scores"].sum(axis=summed, keepdims=True),
+                               rtol=1e-14, atol=1e-300)
+
+
 def test_a_spec_1_1_golden_folder_is_still_read_and_another_version_is_refused(tmp_path):
     """A golden folder written by spec 1.1 (its cases without variants, byte-identical in spec 1.2)
     loads; a folder of an unknown spec version is refused, naming both versions."""

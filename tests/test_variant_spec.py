@@ -391,8 +391,9 @@ ACCEPTED = [("window_left", {"window_left": 2}), ("softcap", {"softcap": 20.0}),
 @pytest.mark.parametrize("field, config", ACCEPTED + [("bias", None)])
 def test_a_case_with_a_variant_is_accepted_by_cases_generate_and_run(field, config, tmp_path, capsys):
     """Nothing is refused any more (NOT_JUDGED_YET is empty): cases --catalog lists the case, generate
-    --catalog writes a forward-only fixture with lse (and q_rot, k_rot with rope) and no backward, and
-    the runner takes it (an adapter that does not declare the variant: unsupported, never sent)."""
+    --catalog writes a fixture with lse (and q_rot, k_rot with rope), d_output and the backward (d_q_rot,
+    d_k_rot with rope, d_sink_logits with sinks, d_bias with a bias input), and the runner takes it (an
+    adapter that does not declare the variant: unsupported, never sent)."""
     from mhaspec.fixtures import GoldenSet
 
     assert NOT_JUDGED_YET == frozenset()
@@ -406,9 +407,10 @@ def test_a_case_with_a_variant_is_accepted_by_cases_generate_and_run(field, conf
     assert "my_variant" in capsys.readouterr().out
     assert main(["generate", "--catalog", str(path), "--out", str(tmp_path / "out")]) == 0
     golden = GoldenSet(tmp_path / "out").load("my_variant")
-    assert "lse" in golden.stages and golden.d_output is None
-    assert ("q_rot" in golden.stages) == (field == "rope")
-    assert not any(name.startswith("d_") for name in golden.stages)  # no backward golden
+    assert "lse" in golden.stages and golden.d_output is not None and "d_query" in golden.stages
+    assert ("q_rot" in golden.stages) == ("d_q_rot" in golden.stages) == (field == "rope")
+    assert ("d_sink_logits" in golden.stages) == (field == "sinks")
+    assert ("d_bias" in golden.stages) == (field == "bias")
     import mhaspec
     from mhaspec.adapters.numpy_mha import NumpyMHA
     from mhaspec.reference.onthefly import OnTheFlyGolden
@@ -511,10 +513,13 @@ def test_the_plain_variant_operations_agree_with_the_exact_reference_row_block_b
         np.testing.assert_allclose(variant_ops.softcap(s, cfg.softcap), exact.softcap(s, cfg.softcap), rtol=4e-16, atol=0)
 
 
-def test_backward_on_a_variant_fixture_judges_the_forward_and_says_why_not_the_backward():
-    """A variant case's fixture holds no backward stages: with --backward its forward is judged and
-    the run says once, with the reason, that its backward stages were not judged."""
+def test_backward_on_a_variant_fixture_is_asked_and_judged_on_what_it_returns():
+    """A variant case's fixture holds its backward (docs/spec.md §2a): with --backward the adapter's
+    backward is asked, a stage it returns is judged and the variants' gradients it does not return are
+    not exposed; no "no backward golden" warning."""
     import mhaspec
+
+    asked = []
 
     class PlainNumpy:  # every variant, in float64 (the plain implementation above)
         name = "plain-numpy"
@@ -528,15 +533,14 @@ def test_backward_on_a_variant_fixture_judges_the_forward_and_says_why_not_the_b
             return {"output": naive_forward(case.config, inputs, {k: v for k, v in weights.items() if v is not None})["output"]}
 
         def backward(self, case):
-            raise AssertionError("never asked: the case has no backward golden")
+            asked.append(case.id)
+            return {"d_concat": case.d_output @ case.weights.w_o.T}  # (B, T, d_out) @ (d_out, H·D_v)
 
-    report = mhaspec.check(PlainNumpy(), dtypes=["float64"], cases=["sinks", "window_zero"], backward=True,
+    report = mhaspec.check(PlainNumpy(), dtypes=["float64"], cases=["sinks", "rope_half"], backward=True,
                            timeout=None, isolate=False)
-    assert [r.case for r in report.results] == ["sinks", "window_zero"]
-    for r in report.results:  # the forward judged (output), no backward stage
-        names = [s.stage for s in r.stages]
-        assert set(STAGES) <= set(names) and not [n for n in names if n.startswith("d_")], names
-        assert r.stage("output").verdict in ("pass", "fail")
-    assert [w for w in report.warnings if "no backward golden" in w] == [
-        "--backward: 2 case×dtype have no backward golden (the cases with an attention variant are judged forward "
-        "only: the backward of the variants has no golden yet, docs/spec.md §2a); their backward stages were not judged"]
+    assert asked == ["sinks", "rope_half"]
+    for r in report.results:
+        assert r.stage("d_concat").verdict == "pass", r.case
+        variant_grads = {"sinks": ["d_sink_logits"], "rope_half": ["d_q_rot", "d_k_rot"]}[r.case]
+        assert [r.stage(n).verdict for n in variant_grads] == ["not exposed"] * len(variant_grads)
+    assert not [w for w in report.warnings if "no backward golden" in w]

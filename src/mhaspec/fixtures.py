@@ -17,10 +17,11 @@ Tensor names inside a file::
     stage.d_concat … stage.d_b_o                           float64 (the case's backward stages)
     visible                                                bool (B, H, T, S)
 
-A case using a variant (docs/spec.md §2a, :func:`forward_only`) stores the forward stages with
-``stage.lse`` (and ``stage.q_rot``, ``stage.k_rot`` with RoPE) and no ``grad.d_output`` nor backward
-stages.  A spec-1.1 fixture stores no ``lse``: :func:`load_case` computes it from the exact scores,
-with its error bound in ``reference_error`` (:class:`StageErrors`).
+A case using a variant (docs/spec.md §2a) stores, besides, ``stage.lse`` (and ``stage.q_rot``,
+``stage.k_rot`` with RoPE: :func:`stored_forward_stages`), and among its backward stages the variants'
+gradients it has (``stage.d_sink_logits`` with sinks, ``stage.d_bias`` with a bias input,
+``stage.d_q_rot``, ``stage.d_k_rot`` with RoPE).  A spec-1.1 fixture stores no ``lse``: :func:`load_case`
+computes it from the exact scores, with its error bound in ``reference_error`` (:class:`StageErrors`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .spec import (
     MANIFEST_NAME,
     SPEC_VERSION,
     STAGE,
+    STAGES,
     BACKWARD_STAGES,
     Case,
     CaseSpec,
@@ -196,11 +198,11 @@ class RowBlocks(GoldenCase):
         return self.make_block(b, t0, t1)
 
 
-def forward_only(spec: CaseSpec) -> bool:
-    """Whether the fixture of ``spec`` is forward only, with the variant stages (q_rot, k_rot, lse):
-    a case using a variant (docs/spec.md §2a), whose backward has no tolerance and no exact reference
-    yet.  A spec-1.1 case's fixture holds the spec-1.1 forward stages, ``d_output`` and the backward."""
-    return bool(variants_used(spec))
+def stored_forward_stages(spec: CaseSpec) -> tuple[str, ...]:
+    """The forward stages the fixture of ``spec`` stores, in pipeline order: a case using a variant
+    (docs/spec.md §2a) every forward stage it has, ``lse`` (and ``q_rot``, ``k_rot`` with RoPE) among
+    them; a spec-1.1 case those of spec 1.1 (the same bytes as before the variants existed)."""
+    return forward_stages(spec.config) if variants_used(spec) else STAGES
 
 
 def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
@@ -218,9 +220,8 @@ def expected_shapes(spec: CaseSpec) -> dict[str, tuple[int, ...]]:
         shapes["input.bias"] = (B if spec.bias.per_batch else 1, cfg.H if spec.bias.per_head else 1, T, S)
     shapes.update({f"weight.{k}": v for k, v in cfg.weight_shapes().items()})
     shapes.update({f"stage.{k}": v for k, v in cfg.stage_shapes(B, T, S).items()})
-    if forward_only(spec):
+    if variants_used(spec):
         shapes.update({f"stage.{k}": v for k, v in cfg.variant_stage_shapes(B, T, S).items()})
-        return shapes
     shapes["grad.d_output"] = (B, T, cfg.d_out)
     shapes.update({f"stage.{k}": v for k, v in backward_stage_shapes(cfg, B, T, S, spec.inputs, shapes.get("input.bias")).items()})
     return shapes

@@ -17,6 +17,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import (BACKWARD_STAGES, INPUT_GRADIENT_STAGES, INPUT_GRADIENTS, STAGE, STAGES, compared_entries,
                     gradient_of)
+from ..spec.stages import REGISTRY
 from .compare import FAIL, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
 from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound
 from .tolerance import backward_bounds, local_checks
@@ -33,8 +34,16 @@ SHARED_KV_NOTE = (f"with key and value one tensor, {gradient_of('key')} is its g
 _SUM_NOTES = {"self": SELF_ATTENTION_NOTE, "shared_kv": SHARED_KV_NOTE}
 
 
+#: Why a case lacks a backward stage it cannot have, by the stage's variant (spec/stages.py): a spec-1.1
+#: stage it lacks is a projection bias's gradient (``config.bias`` False; the input gradients a case folds
+#: are told apart above).
+_ABSENT_BECAUSE = {None: "no projection biases", "rope": "no RoPE", "sinks": "no sinks", "bias": "no bias input"}
+
+
 def case_backward_stages(golden: GoldenCase) -> list[str]:
-    """The backward stages this case has (no d_b_* without bias; no d_key/d_value in self-attention)."""
+    """The backward stages this case has, those its golden holds: no d_b_* without bias, no d_key/d_value in
+    self-attention, the variants' gradients only with their variant (d_q_rot, d_k_rot with RoPE,
+    d_sink_logits with sinks, d_bias with a bias input)."""
     return [s for s in BACKWARD_STAGES if s in golden.stages]
 
 
@@ -59,7 +68,8 @@ def contract_error(returned: Any, golden: GoldenCase) -> str:
                 f"{SHARED_KV_NOTE}, reported as {gradient_of('key')} alone")
     absent = [n for n in names if n not in golden.stages]
     if absent:
-        return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have (no bias)"
+        why = ", ".join(dict.fromkeys(_ABSENT_BECAUSE[REGISTRY[n].variant] for n in absent))
+        return f"backward() returned {', '.join(absent)}, which case {golden.id} does not have ({why})"
     if not names:
         return "backward() returned no stage"
     return ""

@@ -18,7 +18,7 @@ from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transpo
                                    validate_timeout)
 from ..spec import REGISTRY, STAGE, compared_entries
 from ..spec.stages import forward_stages, local_inputs
-from ..spec.variants import undeclared, variants_used
+from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import ROW_AXIS, judge_in_blocks
@@ -36,10 +36,8 @@ from .tolerance import backward_bounds, local_checks
 #: enough that a hung adapter costs minutes, not hours (see MAX_TIMEOUTS).
 DEFAULT_TIMEOUT = 60.0
 
-#: Why a golden case has no backward stages, as ``--backward`` reports it.
+#: Why a golden case has no backward stages, as ``--backward`` reports it (every fixture has them).
 CATALOG_FORWARD_ONLY = "the cases of --catalog are computed on the fly, forward only: docs/backward.md"
-VARIANT_FORWARD_ONLY = ("the cases with an attention variant are judged forward only: the backward of the variants "
-                        "has no golden yet, docs/spec.md §2a")
 
 #: A case of up to this much attention work (B·H·T·S·(D_k + D_v) multiply-adds: T = S = 512 with
 #: H = 8 and D = 64) gets the timeout as given; a larger one (``run --catalog``, ``fuzz``)
@@ -122,8 +120,8 @@ class Session:
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
-        # case×dtype judged with --backward whose golden has no backward stages, by why (NO_BACKWARD_GOLDEN)
-        self._no_backward_golden: dict[str, int] = {}
+        # case×dtype judged with --backward whose golden has no backward stages (--catalog: CATALOG_FORWARD_ONLY)
+        self._no_backward_golden = 0
         self._results: dict[tuple[str, str], CaseResult] = {}
 
     def close(self) -> None:
@@ -383,8 +381,7 @@ class Session:
         """(backward stage verdicts, "" or the contract error, seconds in ``adapter.backward(case)``)."""
         if not self._has_backward or not case_backward_stages(golden):  # (no backward golden: --catalog)
             if self._has_backward:
-                why = VARIANT_FORWARD_ONLY if variants_used(golden.spec) else CATALOG_FORWARD_ONLY
-                self._no_backward_golden[why] = self._no_backward_golden.get(why, 0) + 1
+                self._no_backward_golden += 1
             return judge_backward(None, golden, dtype), "", 0.0
         start = time.perf_counter()
         try:
@@ -444,9 +441,9 @@ class Session:
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         elif self.backward:
-            for why, count in self._no_backward_golden.items():
-                warnings.append(f"--backward: {count} case×dtype have no backward golden ({why}); their backward "
-                                f"stages were not judged")
+            if self._no_backward_golden:
+                warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden "
+                                f"({CATALOG_FORWARD_ONLY}); their backward stages were not judged")
         return Report(
             adapter=self.name,
             framework=framework,

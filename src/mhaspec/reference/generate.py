@@ -15,14 +15,13 @@ from ..fixtures import (
     encode_case,
     encode_manifest,
     fixture_data_bytes,
-    forward_only,
     require_memory,
     precheck_replaceable,
     sha256,
+    stored_forward_stages,
     write_folder_atomically,
 )
 from ..spec import CATALOG, MANIFEST_NAME, SPEC_VERSION, STAGES, Catalog, CaseSpec, Manifest, ManifestEntry
-from ..spec.stages import forward_stages
 from .backward import backward
 from .mha import forward, visibility
 
@@ -30,10 +29,9 @@ from .mha import forward, visibility
 def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     """Inputs, weights, every stage and the visibility of one case, by fixture tensor name.
 
-    A spec-1.1 case: the spec-1.1 forward stages, ``d_output`` and the backward stages (the same
-    bytes as before the variants existed).  A case using a variant (:func:`forward_only`): the forward
-    stages with ``q_rot``, ``k_rot`` (RoPE) and ``lse``, and no backward (the exact backward reference
-    does not know the variants yet)."""
+    The forward stages it stores (:func:`~mhaspec.fixtures.stored_forward_stages`: a spec-1.1 case the
+    same bytes as before the variants existed; a case using a variant ``lse`` too, and ``q_rot``,
+    ``k_rot`` with RoPE), ``d_output`` and every backward stage it has (a variant's gradients with it)."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
     stages = forward(spec.config, inputs, weights)
@@ -41,10 +39,7 @@ def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     tensors = {f"input.{k}": v for k, v in inputs.items()}
     tensors.update({f"weight.{k}": v for k, v in weights.items()})
     tensors["visible"] = visible
-    if forward_only(spec):
-        tensors.update({f"stage.{k}": stages[k] for k in forward_stages(spec.config)})
-        return tensors
-    tensors.update({f"stage.{k}": stages[k] for k in STAGES})
+    tensors.update({f"stage.{k}": stages[k] for k in stored_forward_stages(spec)})
     d_output = spec.make_d_output()
     grads = backward(spec.config, inputs, weights, stages, visible, d_output, spec.inputs)
     tensors["grad.d_output"] = d_output
