@@ -37,7 +37,7 @@ import numpy as np
 from ...fixtures import GoldenCase
 from ...spec import INPUT_GRADIENTS, STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
-from . import backward_variants as bv
+from . import backward_variants as bv, variants as variant_rules
 from .softmax import rest_of_row, softmax_sigma2
 from .forward import worst_case_allowed, worst_case_tolerances
 from .vocabulary import (EXACT, LINEAR, Bound, Error, Rounding, grouped, grouped_t, heads, merge, product, rounding,
@@ -198,7 +198,8 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
     """
     r = rounding(dtype, precision, table)
     if precision == "worst-case":
-        fw = worst_case_tolerances(golden, dtype, table)
+        fw = (variant_rules.worst_case_tolerances if variant_rules.variant_case(golden)  # the variants' rules
+              else worst_case_tolerances)(golden, dtype, table)
         return {k: Bound.worst_case(v) for k, v in backward_tolerances(golden, dtype, fw, table=table,
                                                                        precision=precision).items()}
     assert forward is not None, "the standard contract's backward bounds start from the forward's"

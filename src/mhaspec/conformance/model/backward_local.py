@@ -12,6 +12,7 @@ import numpy as np
 from ...fixtures import GoldenCase
 from ...spec import INPUT_GRADIENTS, STAGE
 from ...spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
+from . import backward_variants as bv
 from .softmax import softmax_rounding, visible_row_max
 from .vocabulary import LINEAR, Rounding, grouped, grouped_t, heads, merge, rounding, swap
 
@@ -80,15 +81,21 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
             + r.rel(0) * (A(P) + e_P) * (A(dP) + A(delta) + e_delta)
         out[STAGE.d_scores] = (np.where(visible, dS, 0.0), np.where(visible, tol + floor, 0.0),
                                (STAGE.attn_weights, STAGE.d_attn_weights))
-    if has(STAGE.d_scores, STAGE.k_proj):
-        dS, K = own[STAGE.d_scores], heads(own[STAGE.k_proj], G, group)
-        out[STAGE.d_q_proj] = (merge(scale * (dS @ K)), merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor,
-                               (STAGE.d_scores, STAGE.k_proj))
+        if STAGE.d_sink_logits in g and has(STAGE.lse):  # −Σ p_sink·δ, p_sink from the adapter's own lse
+            out[STAGE.d_sink_logits] = bv.local_sink(golden, own[STAGE.lse], delta, e_delta, r)
+    # the gradients of the score product's Q and K (q_rot, k_rot with RoPE: d_q_rot, d_k_rot) from the adapter's
+    # d_scores (with softcap: bv.local_capped)
+    q_name, k_name = bv.score_operands(cfg)
+    d_q, d_k = (STAGE.d_q_rot, STAGE.d_k_rot) if cfg.rope is not None else (STAGE.d_q_proj, STAGE.d_k_proj)
+    if has(STAGE.d_scores, k_name) and cfg.softcap is None:
+        dS, K = own[STAGE.d_scores], heads(own[k_name], G, group)
+        out[d_q] = (merge(scale * (dS @ K)), merge(scale * r.rel(S) * (A(dS) @ A(K))) + floor, (STAGE.d_scores, k_name))
     n_group = group * T
-    if has(STAGE.d_scores, STAGE.q_proj):
-        dSg, Qg = grouped_t(own[STAGE.d_scores], G), grouped(heads(own[STAGE.q_proj], H), G)
-        out[STAGE.d_k_proj] = (merge(scale * (dSg @ Qg)),
-                               merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor, (STAGE.d_scores, STAGE.q_proj))
+    if has(STAGE.d_scores, q_name) and cfg.softcap is None:
+        dSg, Qg = grouped_t(own[STAGE.d_scores], G), grouped(heads(own[q_name], H), G)
+        out[d_k] = (merge(scale * (dSg @ Qg)), merge(scale * r.rel(n_group) * (A(dSg) @ A(Qg))) + floor,
+                    (STAGE.d_scores, q_name))
+    out.update(bv.local_checks(golden, own, r, precision == "worst-case"))
     if has(STAGE.attn_weights, STAGE.d_head_outputs):
         P = np.where(visible, own[STAGE.attn_weights], 0.0)
         e_P = _softmax_recompute(A(P), s_abs, visible, r)

@@ -35,9 +35,9 @@ import numpy as np
 
 from ...fixtures import GoldenCase
 from ...spec import STAGE, variant_ops
-from .variants import (FUNCTION_ULPS, raw_score_errors, raw_scores_worst, rope, rope_worst, sech2_over_move,
-                       sink_share)
-from .vocabulary import LAMBDA, Error, Rounding, heads, stored, swap
+from .variants import (FUNCTION_ULPS, local_rope, raw_score_errors, raw_scores_worst, rope, rope_worst,
+                       sech2_over_move, sink_share)
+from .vocabulary import LAMBDA, Error, Rounding, heads, merge, stored, swap
 
 # --- what the score product reads -------------------------------------------------------------------
 
@@ -242,3 +242,82 @@ def back_rotated_worst(golden: GoldenCase, which: str, d_rot: np.ndarray, e: np.
     """The worst-case contract's error of d_q_proj / d_k_proj: :func:`.variants.rope_worst` of d_rot."""
     n_heads, pos = _rope_rows(golden, which)
     return rope_worst(d_rot, e, n_heads, pos, golden.spec.config, r.u, d_proj)
+
+
+# --- the local checks -----------------------------------------------------------------------------------
+
+def local_checks(golden: GoldenCase, own: dict[str, np.ndarray], r: Rounding,
+                 worst_case: bool) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
+    """The variants' backward local checks (:mod:`.backward_local`'s form: float64 recomputation, tolerance,
+    sources), each from the adapter's own stages with only its own rounding: d_bias = Σ of its d_scores over
+    the broadcast axes (ρ(n)·Σ|dS|); with RoPE, d_q_proj and d_k_proj = its d_q_rot, d_k_rot turned back
+    (:func:`.variants.local_rope` at the negated positions: a turn by −θ, the input's storage, the angle's
+    and cos/sin's error, the products'); with softcap, the gradients of the score product's Q and K from its
+    d_scores and Q, K (:func:`local_capped`).  (Without softcap: :mod:`.backward_local`'s d_q_proj rule.)"""
+    out: dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]] = {}
+    if STAGE.d_bias in golden.stages and STAGE.d_scores in own:
+        dS, axes = own[STAGE.d_scores], bias_axes(golden)
+        n = int(np.prod([dS.shape[i] for i in axes]))
+        out[STAGE.d_bias] = (summed(dS, axes), r.rel(n) * summed(np.abs(dS), axes) + r.floor, (STAGE.d_scores,))
+    cfg = golden.spec.config
+    q_name, k_name = score_operands(cfg)
+    if cfg.softcap is not None and all(x in own for x in (STAGE.d_scores, q_name, k_name)):
+        out.update(local_capped(golden, own[STAGE.d_scores], own[q_name], own[k_name], r))
+    if cfg.rope is not None:
+        for which, rot, proj in (("q", STAGE.d_q_rot, STAGE.d_q_proj), ("k", STAGE.d_k_rot, STAGE.d_k_proj)):
+            if rot in own:
+                n_heads, pos = _rope_rows(golden, which)
+                ref, b = local_rope(own[rot], n_heads, -pos, golden.spec.config, r, worst_case)
+                out[proj] = (ref, b.tolerance(LAMBDA), (rot,))
+    return out
+
+
+def local_capped(golden: GoldenCase, dS: np.ndarray, q: np.ndarray, k: np.ndarray,
+                 r: Rounding) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[str, ...]]]:
+    """With softcap, d_q_rot and d_k_rot (d_q_proj and d_k_proj without RoPE) from the adapter's own d_scores
+    dS and score operands q (B, T, H·D), k (B, S, G·D): d_raw = dS ⊙ sech²(s0/c) with s0 = scale·Q Kᵀ in
+    float64, the adapter's own s0 off by its product's rounding ρ(D_k)·scale·|Q||K|ᵀ (:func:`capped_grad_worst`),
+    then scale·d_raw K and scale·Σ_group d_rawᵀ Q with their rounding ρ(n)."""
+    cfg = golden.spec.config
+    H, G, group = cfg.H, cfg.H_kv, cfg.group_size
+    scale = float(cfg.scale)  # type: ignore[arg-type]
+    q_name, k_name = score_operands(cfg)
+    d_q, d_k = (STAGE.d_q_rot, STAGE.d_k_rot) if cfg.rope is not None else (STAGE.d_q_proj, STAGE.d_k_proj)
+    Q, K = heads(q, H), heads(k, G, group)
+    s0 = scale * (Q @ swap(K))
+    e_s0 = r.rel(cfg.D_k) * scale * (np.abs(Q) @ swap(np.abs(K)))
+    sech2, _, _ = softcap_slope(s0, e_s0, float(cfg.softcap))  # type: ignore[arg-type]
+    d_raw = dS * sech2
+    mag, e_raw = capped_grad_worst(dS, 0.0 * dS, s0, e_s0, float(cfg.softcap), r)  # type: ignore[arg-type]
+    B, _, T, _ = dS.shape
+    n_group = group * T
+
+    def grouped_sum(x: np.ndarray) -> np.ndarray:  # (B, H, S, D) summed over each group's query heads
+        return x.reshape(B, G, group, *x.shape[2:]).sum(axis=2)
+
+    hi_q = (mag + e_raw) @ np.abs(K)
+    hi_k = grouped_sum(swap(mag + e_raw) @ np.abs(Q))
+    tol_q = scale * ((hi_q - mag @ np.abs(K)) + r.rel(golden.spec.src_len) * hi_q) + r.floor
+    tol_k = scale * ((hi_k - grouped_sum(swap(mag) @ np.abs(Q))) + r.rel(n_group) * hi_k) + r.floor
+    return {d_q: (merge(scale * (d_raw @ K)), merge(tol_q), (STAGE.d_scores, q_name, k_name)),
+            d_k: (merge(scale * grouped_sum(swap(d_raw) @ Q)), merge(tol_k), (STAGE.d_scores, q_name, k_name))}
+
+
+def local_sink(golden: GoldenCase, lse_own: np.ndarray, delta: np.ndarray, e_delta: np.ndarray,
+               r: Rounding) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """d_sink_logits from the adapter's own lse (B, H, T) and δ (B, H, T, 1) of its own P and d_attn_weights
+    (off by ``e_delta``, :mod:`.backward_local`'s d_scores rule): −Σ_{b,i} exp(z − lse)·δ; p_sink off by its
+    lse's storage (u·|lse|, relative) and :func:`sink_share_error`'s own rounding, the sum by ρ(B·T)."""
+    H = golden.spec.config.H
+    z = np.asarray(golden.weights["sink_logits"], dtype=np.float64).reshape(1, H, 1, 1)
+    lse_ = lse_own[..., None]
+    seen = np.isfinite(lse_)
+    lse_ = np.where(seen, lse_, 0.0)
+    p = np.where(seen, np.exp(np.minimum(z - lse_, 350.0)), 0.0)
+    e = sink_share_error(p, z, lse_, Error(0.0, lin=r.u * np.abs(lse_)), r)
+    e_p = e.acc + e.lin + p * r.u
+    d = np.abs(delta)
+    rows = (0, 2, 3)
+    B, _, T, _ = golden.visible.shape
+    tol = np.sum(e_p * (d + e_delta) + p * e_delta, axis=rows) + r.rel(B * T) * np.sum((p + e_p) * (d + e_delta), axis=rows)
+    return -np.sum(p * delta, axis=rows), tol + r.floor, (STAGE.lse, STAGE.attn_weights, STAGE.d_attn_weights)
