@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mhaspec.conformance import ERROR, FAIL, PASS
+from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.spec import BACKWARD_STAGES, DTYPES
 from mhaspec.spec.stages import BACKWARD_VARIANT_STAGES, STAGE, compared_entries
 
@@ -97,7 +98,8 @@ def test_correct_backward_implementations_pass_every_variant_case_and_dtype(name
     precision = CORRECT[name][1]
     report = variant_report(adapter_of(name, view), precision, backward=True)
     assert len(report.results) == len(DTYPES) * len(variant_golden()[1])
-    assert report.ok and all(r.verdict == PASS for r in report.results), report.table()
+    # uninformative: a stage whose bound is wider than the golden (16-bit leaf gradients, worst-case): not a fail
+    assert report.ok and all(r.verdict in (PASS, UNINFORMATIVE) for r in report.results), report.table()
     worst = worst_ratio(report)
     # a worst ratio above 1/2 would mean a correct implementation comes close to failing
     assert worst <= 0.5, f"{name} ({view}, {precision}): worst error/tolerance {worst:.3g} (margin {1 / worst:.3g}x)"
@@ -118,13 +120,24 @@ def test_the_variant_gradients_are_judged():
 NOT_IN_THE_CATALOG = ("softcap_prime_from_post_bias_scores",)
 
 
-@pytest.mark.parametrize("precision", ["standard", "worst-case"])
-@pytest.mark.parametrize("view", VIEWS)
+#: (bug, view, precision) -> the (case, dtype) where it is known to pass because the stage it changes is
+#: uninformative there (its bound at least the golden's magnitude): the worst-case contract's bound of
+#: d_sink_logits in bfloat16 on gpt_oss_sinks_window (B·T = 30 terms per head) cannot see the sign.
+BLIND = {("d_sink_logits_sign_flipped", "every stage", "worst-case"): {("gpt_oss_sinks_window", "bfloat16")}}
+
+#: The views and contracts the kill list is proved under: every stage in both contracts; the leaf view in the
+#: standard one (under the worst-case contract 16-bit leaf gradients are too loose to resolve most of the kill
+#: list: benchmarks/variant_backward_figures.py prints how much).
+PROVED = [("every stage", "standard"), ("every stage", "worst-case"), ("leaf gradients", "standard")]
+
+
+@pytest.mark.parametrize("view, precision", PROVED)
 @pytest.mark.parametrize("name", sorted(set(KILL_LIST) - set(NOT_IN_THE_CATALOG)))
 def test_a_kill_list_bug_is_caught_at_its_stage_in_every_dtype(name, view, precision):
     """Every stage exposed: failed at the first stage the bug changes.  As loss.backward() shows it: failed
     (at whichever leaf gradient resolves it: a bug may change a leaf gradient by less than its tolerance
-    and the next one by more — benchmarks/variant_backward_figures.py counts both)."""
+    and the next one by more — benchmarks/variant_backward_figures.py counts both).  Except where
+    :data:`BLIND` says, with the stage uninformative there."""
     adapter = adapter_of(name, view)
     expected = expected_backward_stages(adapter)
     assert expected, f"{name} changes no variant case's backward in float64"
@@ -132,10 +145,15 @@ def test_a_kill_list_bug_is_caught_at_its_stage_in_every_dtype(name, view, preci
         assert set(expected.values()) <= set(KILL_LIST[name][1]), (name, expected)
     report = variant_report(adapter, precision, backward=True)
     missed, wrong = caught_at(report, expected, anywhere=view != "every stage")
-    assert not missed, f"{name} ({view}, {precision}) not caught on {len(missed)} case×dtype: {missed[:8]}"
+    blind = BLIND.get((name, view, precision), set())
+    assert {(c, d) for c, d, _ in missed} == blind, \
+        f"{name} ({view}, {precision}) not caught on {len(missed)} case×dtype: {missed[:8]} (known: {blind})"
+    for case, dtype in blind:
+        stage = report.result(case, dtype).stage(expected[case])
+        assert stage.verdict == UNINFORMATIVE, (case, dtype, stage.verdict)
     assert not wrong, f"{name} ({view}, {precision}): first failing stage (case, dtype, got, expected): {wrong[:8]}"
     unchanged = [(r.case, r.dtype, r.first_failing_stage) for r in report.results
-                 if r.case not in expected and r.verdict != PASS]
+                 if r.case not in expected and r.verdict in (FAIL, ERROR)]
     assert not unchanged, f"{name} fails where it does not change the float64 result: {unchanged[:3]}"
 
 
