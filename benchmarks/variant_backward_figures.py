@@ -19,9 +19,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhaspec.conformance import FAIL, PASS  # noqa: E402
+from mhaspec.conformance.compare import UNINFORMATIVE  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
 from tests.backward_variant_zoo import CORRECT, KILL_LIST  # noqa: E402
-from tests.test_variant_backward_proofs import VIEWS, adapter_of, caught_at, expected_backward_stages  # noqa: E402
+from tests.test_variant_backward_proofs import (  # noqa: E402
+    NOT_IN_THE_CATALOG,
+    VIEWS,
+    adapter_of,
+    caught_at,
+    expected_backward_stages,
+    first_changed_backward_stage,
+)
 from tests.variant_cases import variant_golden, variant_report  # noqa: E402
 
 
@@ -52,6 +60,30 @@ def kill_list_figures(precision: str) -> None:
               + ", ".join(f"{d} {a}/{c}/{n}" for d in DTYPES for a, c, n in [totals[view, d]]), flush=True)
 
 
+def supplement_figures() -> None:
+    """The bugs no catalog case shows (NOT_IN_THE_CATALOG), on tests/variant_cases.py's "everything"."""
+    import tempfile
+
+    import mhaspec
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.reference.generate import generate
+    from mhaspec.spec import Catalog
+    from tests.variant_cases import judged_variants, spec_of
+
+    with tempfile.TemporaryDirectory() as folder, judged_variants():
+        catalog = Catalog([spec_of("everything")])
+        generate(Path(folder) / "golden", catalog)
+        golden = GoldenSet(Path(folder) / "golden")
+        for name in NOT_IN_THE_CATALOG:
+            for view in VIEWS:
+                adapter = adapter_of(name, view)
+                stage = first_changed_backward_stage(adapter, golden.load(catalog.ids()[0]))
+                report = mhaspec.check(adapter, cases=catalog.ids(), golden=golden, timeout=None, isolate=False,
+                                       backward=True)
+                cells = [f"{r.dtype} {r.verdict} at {r.first_failing_stage}" for r in report.results]
+                print(f"{name} on 'everything' ({view}, first changed: {stage}): " + ", ".join(cells), flush=True)
+
+
 def margin_figures() -> None:
     smallest = {d: float("inf") for d in DTYPES}
     for name, (_, precision) in CORRECT.items():
@@ -66,7 +98,9 @@ def margin_figures() -> None:
                 margin = 1 / worst[0] if worst[0] else float("inf")
                 smallest[d] = min(smallest[d], margin)
                 passing = sum(r.verdict == PASS for r in results)
-                cells.append(f"{d} {passing}/{len(results)} pass, margin {margin:.3g}x ({worst[1]} {worst[2]})")
+                vague = sum(r.verdict == UNINFORMATIVE for r in results)
+                cells.append(f"{d} {passing}/{len(results)} pass" + (f" ({vague} uninformative)" if vague else "")
+                             + f", margin {margin:.3g}x ({worst[1]} {worst[2]})")
             print(f"{name:<22} {view:<15} {precision:<10} " + ", ".join(cells), flush=True)
     print("correct implementations' smallest margin: " + ", ".join(f"{d} {m:.3g}x" for d, m in smallest.items()))
 
@@ -76,6 +110,7 @@ def main() -> None:
     print(f"variant cases: {len(ids)} ({', '.join(ids)})")
     for precision in ("standard", "worst-case"):
         kill_list_figures(precision)
+    supplement_figures()
     margin_figures()
 
 
