@@ -26,7 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from mhaspec.spec import Case
-from mhaspec.spec.stages import INPUT_GRADIENT_STAGES, REGISTRY, STAGE
+from mhaspec.spec.stages import REGISTRY, STAGE
 from mhaspec.spec.variants import VARIANTS
 
 from .backward_variants import BackwardVariant
