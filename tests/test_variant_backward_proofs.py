@@ -4,9 +4,12 @@ On the variant cases of the catalog in every dtype, the backward judged (tests/b
 (1) every correct implementation (CORRECT: plain, FlashAttention-style with sinks and a window, softcap′
 from the capped score, RoPE turned back by the conjugate, d_bias summed in float32, native accumulation
 under the worst-case contract) passes with a margin, every stage exposed and as ``loss.backward()``
-shows it (output and the leaves' gradients); (2) every bug of the kill list (KILL_LIST) fails on every
-case and dtype where it changes the float64 result, first at the backward stage it changes first.
-The figures: benchmarks/variant_backward_figures.py.
+shows it (output and the leaves' gradients; a stage may be uninformative, never failing); (2) every bug
+of the kill list (KILL_LIST) fails on every case and dtype where it changes the float64 backward — every
+stage exposed: first at the stage it changes first, under both contracts; the leaf view: at some leaf
+gradient, under the standard contract (:data:`PROVED`; the one blind spot: :data:`BLIND`).  A bug that
+no catalog case shows is proved on tests/variant_cases.py's "everything" (:data:`NOT_IN_THE_CATALOG`).
+The figures: benchmarks/variant_backward_figures.py (benchmarks/results/2026-12-06-variant-backward-proofs.md).
 """
 
 from __future__ import annotations
@@ -217,7 +220,8 @@ def test_the_figures_per_dtype(capsys):
                             for r in variant_report(adapter_of(name, view), precision, backward=True).results
                             if r.dtype == d for st in r.stages if st.verdict in (PASS, FAIL))
     with capsys.disabled():
-        print("\nvariants' backward kill list caught at its stage: "
+        print("\nvariants' backward kill list caught (every stage: at its first changed stage; leaf view: at a leaf "
+              "gradient; standard contract): "
               + ", ".join(f"{d} {a}/{b} = {a / b:.1%}" for d, (a, b) in caught.items())
               + "\ncorrect backward implementations' smallest margin: "
               + ", ".join(f"{d} {m:.3g}x" for d, m in margin.items()))
