@@ -1,8 +1,9 @@
 """The variants' backward tolerances, two-sided per dtype (docs/backward.md "The variants' gradients"): a plain
 correct backward in the dtype under test (float32 sums for 16-bit dtypes, every stage stored in the dtype,
-RoPE's cos and sin from float32 angles stored in the dtype as HF does, softcap′ as autograd forms it,
+RoPE's cos and sin from angles in the accumulator stored in the dtype as HF does, softcap′ as autograd forms it,
 1 − t² of the stored tanh) passes every backward stage of every small variant case of
-tests/test_variant_tolerances.py (and two with a bias that broadcasts over one axis), with margin (:data:`MARGIN`), in float64, float32, float16 and bfloat16 under both precision
+tests/test_variant_tolerances.py (and two with a bias that broadcasts over one axis) and of the catalog,
+with margin (:data:`MARGIN`), in float64, float32, float16 and bfloat16 under both precision
 contracts; and three bugs fail at their stage: softcap′ missing, d_bias summed over a mis-viewed axis, RoPE
 turned back by +θ.  The golden is the exact reference's (:func:`mhaspec.reference.backward`), built in memory.
 
@@ -17,10 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_variant_tolerances import CASES as FORWARD_CASES, DTYPES, _spec, golden_of, implementation
+from tests.test_variant_tolerances import (CASES as FORWARD_CASES, DTYPES, _spec, first_failure, golden_of,
+                                           implementation)
 
 from mhaspec.conformance.backward import judge_backward
-from mhaspec.conformance.compare import FAIL, PASS, UNINFORMATIVE
+from mhaspec.conformance.compare import PASS, UNINFORMATIVE
 from mhaspec.fixtures import GoldenCase
 from mhaspec.reference import backward
 from mhaspec.spec import variant_ops
@@ -168,14 +170,24 @@ def judge(golden: GoldenCase, dtype: str, precision: str = "standard", bug: str 
     return judge_backward(returned, golden, dtype, forward=forward, precision=precision)
 
 
-#: The largest error/tolerance asked of the plain implementation, golden and local.  Not 0.5: the local check
-#: of d_q_rot / d_q_proj allows the result three storage roundings (ρ(S) = γ_acc(S + k) + 3u) and this
-#: implementation stores it twice (the product, then ·scale), so where |d_q| ≈ Σ|dS||K| it reaches 2/3.
-MARGIN = 0.7
+#: The largest error/tolerance asked of the plain implementation, golden and local.  Not 0.5: the local checks
+#: of d_q_rot / d_k_rot (d_q_proj / d_k_proj) allow the result three storage roundings (ρ(n) = γ_acc(n + k) + 3u)
+#: and this implementation stores it twice (the product or group sum, then ·scale), so where |d_q| ≈ Σ|dS||K|
+#: it reaches 2/3 and its float32 sums' share of γ_acc(n + k) on top (0.70 on the catalog's alibi_standard, float16).
+MARGIN = 0.75
+
+
+def ratio(st: Any) -> float:
+    """A verdict's worst error/tolerance, golden or local."""
+    return max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0)
 
 
 def worst_ratio(stages: list) -> float:
-    return max(max(st.worst_ratio or 0.0, st.local_worst_ratio or 0.0) for st in stages)
+    return max(ratio(st) for st in stages)
+
+
+def worst_stage(stages: list) -> str:
+    return max(stages, key=ratio).stage
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +204,33 @@ def test_a_correct_plain_backward_passes_every_variant_stage_with_margin(goldens
         stages = judge(golden, dtype, precision)
         bad = [(st.stage, st.verdict, st.message) for st in stages if st.verdict not in ok]
         assert not bad, (name, dtype, precision, bad)
-        assert worst_ratio(stages) <= MARGIN, (name, dtype, precision, worst_ratio(stages),
-                                                max(stages, key=lambda s: max(s.worst_ratio or 0, s.local_worst_ratio or 0)).stage)
+        assert worst_ratio(stages) <= MARGIN, (name, dtype, precision, worst_ratio(stages), worst_stage(stages))
         passed |= {st.stage for st in stages if st.verdict == PASS}
-    assert {"d_sink_logits", "d_bias", "d_q_rot", "d_k_rot"} <= passed or precision == "worst-case" and dtype == "bfloat16"
+        if precision == "standard":  # the systematic-error test runs on the variants' gradients like any other
+            big = {st.stage for st in stages if st.stage in ("d_bias", "d_q_rot", "d_k_rot")}
+            assert all(st.rms_ratio is not None and st.rms_ratio <= 1 for st in stages if st.stage in big), name
+    # (worst-case bfloat16: d_sink_logits is uninformative on every sink case, docs/backward.md)
+    expected = {"d_bias", "d_q_rot", "d_k_rot"} | ({"d_sink_logits"} if (precision, dtype) != ("worst-case", "bfloat16")
+                                                    else set())
+    assert expected <= passed
+
+
+@pytest.mark.parametrize("precision", ["standard", "worst-case"])
+def test_a_correct_plain_backward_passes_the_catalogs_variant_cases(precision: str) -> None:
+    """The stored golden of the catalog's variant cases (every dtype; the small cases above are the built ones)."""
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.spec.variants import variants_used
+
+    golden_set = GoldenSet()
+    ids = [i for i in golden_set.ids() if variants_used(golden_set.load(i).spec)]
+    assert len(ids) >= 23
+    ok = (PASS,) if precision == "standard" else (PASS, UNINFORMATIVE)
+    for dtype in DTYPES:
+        for case_id in ids:
+            stages = judge(golden_set.load(case_id), dtype, precision)
+            assert all(st.verdict in ok for st in stages), (case_id, dtype, [(st.stage, st.verdict, st.message)
+                                                                             for st in stages if st.verdict not in ok])
+            assert worst_ratio(stages) <= MARGIN, (case_id, dtype, worst_ratio(stages))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -208,8 +243,8 @@ def test_each_backward_bug_fails_at_its_stage(goldens, bug: str, dtype: str) -> 
             continue
         judged += 1
         stages = judge(golden, dtype, bug=bug)
-        first = next((st.stage for st in stages if st.verdict == FAIL), None)
-        assert first == where(golden.spec), (bug, name, dtype, [(s.stage, s.verdict, s.message) for s in stages])
+        assert first_failure(stages) == where(golden.spec), (bug, name, dtype,
+                                                             [(s.stage, s.verdict, s.message) for s in stages])
     assert judged
 
 
@@ -222,3 +257,20 @@ def test_d_bias_entries_that_sum_only_masked_scores_must_be_exactly_zero(goldens
     assert blind.any() and (golden.stages["d_bias"][blind] == 0).all()
     tol = backward_bounds(golden, "bfloat16", precision=precision)["d_bias"].tolerance(8.0)
     assert (tol[blind] == 0).all() and (tol[~blind] > 0).all()
+
+
+def test_softcap_slope_bounds_the_move_of_sech2() -> None:
+    """|sech²(x/c) − sech²(s0/c)| ≤ min(h·|x − s0|, g) for every x within τ of s0 (the mean value theorem with
+    h the largest |d sech²/dx| over the move), on a grid of logits, caps and moves."""
+    from mhaspec.conformance.model.backward_variants import softcap_slope
+
+    rng = np.random.default_rng(31)
+    for cap in (0.5, 2.0, 30.0):
+        s0 = rng.uniform(-6 * cap, 6 * cap, 4000)
+        tau = cap * 10.0 ** rng.uniform(-6, 0.5, s0.shape)
+        x = s0 + tau * rng.uniform(-1, 1, s0.shape)
+        sech2, g, h = softcap_slope(s0, tau, cap)
+        moved = np.abs(1 / np.cosh(x / cap) ** 2 - sech2)
+        assert (moved <= np.minimum(h * np.abs(x - s0), g) * (1 + 1e-12) + 1e-300).all(), cap
+        assert (moved[tau > cap] > 0.05 * (h * tau)[tau > cap]).any()  # not vacuous: h is of the move's size
+

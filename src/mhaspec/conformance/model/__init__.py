@@ -29,7 +29,8 @@ Modules, each readable as the math, one rule per stage:
 * :mod:`.local` — the forward stages' local checks (from the adapter's own previous stages);
 * :mod:`.variants` — the attention variants' rules (RoPE, softcap, bias and ALiBi, sinks, lse), golden
   and local, and the bounds of a case that uses one (the general rule: no engine computes them);
-* :mod:`.backward`, :mod:`.backward_local` — the same for the backward stages.
+* :mod:`.backward`, :mod:`.backward_local` — the same for the backward stages; :mod:`.backward_variants` —
+  the variants' gradients (d_bias, d_sink_logits, softcap′, d_q_rot/d_k_rot, RoPE turned back), both checks.
 
 The model never imports :mod:`mhaspec.conformance.engine` (tests/test_architecture.py): the
 engines compute the same rules faster, and :mod:`mhaspec.conformance.tolerance` chooses

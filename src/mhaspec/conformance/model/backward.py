@@ -272,8 +272,8 @@ def backward_bounds(golden: GoldenCase, dtype: str, forward: Mapping[str, Bound]
                             np.maximum(gam(S) * np.sum(A(P * dPv), -1, keepdims=True),
                                        gam(E) * np.sum(A(dO * O), -1, keepdims=True)),
                             np.maximum(np.sum(A(dPv) * lP + P * ldP, -1, keepdims=True), lin_d))
-            err[STAGE.d_sink_logits] = bv.sink_grad(golden, delta, e_delta,
-                                                    _forward_err(fb[STAGE.lse], carried=True).map(lambda x: x[..., None]), r)
+            e_lse = _forward_err(fb[STAGE.lse], carried=True).map(lambda x: x[..., None])  # (B, H, T, 1)
+            err[STAGE.d_sink_logits] = bv.sink_grad(golden, delta, e_delta, e_lse, r)
         q_name, k_name = bv.score_operands(cfg)  # Q_rot, K_rot with RoPE
         e_q, e_k = (_forward_err(fb[x], carried=False) for x in (q_name, k_name))
         d_raw, e_draw = dS, e_dS

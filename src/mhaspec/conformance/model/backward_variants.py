@@ -69,7 +69,8 @@ def softcap_slope(s0: np.ndarray, tau: np.ndarray, cap: float) -> tuple[np.ndarr
     return sech2, g, (2.0 / cap) * g * np.tanh(a + tau / cap)
 
 
-def sech2_rounding(s0: np.ndarray, sech2: np.ndarray, h: np.ndarray, r: Rounding) -> tuple[list[np.ndarray], np.ndarray]:
+def sech2_rounding(s0: np.ndarray, sech2: np.ndarray, h: np.ndarray,
+                   r: Rounding) -> tuple[list[np.ndarray], np.ndarray]:
     """The roundings of a correct sech²(s0/c) as autograd forms it, 1 − t² with t = tanh(s0/c) stored:
     the independent ones' sizes — s0/c stored (h·u·|s0|), t stored (2t²·u), t² and 1 − t² in the
     accumulator (u_acc·t², u_acc·sech²), sech² stored (u·sech²) — and tanh's own, systematic
@@ -196,8 +197,8 @@ def sink_grad(golden: GoldenCase, delta: np.ndarray, e_delta: Error, e_lse: Erro
     B, _, T, _ = golden.visible.shape
     var = np.sum(delta**2 * e_p.total_var + p * p * e_delta.total_var, axis=rows)
     lin = np.sum(np.abs(delta) * e_p.lin + p * e_delta.lin, axis=rows)
-    return Error(var + stored(r.u, golden.stages[STAGE.d_sink_logits]), r.gamma(B * T) * np.sum(np.abs(p * delta), axis=rows),
-                 lin)
+    acc = r.gamma(B * T) * np.sum(np.abs(p * delta), axis=rows)
+    return Error(var + stored(r.u, golden.stages[STAGE.d_sink_logits]), acc, lin)
 
 
 def sink_grad_worst(golden: GoldenCase, delta: np.ndarray, e_delta: np.ndarray, e_lse: np.ndarray,
@@ -210,7 +211,8 @@ def sink_grad_worst(golden: GoldenCase, delta: np.ndarray, e_delta: np.ndarray, 
     d = np.abs(delta)
     rows = (0, 2, 3)
     B, _, T, _ = golden.visible.shape
-    return np.sum(e_p * (d + e_delta) + p * e_delta, axis=rows) + r.rel(B * T) * np.sum((p + e_p) * (d + e_delta), axis=rows)
+    return (np.sum(e_p * (d + e_delta) + p * e_delta, axis=rows)
+            + r.rel(B * T) * np.sum((p + e_p) * (d + e_delta), axis=rows))
 
 
 # --- RoPE turned back ---------------------------------------------------------------------------------
@@ -319,5 +321,6 @@ def local_sink(golden: GoldenCase, lse_own: np.ndarray, delta: np.ndarray, e_del
     d = np.abs(delta)
     rows = (0, 2, 3)
     B, _, T, _ = golden.visible.shape
-    tol = np.sum(e_p * (d + e_delta) + p * e_delta, axis=rows) + r.rel(B * T) * np.sum((p + e_p) * (d + e_delta), axis=rows)
+    tol = (np.sum(e_p * (d + e_delta) + p * e_delta, axis=rows)
+           + r.rel(B * T) * np.sum((p + e_p) * (d + e_delta), axis=rows))
     return -np.sum(p * delta, axis=rows), tol + r.floor, (STAGE.lse, STAGE.attn_weights, STAGE.d_attn_weights)
