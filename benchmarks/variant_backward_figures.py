@@ -65,21 +65,17 @@ def supplement_figures() -> None:
     import tempfile
 
     import mhaspec
-    from mhaspec.fixtures import GoldenSet
-    from mhaspec.reference.generate import generate
-    from mhaspec.spec import Catalog
-    from tests.variant_cases import judged_variants, spec_of
+    from tests.variant_cases import judged_variants, written_golden
 
-    with tempfile.TemporaryDirectory() as folder, judged_variants():
-        catalog = Catalog([spec_of("everything")])
-        generate(Path(folder) / "golden", catalog)
-        golden = GoldenSet(Path(folder) / "golden")
+    with tempfile.TemporaryDirectory() as folder:
+        golden, ids = written_golden(["everything"], Path(folder) / "golden")
         for name in NOT_IN_THE_CATALOG:
             for view in VIEWS:
                 adapter = adapter_of(name, view)
-                stage = first_changed_backward_stage(adapter, golden.load(catalog.ids()[0]))
-                report = mhaspec.check(adapter, cases=catalog.ids(), golden=golden, timeout=None, isolate=False,
-                                       backward=True)
+                stage = first_changed_backward_stage(adapter, golden.load(ids[0]))
+                with judged_variants():
+                    report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False,
+                                           backward=True)
                 cells = [f"{r.dtype} {r.verdict} at {r.first_failing_stage}" for r in report.results]
                 print(f"{name} on 'everything' ({view}, first changed: {stage}): " + ", ".join(cells), flush=True)
 

@@ -14,7 +14,7 @@ from mhaspec.spec import DTYPES
 from mhaspec.spec.stages import BACKWARD_STAGES, forward_stages
 
 from .backward_variant_zoo import CORRECT, KILL_LIST
-from .variant_cases import variant_golden, variant_report
+from .variant_cases import variant_golden, variant_report, written_golden
 
 pytestmark = pytest.mark.proofs  # it reads the judge's verdicts on the variant cases
 
@@ -65,3 +65,23 @@ def test_a_correct_backward_gets_no_diagnosis_even_if_every_stage_were_failing(n
             names = [*forward_stages(golden.spec.config), *BACKWARD_STAGES]
             stages = [StageResult(s, FAIL) for s in names if s in returned]
             assert diagnose(golden, returned, dtype, stages) == [], (case_id, dtype)
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory):
+    return written_golden(["everything"], tmp_path_factory.mktemp("everything"))
+
+
+def test_softcap_prime_from_the_post_bias_scores_is_named_where_a_bias_follows_the_softcap(everything):
+    """No catalog case has softcap with a bias or ALiBi: tests/variant_cases.py's "everything" has both."""
+    import mhaspec
+
+    from .variant_cases import judged_variants
+
+    golden, ids = everything
+    adapter, _ = KILL_LIST["softcap_prime_from_post_bias_scores"]
+    with judged_variants():
+        report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False, backward=True)
+    hints = {r.dtype: r.hints for r in report.results}
+    assert all(r.verdict == FAIL for r in report.results), report.table()
+    assert all(len(h) == 1 and _named(h[0]).startswith("softcap′ from the post-bias scores") for h in hints.values()), hints

@@ -23,7 +23,7 @@ from mhaspec.spec import BACKWARD_STAGES, DTYPES
 from mhaspec.spec.stages import BACKWARD_VARIANT_STAGES, STAGE, compared_entries
 
 from .backward_variant_zoo import CORRECT, KILL_LIST, correct_twin, leaf_only
-from .variant_cases import variant_golden, variant_report
+from .variant_cases import variant_golden, variant_report, written_golden
 from .zoo import CHANGED
 
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
@@ -169,17 +169,7 @@ def test_the_bugs_left_out_change_no_catalog_case():
 def everything(tmp_path_factory):
     """(golden set, case ids) of tests/variant_cases.py's "everything" (RoPE, softcap, ALiBi, a bias, sinks and
     a window in one case), its fixture written by the exact reference (forward and backward)."""
-    from mhaspec.fixtures import GoldenSet
-    from mhaspec.reference.generate import generate
-    from mhaspec.spec import Catalog
-
-    from .variant_cases import judged_variants, spec_of
-
-    folder = tmp_path_factory.mktemp("everything")
-    with judged_variants():
-        catalog = Catalog([spec_of("everything")])
-        generate(folder, catalog)
-    return GoldenSet(folder), catalog.ids()
+    return written_golden(["everything"], tmp_path_factory.mktemp("everything"))
 
 
 @pytest.mark.parametrize("view", VIEWS)

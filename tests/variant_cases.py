@@ -116,6 +116,19 @@ def variant_golden():
     return OnTheFlyGolden(catalog, "tests/variant_cases.py"), catalog.ids()
 
 
+def written_golden(names: list[str], folder: Any) -> tuple[Any, list[str]]:
+    """(golden set, case ids) of :data:`CASES` ``names``, their fixtures (forward and backward) written into
+    ``folder`` by the exact reference (mhaspec.reference.generate)."""
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.reference.generate import generate
+    from mhaspec.spec import Catalog
+
+    with judged_variants():
+        catalog = Catalog([spec_of(name) for name in names])
+        generate(folder, catalog)
+    return GoldenSet(folder), catalog.ids()
+
+
 _REPORTS: dict[tuple[int, str, bool], tuple[Any, Any]] = {}
 
 
