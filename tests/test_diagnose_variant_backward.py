@@ -14,6 +14,7 @@ from mhaspec.spec import DTYPES
 from mhaspec.spec.stages import BACKWARD_STAGES, forward_stages
 
 from .backward_variant_zoo import CORRECT, KILL_LIST
+from .test_diagnose_variants import assert_named
 from .variant_cases import variant_golden, variant_report, written_golden
 
 pytestmark = pytest.mark.proofs  # it reads the judge's verdicts on the variant cases
@@ -29,21 +30,10 @@ NAMED = {
 }
 
 
-def _named(hint: str) -> str:
-    return hint.split(": ", 1)[1]
-
-
 @pytest.mark.parametrize("bug", sorted(NAMED))
 def test_a_diagnosed_backward_bug_is_named_in_every_dtype_and_never_another(bug):
-    adapter, _ = KILL_LIST[bug]
-    failing = [r for r in variant_report(adapter, backward=True).results if r.verdict == FAIL]
-    for r in failing:
-        assert all(_named(h).startswith(NAMED[bug]) for h in r.hints), (r.case, r.dtype, r.hints)
-        assert len(r.hints) <= 1, (r.case, r.dtype, r.hints)
-    named = [r for r in failing if r.hints]
-    assert {r.dtype for r in named} == set(DTYPES), f"{bug} is not named in some dtype"
     # unnamed: in bfloat16 a few cases whose gradients are too coarse to tell (measured: 5 of 76)
-    assert len(named) >= 0.75 * len(failing), f"{bug}: named on {len(named)} of {len(failing)} failing case×dtype"
+    assert_named(variant_report(KILL_LIST[bug][0], backward=True), bug, NAMED[bug])
 
 
 @pytest.mark.parametrize("bug", sorted(set(KILL_LIST) - set(NAMED)))
@@ -84,4 +74,5 @@ def test_softcap_prime_from_the_post_bias_scores_is_named_where_a_bias_follows_t
         report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False, backward=True)
     hints = {r.dtype: r.hints for r in report.results}
     assert all(r.verdict == FAIL for r in report.results), report.table()
-    assert all(len(h) == 1 and _named(h[0]).startswith("softcap′ from the post-bias scores") for h in hints.values()), hints
+    assert all(len(h) == 1 and h[0].split(": ", 1)[1].startswith("softcap′ from the post-bias scores")
+               for h in hints.values()), hints
