@@ -234,3 +234,26 @@ def test_a_spec_1_1_golden_folder_is_still_read_and_another_version_is_refused(t
         else:
             with pytest.raises(FixtureError, match="spec version 0.9, this mhaspec implements 1.2"):
                 GoldenSet(folder)
+
+
+def test_a_forward_only_variant_fixture_of_an_earlier_mhaspec_is_refused_with_the_way_out(tmp_path):
+    """A variant case's fixture written before its backward was specified (forward stages only) is refused,
+    naming the missing tensors and saying to regenerate — never judged with its gradients missing."""
+    import hashlib
+
+    from mhaspec.io import safetensors
+
+    manifest = json.loads((DEFAULT_GOLDEN / "manifest.json").read_text())
+    entry = next(c for c in manifest["cases"] if c["spec"]["id"] == "softcap")
+    tensors = safetensors.decode((DEFAULT_GOLDEN / entry["file"]).read_bytes(), copy=True)
+    forward = {k: v for k, v in tensors.items() if not (k == "grad.d_output" or k.startswith("stage.d_"))}
+    assert len(forward) < len(tensors)
+    data = safetensors.encode(forward)
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / entry["file"]).write_bytes(data)
+    old_entry = {**entry, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "cases": [old_entry]}))
+    with pytest.raises(FixtureError, match=r"case softcap: size \d+ bytes does not fit its tensors .*regenerate "
+                                           r"the folder with `mhaspec generate"):
+        GoldenSet(folder).load("softcap")

@@ -321,3 +321,18 @@ def test_the_adapter_column_and_the_header_stay_in_place_when_scrolling(reports)
     assert "position: sticky; left: 0;" in sticky and "background: #fff;" in sticky
     assert "thead { position: sticky; top: 0;" in css and "thead th { background: #fff; }" in css
     assert '<thead><tr><th class="corner"></th>' in page and '<tr><th class="ad" title=' in page
+
+
+def test_the_stage_panel_lists_the_variant_stages_in_pipeline_order(tmp_path):
+    """q_rot, k_rot, lse and the variants' gradients are rows of the worst-ratio panel, where the
+    pipeline puts them (q_rot after v_proj, lse after scores, d_bias after d_scores)."""
+    report = {"report_version": 1, "adapter": {"name": "roped", "framework": "numpy", "framework_version": "1"},
+              "results": [result("llama3_rope", "float32", "pass", ratio=0.5, stages=[
+                  stage(name, "pass", 0.1 * (i + 1)) for i, name in enumerate(
+                      ["d_bias", "output", "lse", "scores", "k_rot", "q_rot", "v_proj", "d_scores", "d_q_proj"])])]}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    m = matrix.build([tmp_path])
+    assert matrix._stages_present(m) == ["v_proj", "q_rot", "k_rot", "scores", "lse", "output", "d_scores",
+                                         "d_bias", "d_q_proj"]
+    page = matrix.to_html(m)
+    assert page.index(">q_rot<") < page.index(">lse<") < page.index(">d_bias<")

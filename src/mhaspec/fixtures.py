@@ -352,13 +352,20 @@ def _read_header(fh: Any, path: Path, size: int) -> dict[str, Any]:
         raise FixtureError(f"{path}: not a safetensors file ({exc})") from None
 
 
+#: What a variant case's fixture that lacks its backward is: one written before the variants' backward was
+#: specified (it held the forward only), to be regenerated.
+FORWARD_ONLY_HINT = ("; a fixture of an attention-variant case written by an mhaspec before the variants' backward was "
+                     "specified holds the forward only: regenerate the folder with `mhaspec generate --out FOLDER`")
+
+
 def _check_header(header: dict[str, Any], path: Path, spec: CaseSpec, data_size: int) -> None:
     """Tensor names, dtypes, shapes and offsets of a fixture, from its header alone."""
     shapes = expected_shapes(spec)
     names = set(header) - {"__metadata__"}
     missing, extra = sorted(set(shapes) - names), sorted(names - set(shapes))
     if missing or extra:
-        raise FixtureError(f"{path}: tensors do not match case {spec.id}: missing {missing}, unexpected {extra}")
+        hint = FORWARD_ONLY_HINT if not extra and "grad.d_output" in missing and variants_used(spec) else ""
+        raise FixtureError(f"{path}: tensors do not match case {spec.id}: missing {missing}, unexpected {extra}{hint}")
     for name, shape in shapes.items():
         info = header[name]
         if not isinstance(info, dict):
@@ -388,6 +395,7 @@ def load_case(folder: Path, entry: ManifestEntry) -> GoldenCase:
         raise FixtureError(
             f"{folder / MANIFEST_NAME}: case {entry.spec.id}: size {entry.size} bytes does not fit its tensors "
             f"({data_bytes} bytes of data plus a header)"
+            f"{FORWARD_ONLY_HINT if entry.size <= data_bytes and variants_used(entry.spec) else ''}"
         )
     require_memory(entry.spec, 2 * entry.size, f"loading {path.name}")
     try:

@@ -91,29 +91,54 @@ def variant_specs(names: frozenset[str]) -> list[Any]:
     return [s for s in specs if set(variants_used(s)) <= names]
 
 
-def reference_stages(spec: Any) -> dict[str, np.ndarray]:
-    """Every stage of ``spec`` by the exact float64 reference (``mhaspec.reference.mha.forward``)."""
+def reference_stages(spec: Any, backward: bool = False) -> dict[str, np.ndarray]:
+    """Every stage of ``spec`` by the exact float64 reference (``mhaspec.reference.mha.forward``), and with
+    ``backward`` every backward stage too (``mhaspec.reference.backward.backward``: the variants' gradients)."""
+    from mhaspec.reference.backward import backward as exact_backward
     from mhaspec.reference.mha import forward
 
     case = spec.case("float64")
     inputs = {"query": case.inputs.query, "key": case.inputs.key, "value": case.inputs.value,
               "mask": case.inputs.mask, "bias": case.inputs.bias}
-    return forward(case.config, inputs, case.weights.as_dict())
+    weights = case.weights.as_dict()
+    stages = forward(case.config, inputs, weights)
+    if backward:
+        stages.update(exact_backward(case.config, inputs, weights, stages, case.visible, case.d_output, spec.inputs))
+    return stages
 
 
 def assert_matches_reference(stages: dict[str, Any], spec: Any, rtol: float) -> None:
-    """Each returned stage within ``rtol`` (relative to the stage's largest magnitude) of the exact
-    reference, on the entries the spec compares (visible scores; finite lse, and −inf where the
+    """Each returned stage (forward or backward) within ``rtol`` (relative to the stage's largest magnitude;
+    ``d_b_k``'s, ~0 by the softmax's shift invariance, to ``d_k_proj``'s) of the exact reference, on the
+    entries the spec compares (visible scores and ``d_attn_weights``; finite lse, and −inf where the
     reference has it)."""
-    want, visible = reference_stages(spec), spec.case("float64").visible
+    from mhaspec.spec.stages import REGISTRY, compared_entries
+
     assert stages, "no stage returned"
+    want = reference_stages(spec, backward=any(REGISTRY[name].direction == "backward" for name in stages))
+    visible = spec.case("float64").visible
     for name, got in stages.items():
         got, expected = np.asarray(got, dtype=np.float64), want[name]
         assert got.shape == expected.shape, (name, got.shape, expected.shape)
-        if name == "scores":
-            got, expected = got[visible], expected[visible]
+        entries = compared_entries(name, visible)
+        if entries is not None:
+            got, expected = got[entries], expected[entries]
         if name == "lse":
             np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected), err_msg=f"{spec.id} lse: -inf rows")
             got, expected = got[np.isfinite(expected)], expected[np.isfinite(expected)]
-        error = np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-300)
+        scale = np.abs(want["d_k_proj"] if name == "d_b_k" else expected).max()
+        error = np.abs(got - expected).max() / max(scale, 1e-300)
         assert error <= rtol, f"{spec.id} {name}: relative error {error:.3g} > {rtol:g}"
+
+
+def backward_shapes(spec: Any, hidden: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """The backward stages ``spec`` has, by canonical shape (``spec.backward_stage_shapes``: with the variants
+    ``d_q_rot``, ``d_k_rot``, ``d_sink_logits`` and ``d_bias`` in the bias input's shape), but those in ``hidden``
+    (the stages inside a fused call, which an adapter around it cannot expose)."""
+    from mhaspec.spec import backward_stage_shapes
+
+    case = spec.case("float64")
+    bias = case.inputs.bias
+    bias_shape = None if bias is None else bias.shape
+    shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, spec.inputs, bias_shape)
+    return {name: shape for name, shape in shapes.items() if name not in hidden}

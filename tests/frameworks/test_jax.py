@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_matches_reference, assert_same_weights, check_here,
-                                     golden_case, variant_spec, variant_specs)
+from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_matches_reference, assert_same_weights,
+                                      backward_shapes, check_here, golden_case, variant_spec, variant_specs)
 
 jax = require("jax")
 require("flax")
@@ -448,6 +448,46 @@ def test_jax_backward_with_every_variant_is_the_derivative_of_its_forward() -> N
 
         numeric = (value(h) - value(-h)) / (2 * h)
         np.testing.assert_allclose(np.sum(grads[gradient] * direction), numeric, rtol=1e-6, err_msg=gradient)
+
+
+#: Backward stages inside jax.nn.dot_product_attention, which jax-dpa cannot tap.
+INSIDE_DPA = ("d_attn_weights", "d_scores")
+
+
+@pytest.mark.parametrize(("name", "rtol"), [("jax", 1e-13), ("jax-dpa", 4e-6)])
+def test_backward_returns_the_variants_gradients_of_the_exact_reference(name: str, rtol: float) -> None:
+    """On every variant case each adapter declares (GQA, a per-batch and a shared bias, partial rotary with
+    offsets, sinks with padding, softcap, the window), in float64: every backward stage the case has, each in
+    its canonical shape (d_bias in the bias input's), within ``rtol`` of the exact reference: a few dozen
+    float64 roundings for ``jax``; ``jax-dpa``, whose fused softmax runs in float32 (declared), a few dozen
+    float32 roundings (2^-24 ≈ 6e-8), and without d_scores, d_attn_weights (inside the call)."""
+    adapter = load_adapter(name)
+    specs = variant_specs(adapter.variants)
+    for spec in specs:
+        grads = adapter.backward(spec.case("float64"))
+        assert {k: v.shape for k, v in grads.items()} == backward_shapes(spec, INSIDE_DPA if name == "jax-dpa" else ())
+        assert_matches_reference(grads, spec, rtol=rtol)
+    returned = {stage for spec in specs for stage in backward_shapes(spec)}
+    assert {"d_bias", "d_q_rot", "d_k_rot"} <= returned
+    assert ("d_sink_logits" in returned) == (name == "jax")
+
+
+def test_jax_dpa_uniform_rows_do_not_reach_the_variants_gradients() -> None:
+    """Rows that see no key attend uniformly in jax.nn.dot_product_attention (declared: jax-dpa.fully-masked-backward,
+    through P to d_v_proj and d_w_o), but its mask is a ``where``, which passes no gradient to a masked logit: d_bias
+    is exactly 0 on those rows, and d_bias, d_q_rot, d_k_rot stay within its float32 softmax of the reference.
+    (Its lse of such a row, finite where the spec has −inf, is under stop_gradient: no backward at all.)"""
+    from mhaspec.spec.variants import BiasSpec, RopeSpec
+
+    spec = variant_spec("empty_rows", causal_alignment="bottom_right", window_left=1, window_right=0, tgt_len=6,
+                        src_len=4, bias=BiasSpec(per_batch=True), rope=RopeSpec(rotary_dim=4))
+    seen = spec.case("float64").visible.any(axis=-1)  # (B, H, T)
+    assert not seen.all()
+    grads = load_adapter("jax-dpa").backward(spec.case("float64"))
+    assert (grads["d_bias"][~seen] == 0).all()
+    assert_matches_reference({k: grads[k] for k in ("d_bias", "d_q_rot", "d_k_rot")}, spec, rtol=4e-6)
+    with pytest.raises(AssertionError, match="d_v_proj"):  # the declared deviation is there, where it is declared
+        assert_matches_reference({"d_v_proj": grads["d_v_proj"]}, spec, rtol=4e-6)
 
 
 @pytest.mark.parametrize("name", ["jax", "jax-dpa"])

@@ -13,7 +13,8 @@ import pytest
 
 from mhaspec.spec import CATALOG, Case, MHAConfig
 from tests.conftest import require
-from tests.frameworks.helpers import assert_matches_reference, check_here, variant_spec, variant_specs
+from tests.frameworks.helpers import (assert_matches_reference, backward_shapes, check_here, variant_spec,
+                                      variant_specs)
 
 pytestmark = pytest.mark.tensorflow
 
@@ -320,6 +321,45 @@ def test_keras_dpa_variants_match_the_exact_reference():
         assert_matches_reference({k: stages[k] for k in ("head_outputs", "concat", "output")}, spec, rtol=1e-7)
     exact_scale = variant_spec("exact_scale", head_dim=4, d_model=12, window_left=1, alibi_slopes="standard")
     assert_matches_reference(adapter.run(exact_scale.case("float64")), exact_scale, rtol=4e-15)  # 1/2: no deviation
+
+
+def test_keras_dpa_backward_returns_the_variants_gradients_of_the_exact_reference():
+    """On every variant case keras-dpa declares (GQA, a per-batch and a shared bias, partial rotary with offsets,
+    the window), in float64: every backward stage the case has but d_scores and d_attn_weights (inside the op),
+    each in its canonical shape (d_bias in the bias input's, its gradient through the op's ``bias`` argument),
+    within float32's rounding of the scale (keras.scale-in-float32, declared: 2^-25 relative on every logit,
+    a few of them summed); with a scale that is a float32 number (D_k = 4), within a few dozen float64
+    roundings."""
+    adapter = keras_dpa.KerasDPAAdapter()
+    specs = variant_specs(adapter.variants)
+    inside = ("d_attn_weights", "d_scores")
+    for spec in specs:
+        grads = adapter.backward(spec.case("float64"))
+        assert {k: v.shape for k, v in grads.items()} == backward_shapes(spec, inside), spec.id
+        assert_matches_reference(grads, spec, rtol=2e-7)
+    assert {"d_bias", "d_q_rot", "d_k_rot"} <= {stage for spec in specs for stage in backward_shapes(spec)}
+    from mhaspec.spec.variants import BiasSpec, RopeSpec
+
+    exact_scale = variant_spec("exact_scale", head_dim=4, d_model=12, window_left=1, alibi_slopes="standard",
+                               rope=RopeSpec(rotary_dim=2, key_offset=3), bias=BiasSpec(per_batch=True))
+    assert_matches_reference(adapter.backward(exact_scale.case("float64")), exact_scale, rtol=1e-13)
+
+
+def test_keras_dpa_uniform_rows_do_not_reach_the_variants_gradients():
+    """Rows that see no key attend uniformly in the op (declared: keras.fully-masked-backward, through P to d_v_proj
+    and d_w_o), but its mask is a ``tf.where``, which passes no gradient to a masked logit: d_bias is exactly 0 on
+    those rows, and d_bias, d_q_rot, d_k_rot stay within the float32 scale's rounding of the reference."""
+    from mhaspec.spec.variants import BiasSpec, RopeSpec
+
+    spec = variant_spec("empty_rows", causal_alignment="bottom_right", window_left=1, window_right=0, tgt_len=6,
+                        src_len=4, bias=BiasSpec(per_batch=True), rope=RopeSpec(rotary_dim=4))
+    seen = spec.case("float64").visible.any(axis=-1)  # (B, H, T)
+    assert not seen.all()
+    grads = keras_dpa.KerasDPAAdapter().backward(spec.case("float64"))
+    assert (grads["d_bias"][~seen] == 0).all()
+    assert_matches_reference({k: grads[k] for k in ("d_bias", "d_q_rot", "d_k_rot")}, spec, rtol=2e-7)
+    with pytest.raises(AssertionError, match="d_v_proj"):  # the declared deviation is there, where it is declared
+        assert_matches_reference({"d_v_proj": grads["d_v_proj"]}, spec, rtol=2e-7)
 
 
 def test_keras_dpa_window_and_bottom_right_go_into_the_mask():

@@ -329,6 +329,50 @@ def test_variants_give_no_nan_in_half_precision(name: str) -> None:
         assert (concat[0, 1] == 0).all() and (concat[1, 4] == 0).all()  # rows that see no key: zeros, sink or not
 
 
+#: the backward stages SDPA cannot expose: it is fused, so d_attn_weights and d_scores stay inside
+SDPA_HIDDEN_GRADIENTS = {"d_attn_weights", "d_scores"}
+
+
+@pytest.mark.parametrize("spec", VARIANT_SPECS, ids=lambda s: s.id)
+@pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
+def test_variant_gradients_come_back_in_their_shapes_and_agree_with_numpy_in_float64(name: str, spec: CaseSpec
+                                                                                   ) -> None:
+    """Every backward stage the case has (d_q_rot, d_k_rot with RoPE — partial rotary and GQA included —,
+    d_sink_logits with sinks, d_bias in the bias input's shape, per batch or shared), and in float64 the
+    numpy adapter's hand-written backward (tests/test_numpy_variants.py checks it against the loss's
+    directional derivatives) within 1e-13 of max(1, the stage's magnitude): two float64 computations of a
+    few roundings each (the worst seen is 1.7e-15); a variant's gradient taken wrongly is off by percents."""
+    from mhaspec.adapters.numpy_mha import NumpyMHA
+    from mhaspec.spec.backward import backward_stage_shapes
+    from mhaspec.spec.stages import compared_entries
+
+    adapter = load_adapter(name)
+    if undeclared(spec, adapter.variants) is not None:  # softcap in torch-sdpa: never run (test above)
+        return
+    case = spec.case("float64")
+    bias_shape = None if case.inputs.bias is None else case.inputs.bias.shape
+    shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, spec.inputs, bias_shape)
+    got = adapter.backward(case)
+    assert set(got) == set(shapes) - (SDPA_HIDDEN_GRADIENTS if name == "torch-sdpa" else set())
+    want, visible = NumpyMHA().backward(case), case.visible
+    for stage, value in got.items():
+        assert value.shape == shapes[stage], stage
+        entries = compared_entries(stage, visible)
+        g, w = (x if entries is None else x[entries] for x in (np.asarray(value, np.float64), want[stage]))
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-13 * max(1.0, float(np.abs(w).max(initial=0.0))),
+                                   err_msg=stage)
+
+
+def test_sdpa_bias_gradient_is_summed_to_the_bias_input_s_shape() -> None:
+    """With ALiBi (per head) and a bias shared by the heads, SDPA's float mask is (1, H, T, S): its
+    gradient summed over H is d_bias (1, 1, T, S) — the torch module's, whose bias leaf is broadcast by autograd."""
+    spec = next(s for s in VARIANT_SPECS if s.id == "alibi_causal_shared_bias")
+    case = spec.case("float64")
+    sdpa, layer = (load_adapter(n).backward(case) for n in ("torch-sdpa", "torch"))
+    assert case.inputs.bias.shape == sdpa["d_bias"].shape == (1, 1, case.T, case.S)
+    np.testing.assert_allclose(sdpa["d_bias"], layer["d_bias"], rtol=0, atol=1e-13)  # |d_bias| <= 2.1 here
+
+
 def _rope_config(style: str) -> MHAConfig:
     return MHAConfig(d_model=4, num_heads=1, rope={"theta": 10000.0, "style": style})
 

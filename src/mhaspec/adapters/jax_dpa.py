@@ -39,12 +39,21 @@ from ..spec import Case, masks
 from ..spec.variants import RopeSpec
 from .backends.jax import (THROUGH_SOFTMAX, CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled,
                            computing_in, declared_at, fallback_precision, keep_mask, linear, projections,
-                           rejected_algorithm, rope, score_bias, tapping, tree_in, uses_variants, vjp_stages,
-                           with_fallback_precision)
+                           rejected_algorithm, rope, score_bias, tap_shapes, tapping, tree_in, uses_variants,
+                           vjp_stages, with_fallback_precision)
 
 #: The forward stages the fused call's softmax reaches (``lse`` is returned only for a case with a variant:
 #: declared with ``head_outputs``, so that a run without one does not warn that it applies to nothing).
 _AFTER_SOFTMAX = ("lse|head_outputs", "concat", "output")
+
+#: The stages around the fused call whose gradients the backward returns (through zero taps): the
+#: projections, RoPE's rotated Q and K, the bias input (the call's ``bias`` argument), its output.
+TAPPED = ("q_proj", "k_proj", "v_proj", "q_rot", "k_rot", "bias", "head_outputs", "concat")
+
+#: The gradients the fused call's float32 softmax reaches: :data:`~.backends.jax.THROUGH_SOFTMAX` and the
+#: variants' of the stages before it, named with the projections' (one declaration for what one mechanism
+#: reaches: a run without a bias or RoPE case returns them not, and is not warned about them).
+_THROUGH_SOFTMAX = (f"{THROUGH_SOFTMAX[0]}|d_bias|d_[qk]_rot", *THROUGH_SOFTMAX[1:])
 
 
 def mha(
@@ -139,7 +148,7 @@ class JaxDPAAdapter(CompilingAdapter):
         *declared_at("jax-dpa.softmax-float32", _AFTER_SOFTMAX),
         # backward: the same two, carried into every gradient that goes through the softmax or the head outputs
         *declared_at("jax-dpa.fully-masked-backward", THROUGH_SOFTMAX),
-        *declared_at("jax-dpa.softmax-float32-backward", THROUGH_SOFTMAX),
+        *declared_at("jax-dpa.softmax-float32-backward", _THROUGH_SOFTMAX),
     ]
 
     def supports(self, case: Case) -> bool | str:
@@ -163,10 +172,12 @@ class JaxDPAAdapter(CompilingAdapter):
             return array_out(stages)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """The backward stages by ``jax.vjp`` through the fused call: the projections', head outputs'
-        and concat's gradients through zero taps (the fused call exposes no d_scores, d_attn_weights)."""
-        dtype, static = case.dtype, static_arguments(case)
-        with computing_in(dtype, self.device):
+        """The backward stages by ``jax.vjp`` through the fused call: through zero taps the gradients of the
+        stages around it (:data:`TAPPED`: with the variants ``d_q_rot``, ``d_k_rot`` on the rotated Q and K
+        handed to the call, ``d_bias`` on the bias input, in its shape, which reaches the call's ``bias``
+        argument), the inputs' and weights'.  The fused call exposes no d_scores, d_attn_weights."""
+        static = static_arguments(case)
+        with computing_in(case.dtype, self.device):
             mask, is_causal = dpa_mask(case)
             bias, alibi = variant_arrays(case)
 
@@ -174,7 +185,5 @@ class JaxDPAAdapter(CompilingAdapter):
                 return mha(query, key, value, mask, bias, alibi, weights, taps, is_causal=is_causal,
                            **static)["output"]
 
-            shapes = case.config.stage_shapes(case.batch, case.tgt_len, case.src_len)
-            names = ("q_proj", "k_proj", "v_proj", "head_outputs", "concat")
-            output = fallback_precision(output, rejected_algorithm(self.device, dtype))  # see STATIC
-            return vjp_stages(case, output, {s: shapes[s] for s in names}, fast_compile=self.fast)
+            output = fallback_precision(output, rejected_algorithm(self.device, case.dtype))  # see STATIC
+            return vjp_stages(case, output, tap_shapes(case, TAPPED), fast_compile=self.fast)

@@ -32,11 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, masks
-from ..spec.stages import REGISTRY
 from ..spec.variants import VARIANTS, RopeSpec
 from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
-                           keep_mask, linear, projections, rope, score_bias, softcap, softmax_with_lse, tapping,
-                           tree_in, uses_variants, vjp_stages)
+                           keep_mask, linear, projections, rope, score_bias, softcap, softmax_with_lse, tap_shapes,
+                           tapping, tree_in, uses_variants, vjp_stages)
 
 #: :func:`mha`'s static arguments: it is jit-compiled by :func:`~.backends.jax.compiled` (the forward)
 #: or inside ``vjp_stages`` (the backward).  One program per case structure.
@@ -136,20 +135,15 @@ class JaxMHAAdapter(CompilingAdapter):
             return array_out(stages)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """Every backward stage by ``jax.vjp`` of :func:`mha`: the intermediate stages' gradients
-        through zero taps added to each stage (with the variants: ``d_q_rot``, ``d_k_rot`` and
-        ``d_bias``, the bias input's, and ``d_sink_logits`` with the weights', where the spec names them)."""
-        dtype, static = case.dtype, static_arguments(case)
-        with computing_in(dtype, self.device):
+        """Every backward stage by ``jax.vjp`` of :func:`mha`: the intermediate stages' gradients through
+        zero taps added to each stage (:func:`~.backends.jax.tap_shapes`; with the variants ``d_q_rot`` and
+        ``d_k_rot`` on the rotated Q and K, ``d_bias`` on the bias input, in its shape), the inputs' and
+        weights' with respect to them (``d_sink_logits`` with the sinks)."""
+        static = static_arguments(case)
+        with computing_in(case.dtype, self.device):
             mask, bias, alibi = arrays_in(case)  # device_put: jnp.asarray would compile a conversion per shape
 
             def output(query, key, value, weights, taps):
                 return mha(query, key, value, mask, bias, alibi, weights, taps, **static)["output"]
 
-            shapes = case.config.stage_shapes(case.batch, case.tgt_len, case.src_len)
-            shapes.update(case.config.variant_stage_shapes(case.batch, case.tgt_len, case.src_len))
-            if bias is not None:
-                shapes["bias"] = case.inputs.bias.shape
-            taps = {s: shape for s, shape in shapes.items() if s not in ("output", "lse") and f"d_{s}" in REGISTRY}
-            out = vjp_stages(case, output, taps, fast_compile=self.fast)
-            return {name: g for name, g in out.items() if name in REGISTRY}  # d_sink_logits where the spec names it
+            return vjp_stages(case, output, tap_shapes(case), fast_compile=self.fast)

@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case
+from ..protocol.contract import Deviation
+from ..spec import CATALOG, Case
 from ..spec.variant_ops import alibi
 from .backends import declared, variants
-from .backends.tensorflow import array_in, array_out, distinct_inputs, keep_mask, quiet_import, tf
-from .keras_mha import _deviations
+from .backends.tensorflow import array_in, array_out, declared_at, distinct_inputs, keep_mask, quiet_import, tf
+from .keras_mha import _SCALE_INEXACT_IN_FLOAT32, _deviations
 
 keras = quiet_import("keras")
 ops = keras.ops
@@ -54,14 +55,12 @@ def rope(x: Any, heads: int, offset: int, spec: Any, dtype: str) -> Any:
     return variants.rope(x, heads, offset, spec, dtype, ops, ops.cast)
 
 
-def score_bias(case: Case) -> Any | None:
-    """The op's ``bias``: the case's bias input (B|1, H|1, T, S), in the dtype, plus ALiBi (1, H, T, S)
-    taken in float32 (float64 in a float64 run); None when neither.  The op converts it to the
-    compute dtype."""
-    cfg, dtype = case.config, case.dtype
-    at = variants.rope_angles_dtype(dtype)  # where a Keras model builds its ALiBi bias: float32 or float64
-    total = None if case.inputs.bias is None else ops.cast(array_in(case.inputs.bias, dtype), at)
-    term = alibi(cfg, case.T, case.S, case.T)  # (H, T, S) float64: −slope·|i + off − j|
+def score_bias(case: Case, bias: Any | None) -> Any | None:
+    """The op's ``bias``: the case's bias input ``bias`` (B|1, H|1, T, S) in the dtype, plus ALiBi (1, H, T, S),
+    taken in float32 (float64 in a float64 run); None when neither.  The op converts it to the compute dtype."""
+    at = variants.rope_angles_dtype(case.dtype)  # where a Keras model builds its ALiBi bias: float32 or float64
+    total = None if bias is None else ops.cast(bias, at)
+    term = alibi(case.config, case.T, case.S, case.T)  # (H, T, S) float64: −slope·|i + off − j|
     if term is not None:
         term = tf.constant(term[None].astype(at))
         total = term if total is None else ops.add(total, term)
@@ -78,29 +77,46 @@ def dpa_mask(case: Case) -> tuple[Any | None, bool]:
 
 
 def stages_of(case: Case, query: Any, key: Any, value: Any, weights: Mapping[str, Any],
-              watch: Callable[[Any], Any] = lambda t: t) -> dict[str, Any]:
+              watch: Callable[[str, Any], Any] = lambda name, t: t) -> dict[str, Any]:
     """Every stage the layer computes, as tensors: q_proj, k_proj, v_proj, q_rot and k_rot with RoPE,
-    head_outputs (B, H, T, E), concat, output.  ``watch`` is called on each intermediate stage
-    tensor (the backward's tape watches them)."""
+    head_outputs (B, H, T, E), concat, output.  ``watch(name, t)`` is called on each tensor whose gradient
+    the backward takes (its tape watches them): the intermediate stages, the bias input (``"bias"``, in the
+    dtype) and the op's output (``"head_outputs"``, in its BTNH layout)."""
     cfg, dtype, w = case.config, case.dtype, weights
     B, T, S = case.B, case.T, case.S
-    out = {"q_proj": watch(linear(query, w["w_q"], w.get("b_q"))),  # (B, T, H·D)
-           "k_proj": watch(linear(key, w["w_k"], w.get("b_k"))),  # (B, S, G·D)
-           "v_proj": watch(linear(value, w["w_v"], w.get("b_v")))}  # (B, S, G·E)
+    out = {"q_proj": watch("q_proj", linear(query, w["w_q"], w.get("b_q"))),  # (B, T, H·D)
+           "k_proj": watch("k_proj", linear(key, w["w_k"], w.get("b_k"))),  # (B, S, G·D)
+           "v_proj": watch("v_proj", linear(value, w["w_v"], w.get("b_v")))}  # (B, S, G·E)
     q, k = out["q_proj"], out["k_proj"]
     if cfg.rope is not None:
-        q = out["q_rot"] = rope(q, cfg.H, cfg.rope.query_offset, cfg.rope, dtype)
-        k = out["k_rot"] = rope(k, cfg.H_kv, cfg.rope.key_offset, cfg.rope, dtype)
+        q = out["q_rot"] = watch("q_rot", rope(q, cfg.H, cfg.rope.query_offset, cfg.rope, dtype))
+        k = out["k_rot"] = watch("k_rot", rope(k, cfg.H_kv, cfg.rope.key_offset, cfg.rope, dtype))
+    bias = None if case.inputs.bias is None else watch("bias", array_in(case.inputs.bias, dtype))
     mask, is_causal = dpa_mask(case)
     encoded = ops.dot_product_attention(
         query=ops.reshape(q, (B, T, cfg.H, cfg.D_k)), key=ops.reshape(k, (B, S, cfg.H_kv, cfg.D_k)),
-        value=ops.reshape(out["v_proj"], (B, S, cfg.H_kv, cfg.D_v)), bias=score_bias(case), mask=mask,
+        value=ops.reshape(out["v_proj"], (B, S, cfg.H_kv, cfg.D_v)), bias=score_bias(case, bias), mask=mask,
         scale=cfg.scale, is_causal=is_causal,
     )  # BTNH
-    encoded = watch(encoded)
+    encoded = watch("head_outputs", encoded)
     out["head_outputs"] = ops.transpose(encoded, (0, 2, 1, 3))  # (B, H, T, E)
-    out["concat"] = watch(ops.reshape(encoded, (B, T, cfg.H * cfg.D_v)))
+    out["concat"] = watch("concat", ops.reshape(encoded, (B, T, cfg.H * cfg.D_v)))
     out["output"] = linear(out["concat"], w["w_o"], w.get("b_o"))
+    return out
+
+
+def scale_in_float32_variants() -> list[Deviation]:
+    """``keras.scale-in-float32`` carried into the variants' gradients, one declaration per catalog case whose
+    1/√D_k is not a float32 number, naming those it has: ``d_bias`` with a bias input, ``d_q_rot`` and
+    ``d_k_rot`` with RoPE, and then ``d_b_k`` (with RoPE the key bias turns with the position, so its gradient
+    is no longer ~0 and carries the scale's rounding as d_k_proj does)."""
+    out = []
+    for spec in CATALOG:
+        cfg = spec.config
+        stages = (["d_bias"] if spec.bias is not None else []) + (["d_[qk]_rot"] if cfg.rope is not None else []) \
+            + (["d_b_k"] if cfg.rope is not None and cfg.bias else [])
+        if spec.id in _SCALE_INEXACT_IN_FLOAT32 and stages:
+            out += declared_at("keras.scale-in-float32", ("|".join(stages),), case=spec.id)
     return out
 
 
@@ -112,6 +128,7 @@ class KerasDPAAdapter:
     variants = frozenset({"window", "bias", "alibi", "rope"})
     #: those of the layers' fused path, which is this op, and BiasAddGrad's bfloat16 sums of every bias
     known_deviations = [*_deviations(("head_outputs", "concat", "output"), fully_masked=True, bias_add=False),
+                        *scale_in_float32_variants(),
                         *declared("tensorflow", "keras-dpa.bias-add-grad-bfloat16")]
 
     def supports(self, case: Case) -> bool | str:
@@ -134,17 +151,22 @@ class KerasDPAAdapter:
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``tf.GradientTape``: the gradients of Σ d_output ⊙ output with respect
-        to the projections, the op's output (``d_head_outputs``, ``d_concat``), the inputs and the weights
-        (canonical layout: no converter).  The op exposes no d_scores, d_attn_weights."""
+        to the projections, RoPE's rotated Q and K (``d_q_rot``, ``d_k_rot``), the bias input handed to the
+        op's ``bias`` (``d_bias``, in its shape), the op's output (``d_head_outputs``, ``d_concat``), the
+        inputs and the weights (canonical layout: no converter).  The op exposes no d_scores, d_attn_weights."""
         (query, key, value), weights = self._tensors(case)
         inputs = distinct_inputs(case, query, key, value)
+        watched: dict[str, Any] = {}
         with tf.GradientTape() as tape:
             tape.watch(list(inputs.values()))
-            watched: list[Any] = []
-            stages = stages_of(case, query, key, value, weights, watch=lambda t: watched.append(t) or t)
-        q_proj, k_proj, v_proj, encoded, concat = watched
-        sources = {"d_q_proj": q_proj, "d_k_proj": k_proj, "d_v_proj": v_proj, "d_head_outputs": encoded,
-                   "d_concat": concat, **inputs, **{f"d_{name}": var for name, var in weights.items()}}
+
+            def watch(name: str, t: Any) -> Any:
+                tape.watch(t)  # the bias input is a constant: watched, or the tape has no gradient for it
+                watched[f"d_{name}"] = t
+                return t
+
+            stages = stages_of(case, query, key, value, weights, watch=watch)
+        sources = {**watched, **inputs, **{f"d_{name}": var for name, var in weights.items()}}
         grads = tape.gradient(stages["output"], sources, output_gradients=array_in(case.d_output, case.dtype))
         out = {name: array_out(g) for name, g in grads.items() if name != "d_sink_logits"}
         out["d_head_outputs"] = out["d_head_outputs"].transpose(0, 2, 1, 3)  # (B, T, H, E) -> (B, H, T, E)

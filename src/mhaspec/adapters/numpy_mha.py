@@ -15,8 +15,16 @@ The forward computes every attention variant of docs/spec.md §2a, in its order:
 RoPE as the usual implementations do it: the angles, cos and sin in float32 (float64 in a float64
 run), cast to the dtype, the rotation in the dtype.  The scores' softcap, bias and ALiBi are taken
 in the accumulator (float32 for the 16-bit dtypes) and rounded once to the dtype; the softmax and
-its log-sum-exp in the accumulator (``lse`` returned in every case).  The backward covers spec-1.1
-cases only.
+its log-sum-exp in the accumulator (``lse`` returned in every case).
+
+The backward (docs/backward.md) runs the same chain in reverse, every variant included::
+
+    d_scores ─⊙ (1 − tanh²(raw/c)) (softcap′; d_raw in the accumulator)─► scale·d_raw K_rot ─► d_q_rot
+        │                                                               scale·Σ_group d_rawᵀ Q_rot ─► d_k_rot
+        ├─ summed over the axes the bias broadcasts ─► d_bias      d_q_rot ─Rᵀ (RoPE turned back)─► d_q_proj
+        └─ Σ_{b,i} −p_sink·δ ─► d_sink_logits                       d_k_rot ─Rᵀ─► d_k_proj
+
+ALiBi's slopes and the window are constants (no gradient; the window is in the visibility).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from ..spec import Case, MHAConfig
+from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
-from ..spec.variants import VARIANTS, alibi_slope_values, used_fields
+from ..spec.variants import VARIANTS, alibi_slope_values
 from .backends import numpy as backend
 
 
@@ -65,6 +74,29 @@ def softcap(s: np.ndarray, cap: float) -> np.ndarray:
     """cap · tanh(s / cap), in the scores' own type (the accumulator)."""
     c = s.dtype.type(cap)
     return c * np.tanh(s / c)
+
+
+def rope_back(dx: np.ndarray, heads: int, cos_sin: tuple[np.ndarray, np.ndarray], config: MHAConfig) -> np.ndarray:
+    """The gradient dx (B, L, heads·D) of a RoPE output turned back (Rᵀ) in its dtype: in each head,
+    pair (a′, b′) -> (a′·cos + b′·sin, b′·cos − a′·sin) — :func:`rope` by the opposite angle; features past
+    rotary_dim pass through.  cos, sin (L, r/2).  -> (B, L, heads·D)."""
+    cos, sin = cos_sin
+    return rope(dx, heads, (cos, -sin), config)
+
+
+def softcap_grad(d_scores: np.ndarray, tanh: np.ndarray) -> np.ndarray:
+    """d_raw = d_scores ⊙ (1 − tanh²(raw/c)), the softcap′, in ``tanh``'s type (the accumulator).
+    d_scores, tanh = tanh(raw/c) (B, H, T, S) -> (B, H, T, S)."""
+    one = tanh.dtype.type(1)
+    return d_scores.astype(tanh.dtype) * (one - tanh * tanh)
+
+
+def sink_grad(delta: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """d_sink_logits (H,) = Σ_{b,i} −p_sink·δ, p_sink = e^(sink_h − lse) (0 in a row that sees no key).
+    delta (B, H, T) = Σ_visible P ⊙ dP, lse (B, H, T), sinks (H,), all in the accumulator -> (H,)."""
+    seen = np.isfinite(lse)
+    p_sink = np.exp(np.where(seen, sinks[None, :, None] - np.where(seen, lse, 0), -np.inf))  # (B, H, T)
+    return -(p_sink * delta).sum(axis=(0, 2))
 
 
 def score_bias(s: np.ndarray, case: Case, dt: np.dtype, acc: type) -> np.ndarray:
@@ -140,10 +172,12 @@ class NumpyMHA:
 
         B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
         stages: dict[str, np.ndarray] = {"q_proj": q, "k_proj": k, "v_proj": v}
+        kept: dict[str, Any] = {}
         if cfg.rope is not None:
             q_pos, k_pos = rope_positions(cfg, T, S)
-            q = stages["q_rot"] = rope(q, H, rope_cos_sin(cfg, q_pos, dt), cfg)  # (B, T, H·D)
-            k = stages["k_rot"] = rope(k, G, rope_cos_sin(cfg, k_pos, dt), cfg)  # (B, S, G·D)
+            kept["q_cos_sin"], kept["k_cos_sin"] = rope_cos_sin(cfg, q_pos, dt), rope_cos_sin(cfg, k_pos, dt)
+            q = stages["q_rot"] = rope(q, H, kept["q_cos_sin"], cfg)  # (B, T, H·D)
+            k = stages["k_rot"] = rope(k, G, kept["k_cos_sin"], cfg)  # (B, S, G·D)
         Q = q.reshape(B, T, H, cfg.D_k)  # BTHD
         K = k.reshape(B, S, G, cfg.D_k)  # BSGD
         V = v.reshape(B, S, G, cfg.D_v)  # BSGE
@@ -154,6 +188,7 @@ class NumpyMHA:
         s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
         s = s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc)
         if cfg.softcap is not None:
+            kept["tanh"] = np.tanh(s / s.dtype.type(cfg.softcap))  # (B, H, T, S), for softcap′
             s = softcap(s, cfg.softcap)
         s = rnd(score_bias(s, case, dt, acc))  # the logits the softmax sees, rounded once
 
@@ -167,10 +202,12 @@ class NumpyMHA:
         y = linear(concat, w.w_o, w.b_o)
         stages.update({"scores": s, "attn_weights": p, "lse": rnd(lse), "head_outputs": o, "concat": concat,
                        "output": y})
-        return stages, {"Q": Q, "K": K, "V": V, "allowed": allowed, "dt": dt, "acc": acc}
+        return stages, {**kept, "Q": Q, "K": K, "V": V, "allowed": allowed, "dt": dt, "acc": acc, "lse": lse,
+                        "sinks": sinks}
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """Every backward stage, by hand: the gradients of Σ case.d_output ⊙ output.
+        """Every backward stage the case has, by hand: the gradients of Σ case.d_output ⊙ output
+        (the variants' too: d_sink_logits, d_bias, d_q_rot, d_k_rot — module docstring).
 
         Same precision policy as the forward (stored in the dtype, summed in
         float32 for float16/bfloat16).  A GQA key/value head's gradient sums
@@ -178,10 +215,6 @@ class NumpyMHA:
         gradient, the sum (self-attention: ``d_query``; shared key/value: ``d_key``).
         """
         assert case.d_output is not None, "case.d_output is missing"
-        used = used_fields(case.config, case.inputs.bias is not None)
-        if used:
-            raise NotImplementedError(f"case {case.id}: the numpy adapter's backward is written for spec-1.1 "
-                                      f"cases, not for the attention variants ({', '.join(used)})")
         st, f = self._forward(case)
         cfg, w = case.config, case.weights
         dt, acc = f["dt"], f["acc"]
@@ -201,17 +234,24 @@ class NumpyMHA:
         dP = rnd(np.einsum("BHTE,BSHE->BHTS", a(dO), a(f["V"])))
         delta = np.sum(a(p) * a(dP), axis=-1, keepdims=True)  # (B, H, T, 1)
         dS = rnd(np.where(f["allowed"], a(p) * (a(dP) - delta), 0))
+        out = {STAGE.d_scores: dS}
+        if f["sinks"] is not None:
+            out[STAGE.d_sink_logits] = rnd(sink_grad(delta[..., 0], f["lse"], f["sinks"]))  # (H,)
+        if case.inputs.bias is not None:
+            out[STAGE.d_bias] = rnd(backend.sum_to_shape(a(dS), case.inputs.bias.shape))  # (B|1, H|1, T, S)
+        d_raw = a(dS) if cfg.softcap is None else softcap_grad(a(dS), f["tanh"])  # (B, H, T, S)
         scale = np.asarray(cfg.scale, dtype=dt).astype(acc)
-        dq = rnd(np.einsum("BHTS,BSHD->BTHD", a(dS), a(f["K"])) * scale).reshape(B, T, H * cfg.D_k)
-        dK = np.einsum("BHTS,BTHD->BSHD", a(dS), a(f["Q"]))  # per query head
+        dq = rnd(np.einsum("BHTS,BSHD->BTHD", d_raw, a(f["K"])) * scale).reshape(B, T, H * cfg.D_k)
+        dK = np.einsum("BHTS,BTHD->BSHD", d_raw, a(f["Q"]))  # per query head
         dk = rnd(dK.reshape(B, S, G, group, cfg.D_k).sum(axis=3) * scale).reshape(B, S, G * cfg.D_k)
+        if cfg.rope is not None:  # those were the rotated Q's and K's gradients: turn them back
+            out[STAGE.d_q_rot], out[STAGE.d_k_rot] = dq, dk
+            dq, dk = rope_back(dq, H, f["q_cos_sin"], cfg), rope_back(dk, G, f["k_cos_sin"], cfg)
         dV = np.einsum("BHTS,BHTE->BSHE", a(p), a(dO))
         dv = rnd(dV.reshape(B, S, G, group, cfg.D_v).sum(axis=3)).reshape(B, S, G * cfg.D_v)
 
-        out = {
-            "d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS,
-            "d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv,
-        }
+        out.update({"d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_q_proj": dq, "d_k_proj": dk,
+                    "d_v_proj": dv})
         if case.self_attention:  # one input tensor: the sum of the three input gradients
             out["d_query"] = rnd(a(dq) @ a(w.w_q).T + a(dk) @ a(w.w_k).T + a(dv) @ a(w.w_v).T)
         else:

@@ -223,10 +223,12 @@ class TorchMHAAdapter:
         return backend.loaded_module(MultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
                                      **case.config.model_dump())
 
-    def _call(self, module: MultiHeadAttention, case: Case) -> backend.StagesCall:
-        """``module``'s forward with the case's mask and additive bias, every stage returned."""
+    def _call(self, module: MultiHeadAttention, case: Case, bias: torch.Tensor | None = None) -> backend.StagesCall:
+        """``module``'s forward with the case's mask and additive bias (``bias``, else the case's in its
+        dtype), every stage returned."""
         mask = None if case.inputs.mask is None else backend.array_in(case.inputs.mask, torch.bool, self.device)
-        bias = None if case.inputs.bias is None else backend.array_in(case.inputs.bias, case.dtype, self.device)
+        if bias is None and case.inputs.bias is not None:
+            bias = backend.array_in(case.inputs.bias, case.dtype, self.device)  # (B|1, H|1, T, S)
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             return module(query=query, key=key, value=value, mask=mask, bias=bias, return_stages=True)
@@ -237,6 +239,11 @@ class TorchMHAAdapter:
         return backend.inference(case, self.device, self._call(self._module(case), case))
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
-        """Every backward stage by ``torch.autograd``: intermediate stages through ``retain_grad``."""
+        """Every backward stage by ``torch.autograd``: intermediate stages (q_rot, k_rot, scores …) through
+        ``retain_grad``, d_sink_logits from the ``sink_logits`` parameter, d_bias from the bias input
+        passed as a leaf that requires grad."""
         module = self._module(case)
-        return backend.autograd_backward(case, self.device, self._call(module, case), module, state_dict_to_canonical)
+        bias = None if case.inputs.bias is None else (
+            backend.array_in(case.inputs.bias, case.dtype, self.device).requires_grad_())  # (B|1, H|1, T, S)
+        return backend.autograd_backward(case, self.device, self._call(module, case, bias), module,
+                                         state_dict_to_canonical, bias=bias)

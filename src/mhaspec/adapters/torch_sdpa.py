@@ -23,6 +23,11 @@ the combined boolean mask instead.  The variants, as SDPA takes them:
 * softcap: not expressible (SDPA has no hook between the scaled scores and the
   mask's addition): not declared, so those cases are ``unsupported``.
 
+Backward (``torch.autograd`` through SDPA's own): every gradient but ``d_scores`` and ``d_attn_weights``
+(inside the fused call); ``d_sink_logits`` is the ``sink_logits`` parameter's, through the sink column;
+``d_bias`` is the gradient of the float ``attn_mask`` passed as a leaf (``attn_mask=mask.requires_grad_()``,
+as a user learning a bias does), summed to the bias input's shape.
+
 Weights: the ``state_dict`` is the same as
 :class:`mhaspec.adapters.torch_layer.MultiHeadAttention`'s (``q_proj``,
 ``k_proj``, ``v_proj``, ``out_proj``; ``weight`` is ``(out, in)``; ``sink_logits`` (H,) with sinks).
@@ -129,17 +134,19 @@ class TorchSDPAAdapter:
         return backend.loaded_module(SDPAMultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
                                      config=case.config)
 
-    def _call(self, module: SDPAMultiHeadAttention, case: Case) -> backend.StagesCall:
-        """``module``'s forward with the case's masking, bias and ALiBi as SDPA takes them."""
+    def _masks(self, case: Case) -> dict[str, Any]:
+        """SDPA's ``attn_mask`` and ``is_causal`` for the case's masking, bias and ALiBi."""
         cfg = case.config
         additive = case.inputs.bias is not None or cfg.alibi_slopes is not None or cfg.sinks
         if additive:  # float: bias − slope·distance where visible, −inf where not
-            masks: dict[str, Any] = {"attn_mask": backend.additive_mask(case, backend.dtype(case.dtype), self.device),
-                                     "is_causal": False}
-        elif backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
-            masks = {"attn_mask": None, "is_causal": True}
-        else:
-            masks = {"attn_mask": backend.keep_mask(case, self.device), "is_causal": False}  # bool, True = take part
+            mask = backend.additive_mask(case, backend.dtype(case.dtype), self.device)  # (B|1, H|1, T, S)
+            return {"attn_mask": mask, "is_causal": False}
+        if backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
+            return {"attn_mask": None, "is_causal": True}
+        return {"attn_mask": backend.keep_mask(case, self.device), "is_causal": False}  # bool, True = take part
+
+    def _call(self, module: SDPAMultiHeadAttention, masks: dict[str, Any]) -> backend.StagesCall:
+        """``module``'s forward with SDPA's ``masks`` (:meth:`_masks`)."""
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             return module(query=query, key=key, value=value, **masks)
@@ -147,10 +154,15 @@ class TorchSDPAAdapter:
         return call
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
-        return backend.inference(case, self.device, self._call(self._module(case), case))
+        return backend.inference(case, self.device, self._call(self._module(case), self._masks(case)))
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``torch.autograd`` through SDPA's own backward: the projections'
-        and the head outputs' gradients through ``retain_grad`` (SDPA exposes no d_scores, d_attn_weights)."""
-        module = self._module(case)
-        return backend.autograd_backward(case, self.device, self._call(module, case), module, state_dict_to_canonical)
+        and the head outputs' gradients through ``retain_grad`` (SDPA exposes no d_scores, d_attn_weights),
+        d_sink_logits from the ``sink_logits`` parameter (the extra key column's mask entry), and with a
+        bias input d_bias: the float ``attn_mask`` passed as a leaf that requires grad
+        (``attn_mask=mask.requires_grad_()``), its gradient summed to the bias input's shape."""
+        module, masks = self._module(case), self._masks(case)
+        bias = masks["attn_mask"].requires_grad_() if case.inputs.bias is not None else None  # (B|1, H|1, T, S)
+        return backend.autograd_backward(case, self.device, self._call(module, masks), module, state_dict_to_canonical,
+                                         bias=bias)

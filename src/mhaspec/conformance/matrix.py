@@ -33,7 +33,8 @@ from typing import Any
 
 from .. import environment
 from ..errors import MhaspecError
-from ..spec import BACKWARD_STAGES, DTYPES, STAGES
+from ..spec import DTYPES
+from ..spec.stages import REGISTRY
 
 # verdict -> (symbol in markdown, colour, short label); unknown verdicts get "?" and grey
 STYLE = {
@@ -502,7 +503,9 @@ def to_markdown(m: Matrix) -> str:
 
 
 def _stages_present(m: Matrix) -> list[str]:
-    return [s for s in (*STAGES, *BACKWARD_STAGES) if any(s in m.stage_worst(k) for k in m.keys)]
+    """The stages some adapter's report judged, in pipeline order: the variants' (``q_rot``, ``k_rot``,
+    ``lse`` and their gradients) beside the spec-1.1 ones."""
+    return [s for s in REGISTRY if any(s in m.stage_worst(k) for k in m.keys)]
 
 
 def to_html(m: Matrix) -> str:

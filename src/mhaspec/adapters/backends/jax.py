@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -48,8 +48,9 @@ import numpy as np
 
 from ...protocol import contract as cache
 from ...protocol.contract import Deviation
-from ...spec import Case, masks
+from ...spec import Case, backward_stage_shapes, masks
 from ...spec import variant_ops
+from ...spec.stages import REGISTRY
 from ...spec.variants import RopeSpec, used_fields
 from . import declared, variants
 
@@ -347,6 +348,21 @@ class CompilingAdapter:
     def fast(self) -> bool:
         """Whether this adapter's programs compile with :data:`FAST_COMPILE` (:func:`use_fast_compile`)."""
         return use_fast_compile(self.device, self.fast_compile)
+
+
+def tap_shapes(case: Case, exposed: Collection[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """The zero taps (:func:`tapping`) :func:`vjp_stages` needs for ``case``: by the stage each is added to, its
+    shape, one for every backward stage of the case that is the gradient of an intermediate stage
+    (``spec.backward_stage_shapes``: ``d_concat`` … ``d_v_proj``, and with the variants ``d_bias`` on the
+    bias input, in its shape (B|1, H|1, T, S), ``d_q_rot``, ``d_k_rot``); not the input and weight gradients
+    (``jax.vjp`` gives those with respect to the inputs and weights themselves, ``d_sink_logits`` too).
+    Only the stages in ``exposed`` where given (what a fused call lets the layer around it tap)."""
+    bias = case.inputs.bias
+    shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, bias_shape=None if bias is None else bias.shape)
+    weights = case.weights.as_dict()
+    taps = {name[2:]: shape for name, shape in shapes.items()
+            if REGISTRY[name].gradient_of is None and name[2:] not in weights}
+    return {name: shape for name, shape in taps.items() if exposed is None or name in exposed}
 
 
 def vjp_stages(

@@ -45,3 +45,11 @@ def weights_in(weights: Weights | Mapping[str, Any]) -> dict[str, np.ndarray]:
     layout every backend's converter starts from."""
     items = weights.as_dict() if isinstance(weights, Weights) else dict(weights)
     return {k: np.asarray(v, dtype=np.float64) for k, v in items.items() if v is not None}
+
+
+def sum_to_shape(grad: Any, shape: tuple[int, ...]) -> Any:
+    """grad (a NumPy array, or any tensor with ``sum(axis=, keepdims=)``: torch's) summed over the axes
+    where ``shape`` (as long as grad's) has 1 and grad does not: the gradient of an input that was
+    broadcast to grad's shape (the bias (B|1, H|1, T, S) in the (B, H, T, S) scores)."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(grad.shape, shape)) if m == 1 and n != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ...spec import Case, Weights, masks, variant_ops
-from ...spec.stages import BACKWARD_STAGES
+from ...spec.stages import BACKWARD_STAGES, STAGE
+from .numpy import sum_to_shape
 from .numpy import weights_in as canonical
 
 _DTYPES = {
@@ -182,20 +183,25 @@ def autograd_backward(
     call: StagesCall,
     module: torch.nn.Module,
     to_canonical: Callable[[Mapping[str, torch.Tensor]], dict[str, np.ndarray]],
+    bias: torch.Tensor | None = None,
 ) -> dict[str, np.ndarray]:
     """The backward stages of ``case`` by ``torch.autograd``, in the case's dtype.
 
     ``call(query, key, value)`` returns the forward's stage tensors by name
     (``output`` required); each intermediate one is kept with ``retain_grad`` and
-    comes back as ``d_<stage>`` where that is a backward stage of the spec (not yet: ``d_q_rot``,
-    ``d_k_rot``, ``d_sink_logits``).  The input gradients come from the leaf inputs
+    comes back as ``d_<stage>`` where that is a backward stage of the spec (``d_q_rot``, ``d_k_rot``
+    with RoPE).  The input gradients come from the leaf inputs
     (one leaf per tensor: self-attention's ``d_query`` is the sum of the three,
     shared key/value's ``d_key`` the sum of two, as the spec says); the weight gradients from
     ``module``'s parameters through ``to_canonical`` (the state_dict converter: a gradient has
-    its parameter's layout).
+    its parameter's layout; ``d_sink_logits`` from the ``sink_logits`` parameter).  ``bias``: the leaf
+    tensor ``call`` adds to the scores (requiring grad: the case's additive bias input, or a float mask
+    built from it), whose gradient summed to the bias input's shape is ``d_bias``.
     """
     query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device).requires_grad_())
     module.zero_grad(set_to_none=True)
+    if bias is not None:
+        bias.grad = None
     with torch.enable_grad():
         stages = call(query, key, value)
         for name, tensor in stages.items():
@@ -210,6 +216,8 @@ def autograd_backward(
             out["d_value"] = array_out(value.grad)
     grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
     out.update({f"d_{name}": value for name, value in to_canonical(grads).items()})
+    if bias is not None and case.inputs.bias is not None:
+        out[STAGE.d_bias] = array_out(sum_to_shape(bias.grad, case.inputs.bias.shape))  # (B|1, H|1, T, S)
     return {name: grad for name, grad in out.items() if name in BACKWARD_STAGES}
 
 

@@ -17,16 +17,20 @@ from .softmax import softmax_rounding, visible_row_max
 from .vocabulary import LINEAR, Rounding, grouped, grouped_t, heads, merge, rounding, swap
 
 
-def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: Rounding) -> np.ndarray:
+def _softmax_recompute(P: np.ndarray, s_abs: np.ndarray, visible: np.ndarray, r: Rounding,
+                       sink_abs: np.ndarray | None = None) -> np.ndarray:
     """How far a correct backward's P may be from the forward's returned P, element-wise.
 
     A backward may reuse the returned weights or recompute them (FlashAttention:
     exp(s − logsumexp)); each is within the softmax's own rounding of the exact
     softmax of the scores — γ_acc(S + k) + u_acc·(|s_j| + max|s|) relative
     (docs/tolerances.md) — so the two are within twice that; under the standard
-    contract, plus the storage of P and of the scores it came from (u·(2 + |s_j| + max|s|)).
+    contract, plus the storage of P and of the scores it came from (u·(2 + |s_j| + max|s|)).  With sinks
+    (``sink_abs``: |z| (1, H, 1, 1)) the row's largest logit may be the sink's: max|s| counts it.
     """
     row_max = visible_row_max(s_abs, visible)
+    if sink_abs is not None:
+        row_max = np.maximum(row_max, sink_abs)
     rel = 2 * softmax_rounding(s_abs, row_max, r.gamma(P.shape[-1]), r.acc)
     if r.store:
         rel = rel + r.u * (2 + s_abs + row_max)
@@ -64,9 +68,10 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
         out[STAGE.d_attn_weights] = (dO @ Vt, r.rel(E) * (A(dO) @ A(Vt)) + floor,
                                      (STAGE.d_head_outputs, STAGE.v_proj))
     s_abs = A(own[STAGE.scores]) if STAGE.scores in own else A(g[STAGE.scores])  # magnitudes only
+    sink_abs = A(w["sink_logits"]).reshape(1, H, 1, 1) if cfg.sinks else None
     if has(STAGE.attn_weights, STAGE.d_attn_weights):
         P, dP = np.where(visible, own[STAGE.attn_weights], 0.0), np.where(visible, own[STAGE.d_attn_weights], 0.0)
-        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r, sink_abs)
         dO = A(own[STAGE.d_head_outputs]) if STAGE.d_head_outputs in own else A(g[STAGE.d_head_outputs])
         V = A(heads(own[STAGE.v_proj] if STAGE.v_proj in own else g[STAGE.v_proj], G, group))
         O = A(own[STAGE.head_outputs]) if STAGE.head_outputs in own else A(P) @ V
@@ -98,7 +103,7 @@ def local_checks(golden: GoldenCase, dtype: str, own: dict[str, np.ndarray], tab
     out.update(bv.local_checks(golden, own, r, precision == "worst-case"))
     if has(STAGE.attn_weights, STAGE.d_head_outputs):
         P = np.where(visible, own[STAGE.attn_weights], 0.0)
-        e_P = _softmax_recompute(A(P), s_abs, visible, r)
+        e_P = _softmax_recompute(A(P), s_abs, visible, r, sink_abs)
         Pg, ePg, dOg = grouped_t(P, G), grouped_t(e_P, G), grouped(own[STAGE.d_head_outputs], G)
         tol = ePg @ A(dOg) + r.rel(n_group) * ((A(Pg) + ePg) @ A(dOg))
         out[STAGE.d_v_proj] = (merge(Pg @ dOg), merge(tol) + floor, (STAGE.attn_weights, STAGE.d_head_outputs))
