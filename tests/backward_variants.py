@@ -64,6 +64,11 @@ class BackwardVariant:
             total = self.r(total.astype(np.float64) + term.astype(np.float64))
         return total
 
+    def lin(self, x, wt, b) -> np.ndarray:
+        """x @ wt + b, stored in the dtype.   x (B, L, F), wt (F, N), b (N,) or None -> (B, L, N)."""
+        y = self.mm(x, wt)
+        return y if b is None else self.r(y.astype(self.acc) + self.r(b).astype(self.acc))
+
     def visible(self, case: Case, causal: bool = True, mask: bool = True) -> np.ndarray:
         cfg, B, T, S = case.config, case.batch, case.tgt_len, case.src_len
         allowed = np.ones((B, cfg.H, T, S), dtype=bool)
@@ -81,10 +86,7 @@ class BackwardVariant:
         B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
         R = H // G
 
-        def lin(x, wt, b):
-            y = self.mm(x, wt)
-            return y if b is None else self.r(y.astype(self.acc) + self.r(b).astype(self.acc))
-
+        lin = self.lin
         q, k, v = lin(case.inputs.query, w.w_q, w.b_q), lin(case.inputs.key, w.w_k, w.b_k), lin(case.inputs.value, w.w_v, w.b_v)
         Q = q.reshape(B, T, H, -1).transpose(0, 2, 1, 3)  # (B, H, T, D)
         K = np.repeat(k.reshape(B, S, G, -1).transpose(0, 2, 1, 3), R, axis=1)  # (B, H, S, D)
@@ -116,18 +118,10 @@ class BackwardVariant:
 
     def _backward(self, case: Case) -> dict[str, np.ndarray]:
         f = self._forward(case)
-        cfg, w = case.config, case.weights
-        B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
-        R, D, E = H // G, cfg.D_k, cfg.D_v
+        B, T, S, H = case.batch, case.tgt_len, case.src_len, case.config.H
         Q, K, V, p = f["_Q"], f["_K"], f["_V"], f["attn_weights"]
         acc = self.acc
-        scale = self.r(self._scale(case)).astype(acc)
-
-        dy = self.r(case.d_output)
-        w_o = w.w_o
-        dc = self.mm(dy, np.ascontiguousarray(w_o.T))
-        dO = dc.reshape(B, T, H, E).transpose(0, 2, 1, 3)
-        dP = self.mm(dO, np.swapaxes(V, -1, -2))
+        dy, dc, dO, dP = self._through_output(case, V)
 
         recompute = self.flash or self.mask_ignored_in_backward or self.causal_ignored_in_backward
         if recompute:  # P from the saved log-sum-exp, key block by key block (FlashAttention-2 style)
@@ -150,6 +144,29 @@ class BackwardVariant:
         else:
             dS = self.r(P.astype(acc) * (dP.astype(acc) - delta))
 
+        dq, dk, dv = self._qkv_grads(case, dS, P, dO, Q, K)
+        out = {"d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS,
+               "d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv}
+        return self._through_projections(case, f["concat"], dy, out)
+
+    def _through_output(self, case: Case, V) -> tuple[np.ndarray, ...]:
+        """(d_output, d_concat (B, T, H·E), d_head_outputs dO (B, H, T, E), d_attn_weights dO Vᵀ (B, H, T, S))
+        in the dtype; V (B, H, S, E), repeated over each group."""
+        B, T, H, E = case.batch, case.tgt_len, case.config.H, case.config.D_v
+        dy = self.r(case.d_output)
+        dc = self.mm(dy, np.ascontiguousarray(case.weights.w_o.T))
+        dO = dc.reshape(B, T, H, E).transpose(0, 2, 1, 3)
+        return dy, dc, dO, self.mm(dO, np.swapaxes(V, -1, -2))
+
+    def _qkv_grads(self, case: Case, dS, P, dO, Q, K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(d of the scaled product's Q (B, T, H·D), its K (B, S, H_kv·D), d_v_proj (B, S, H_kv·E)) from
+        dS (B, H, T, S) the gradient of scale·Q Kᵀ's product, P (B, H, T, S), dO (B, H, T, E) and the
+        Q, K (B, H, ·, D) that product was taken of (K repeated over each group)."""
+        cfg = case.config
+        B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
+        R, D, E = H // G, cfg.D_k, cfg.D_v
+        acc = self.acc
+        scale = self.r(self._scale(case)).astype(acc)
         dQ = self.mm(dS, K)
         if not self.dq_without_scale:
             dQ = self.r(dQ.astype(acc) * scale)
@@ -168,9 +185,14 @@ class BackwardVariant:
         dq = dQ.transpose(0, 2, 1, 3).reshape(B, T, H * D)
         dk = dK_g.transpose(0, 2, 1, 3).reshape(B, S, G * D)
         dv = dV_g.transpose(0, 2, 1, 3).reshape(B, S, G * E)
+        return dq, dk, dv
 
-        out = {"d_concat": dc, "d_head_outputs": dO, "d_attn_weights": dP, "d_scores": dS,
-               "d_q_proj": dq, "d_k_proj": dk, "d_v_proj": dv}
+    def _through_projections(self, case: Case, concat, dy, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``out`` (holding d_q_proj, d_k_proj, d_v_proj) with the input, weight and bias gradients added:
+        concat (B, T, H·E) the forward's, dy (B, T, d_out) the upstream gradient in the dtype."""
+        cfg, w = case.config, case.weights
+        B = case.batch
+        dq, dk, dv = out["d_q_proj"], out["d_k_proj"], out["d_v_proj"]
         if case.self_attention:
             out["d_query"] = self.mm(np.concatenate([dq, dk, dv], -1),
                                      np.concatenate([w.w_q, w.w_k, w.w_v], 1).T.copy())
@@ -181,7 +203,7 @@ class BackwardVariant:
             else:
                 out["d_key"] = self.mm(dk, w.w_k.T.copy())
                 out["d_value"] = self.mm(dv, w.w_v.T.copy())
-        xs = {"q": case.inputs.query, "k": case.inputs.key, "v": case.inputs.value, "o": f["concat"]}
+        xs = {"q": case.inputs.query, "k": case.inputs.key, "v": case.inputs.value, "o": concat}
         ds = {"q": dq, "k": dk, "v": dv, "o": dy}
         for n in "qkvo":
             xf, df = xs[n].reshape(B * xs[n].shape[1], -1), ds[n].reshape(B * ds[n].shape[1], -1)

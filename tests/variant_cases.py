@@ -116,19 +116,35 @@ def variant_golden():
     return OnTheFlyGolden(catalog, "tests/variant_cases.py"), catalog.ids()
 
 
-_REPORTS: dict[int, tuple[Any, Any]] = {}
+def written_golden(names: list[str], folder: Any) -> tuple[Any, list[str]]:
+    """(golden set, case ids) of :data:`CASES` ``names``, their fixtures (forward and backward) written into
+    ``folder`` by the exact reference (mhaspec.reference.generate)."""
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.reference.generate import generate
+    from mhaspec.spec import Catalog
+
+    with judged_variants():
+        catalog = Catalog([spec_of(name) for name in names])
+        generate(folder, catalog)
+    return GoldenSet(folder), catalog.ids()
 
 
-def variant_report(adapter) -> Any:
-    """``adapter``'s report on the variant cases in every dtype (in this process), once per session."""
+_REPORTS: dict[tuple[int, str, bool], tuple[Any, Any]] = {}
+
+
+def variant_report(adapter, precision: str = "standard", backward: bool = False) -> Any:
+    """``adapter``'s report on the variant cases in every dtype (in this process), once per session
+    (``precision``, ``backward``: :func:`mhaspec.check`'s)."""
     import mhaspec
 
-    if id(adapter) not in _REPORTS:  # the adapter is kept with its report: its id is never reused
+    key = (id(adapter), precision, backward)
+    if key not in _REPORTS:  # the adapter is kept with its report: its id is never reused
         golden, ids = variant_golden()
         with judged_variants():
-            report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False)
-        _REPORTS[id(adapter)] = (adapter, report)
-    return _REPORTS[id(adapter)][1]
+            report = mhaspec.check(adapter, cases=ids, golden=golden, timeout=None, isolate=False,
+                                   precision=precision, backward=backward)
+        _REPORTS[key] = (adapter, report)
+    return _REPORTS[key][1]
 
 
 @lru_cache(maxsize=None)

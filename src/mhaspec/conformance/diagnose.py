@@ -101,7 +101,8 @@ from . import judging
 from .blocks import MAX_BLOCK_ELEMENTS, _slice_stage, block_case, stage_shape
 from .compare import (FAIL, NOT_EXPOSED, PASS, StageResult, as_float_array, compare_stage, representable,
                       round_to_bfloat16)
-from .tolerance import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, heads, judging_bounds, local_references
+from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, LOCAL_INPUTS, backward_bounds, heads, judging_bounds,
+                        local_references)
 from . import diagnose_variants  # the attention variants: their bugs, their float64 steps
 from .diagnose_variants import uses_variants, variant_hints
 
@@ -203,6 +204,7 @@ class _Evidence:
     def __init__(self, golden: GoldenCase, returned: Mapping[str, np.ndarray], dtype: str):
         self.golden, self.returned, self.dtype = golden, returned, dtype
         self._judging: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
+        self._backward: dict[str, dict[str, np.ndarray]] = {}  # dtype -> the backward stages' tolerances
 
     def _bounds(self, dtype: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if dtype not in self._judging:
@@ -211,9 +213,21 @@ class _Evidence:
             self._judging[dtype] = (judging.with_reference_error(self.golden, raw), tols)
         return self._judging[dtype]
 
+    def _backward_tols(self, dtype: str) -> dict[str, np.ndarray]:
+        """The standard tolerance of every backward stage in ``dtype`` (the runner's bounds, from the forward's)."""
+        if dtype not in self._backward:
+            raw = judging.derived(self.golden, ("judging", dtype, "standard"),
+                                  lambda: judging_bounds(self.golden, dtype, "standard"))[0]
+            bounds = judging.derived(self.golden, ("backward", dtype, "standard"),
+                                     lambda: backward_bounds(self.golden, dtype, raw, precision="standard"))
+            self._backward[dtype] = {k: b.tolerance(LAMBDA) for k, b in bounds.items()}
+        return self._backward[dtype]
+
     def tol(self, stage: str, dtype: str | None = None) -> np.ndarray:
         """The standard tolerance of every element of ``stage`` in ``dtype`` (default: the one asked)."""
-        return np.broadcast_to(self._bounds(dtype or self.dtype)[1][stage], self.golden.stages[stage].shape)
+        dtype = dtype or self.dtype
+        tols = self._backward_tols(dtype) if REGISTRY[stage].direction == "backward" else self._bounds(dtype)[1]
+        return np.broadcast_to(tols[stage], self.golden.stages[stage].shape)
 
     def selected(self, stage: str) -> np.ndarray:
         """Which entries of ``stage`` are compared (bool, the stage's shape)."""

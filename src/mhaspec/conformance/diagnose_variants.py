@@ -25,12 +25,18 @@ The signatures, each at the stage where the bug is first seen (the first failing
 - *ALiBi sign* (``scores``): + slope·|i + off − j|; *ALiBi anchored at column 0*: + slope·j (HF
   BLOOM's form, which only the scores and the lse see in a causal row);
 - *LSE in base 2* (``lse``): lse / ln 2;
-- *sink missing* (``lse``, ``attn_weights``): the softmax without the sink in its denominator.
+- *sink missing* (``lse``, ``attn_weights``): the softmax without the sink in its denominator;
+- the backward's (:func:`backward_hypotheses`, from the golden gradients; the runner passes the returned
+  backward stages too): *d_bias from batch 0 only*, *d_bias summed over the batch and the heads*
+  (``d_bias``); *RoPE not turned back*, *turned back by +θ*, *turned back from position 0* (``d_q_proj``,
+  ``d_k_proj``); *softcap′ missing*, *softcap′ from the post-bias scores* (``d_q_rot``, or ``d_q_proj``
+  without RoPE).  A bug of the backward's recomputed P (FlashAttention's) is not named.
 
 Only a case that uses a variant, and is small enough to be judged in one block
 (:data:`.blocks.MAX_BLOCK_ELEMENTS`), is diagnosed here.  tests/test_diagnose_variants.py checks that
 each named bug of the zoo (tests/variants.py) gets its name and no other, in every dtype, and that
-the correct implementations get none.
+the correct implementations get none; tests/test_diagnose_variant_backward.py the same of the backward's
+(tests/backward_variant_zoo.py).
 """
 
 from __future__ import annotations
@@ -257,6 +263,73 @@ def hypotheses(golden: GoldenCase, stage: str, got: np.ndarray, sel: np.ndarray)
             out.append(("ALiBi anchored at column 0 (+slope·j, HF BLOOM's form; spec: −slope·|i + off − j|, "
                         "which differs by a constant per row where j ≤ i + off)",
                         alibi_replaced(golden, 1.0, column=True)))  # type: ignore[arg-type]
+    return out + backward_hypotheses(golden, stage)
+
+
+def backward_hypotheses(golden: GoldenCase, stage: str) -> list[tuple[str, np.ndarray]]:
+    """(name, the alternative (the golden's shape)) of every bug of the variants' backward seen first at
+    backward ``stage`` that applies to ``golden``'s case, each from the golden's own gradients.  (Not
+    d_sink_logits' sign: its H entries are fewer than the MIN_APART a signature is read from.)"""
+    cfg, g = golden.spec.config, golden.stages
+    out: list[tuple[str, np.ndarray]] = []
+    if stage == STAGE.d_bias:
+        out += bias_grad_hypotheses(g[STAGE.d_scores], g[STAGE.d_bias].shape)
+    if stage in (STAGE.d_q_proj, STAGE.d_k_proj) and cfg.rope is not None:
+        out += rope_back_hypotheses(golden, stage)
+    if cfg.softcap is not None and stage == (STAGE.d_q_rot if cfg.rope is not None else STAGE.d_q_proj):
+        out += softcap_back_hypotheses(golden)
+    return out
+
+
+def bias_grad_hypotheses(dS: np.ndarray, shape: tuple[int, ...]) -> list[tuple[str, np.ndarray]]:
+    """d_bias (``shape``: (B|1, H|1, T, S)) from d_scores dS (B, H, T, S) as two bugs sum it: batch 0's
+    only where the bias is shared by the batch; over the batch and the heads whatever it broadcasts."""
+    out = []
+    heads = (1,) if shape[1] == 1 else ()
+    if shape[0] == 1 and dS.shape[0] > 1:
+        out.append(("d_bias from batch 0 only (a bias shared by the batch: the sum of every batch's d_scores)",
+                    dS[:1].sum(axis=heads, keepdims=True)))
+    if shape[:2] != (1, 1):
+        out.append((f"d_bias summed over the batch and the heads (a bias of shape {tuple(shape)}: d_scores summed "
+                    f"over the axes it broadcasts only)", np.broadcast_to(dS.sum(axis=(0, 1), keepdims=True), shape)))
+    return out
+
+
+def rope_back_hypotheses(golden: GoldenCase, stage: str) -> list[tuple[str, np.ndarray]]:
+    """d_q_proj or d_k_proj (``stage``) from the golden d_q_rot or d_k_rot as three bugs turn it back: not at
+    all, by +θ (R, not Rᵀ), from position 0 (the offset ignored; where there is one)."""
+    cfg = golden.spec.config
+    query = stage == STAGE.d_q_proj
+    rot, n = (STAGE.d_q_rot, cfg.H) if query else (STAGE.d_k_rot, cfg.H_kv)
+    _, _, T, S = golden.visible.shape
+    positions = variant_ops.rope_positions(cfg, T, S)[0 if query else 1]
+    offset = cfg.rope.query_offset if query else cfg.rope.key_offset  # type: ignore[union-attr]
+    d = golden.stages[rot]
+    out = [(f"RoPE not turned back in the backward ({stage} = {rot}; spec: Rᵀ {rot}, each pair turned by −θ)", d),
+           (f"RoPE turned back by +θ ({stage} = R {rot}; spec: Rᵀ {rot})", variant_ops.rope(d, n, positions, cfg))]
+    if offset:
+        out.append((f"RoPE turned back from position 0 (the offset {offset} ignored: Rᵀ at positions 0, 1, …)",
+                    variant_ops.rope(d, n, -(positions - offset), cfg)))
+    return out
+
+
+def softcap_back_hypotheses(golden: GoldenCase) -> list[tuple[str, np.ndarray]]:
+    """d_q_rot (d_q_proj without RoPE) as two softcap bugs form it: scale·d_raw K_rot with d_raw = d_scores
+    (softcap′ missing), or d_scores ⊙ (1 − (scores / c)²) from the post-bias scores (with a bias or ALiBi)."""
+    cfg, g = golden.spec.config, golden.stages
+    k = g.get(STAGE.k_rot, g[STAGE.k_proj])
+    B, S = k.shape[0], k.shape[1]
+    K = np.repeat(k.reshape(B, S, cfg.H_kv, cfg.D_k), cfg.group_size, axis=2)  # (B, S, H, D)
+    dS = g[STAGE.d_scores]  # (B, H, T, S)
+
+    def d_q(d_raw: np.ndarray) -> np.ndarray:  # scale · d_raw K, heads merged: (B, T, H·D)
+        return float(cfg.scale) * np.einsum("BHTS,BSHD->BTHD", d_raw, K).reshape(B, dS.shape[2], -1)  # type: ignore[arg-type]
+
+    out = [("softcap′ missing in the backward (d_raw = d_scores; spec: d_scores ⊙ (1 − tanh²(raw/c)))", d_q(dS))]
+    if golden.inputs.get("bias") is not None or cfg.alibi_slopes is not None:
+        t = np.where(golden.visible, g[STAGE.scores], 0.0) / cfg.softcap  # type: ignore[operator]
+        out.append(("softcap′ from the post-bias scores (1 − (scores/c)²; spec: 1 − tanh²(raw/c), the logit before "
+                    "bias and ALiBi)", d_q(dS * (1 - t * t))))
     return out
 
 

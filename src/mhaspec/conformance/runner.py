@@ -118,6 +118,7 @@ class Session:
         self._timeouts = 0
         #: (golden, dtype, forward bounds) of the last case judged in one block (see _judge_backward)
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
+        self._backward_returned: dict[tuple[int, str], Mapping[str, Any]] = {}  # the case's, for its diagnosis
         self._next: dict[tuple[str, str], tuple[str, str] | None] = {}  # the planned order (see plan())
         self._current: tuple[str, str] | None = None
         # case×dtype judged with --backward whose golden has no backward stages (--catalog: CATALOG_FORWARD_ONLY)
@@ -241,7 +242,11 @@ class Session:
             verdict = UNINFORMATIVE  # the required stage could not be judged: never a pass
         else:
             verdict = PASS
-        hints = diagnose(golden, returned, dtype, stages) if verdict == FAIL else []  # text only, never a verdict
+        if verdict == FAIL:  # text only, never a verdict; the backward's returned stages too (variant bugs)
+            hints = diagnose(golden, {**returned, **self._backward_returned.pop((id(golden), dtype), {})}, dtype, stages)
+        else:
+            hints = []
+        self._backward_returned.pop((id(golden), dtype), None)
         return CaseResult(case_id, dtype, verdict, stages, hints=hints, adapter_s=adapter_s,
                           harness_s=time.perf_counter() - t0)
 
@@ -394,6 +399,7 @@ class Session:
         error = contract_error(returned, golden)
         if error:
             return [], error, seconds
+        self._backward_returned[id(golden), dtype] = returned
         last = self._forward_bounds
         forward_bounds = last[2] if last is not None and last[0] is golden and last[1] == dtype else None
         bounds = self._backward_bounds(golden, dtype, self.precision, forward_bounds)
