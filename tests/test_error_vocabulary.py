@@ -8,6 +8,7 @@ import numpy as np
 from mhaspec.conformance.model.vocabulary import EXACT, LINEAR, Bound, Error, product, stored
 from mhaspec.fixtures import GoldenSet
 from mhaspec.spec import BACKWARD_STAGES, INPUT_GRADIENTS, REGISTRY, STAGE
+from mhaspec.spec.stages import BACKWARD_VARIANT_STAGES
 
 
 def test_an_error_s_bound_is_sqrt_of_its_noise_and_its_worst_case_parts_plus_the_floor():
@@ -63,9 +64,10 @@ def test_the_linear_maps_name_the_registry_s_stages():
         if m.d_y is not None:
             assert REGISTRY[m.d_y].axes == REGISTRY[m.y].axes
     assert LINEAR["o"].x == STAGE.concat and LINEAR["o"].d_y is None  # d_output is given
-    # every backward stage is a linear map's, an input gradient or one of the attention's four
+    # every backward stage is a linear map's, an input gradient, one of the attention's four or a variant's
     named = {n for m in LINEAR.values() for n in (m.d_y, m.d_weight, m.d_bias) if n is not None}
     inputs = {n for kinds in INPUT_GRADIENTS.values() for n in kinds}
     attention = {STAGE.d_concat, STAGE.d_head_outputs, STAGE.d_attn_weights, STAGE.d_scores}
-    assert named | inputs | attention == set(BACKWARD_STAGES)
-    assert not named & (inputs | attention)
+    variants = set(BACKWARD_VARIANT_STAGES)
+    assert named | inputs | attention | variants == set(BACKWARD_STAGES)
+    assert not named & (inputs | attention | variants) and not variants & (inputs | attention)
