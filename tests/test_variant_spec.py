@@ -242,14 +242,14 @@ def _scaled_close(name: str, got: np.ndarray, want: np.ndarray, ulps: float = 64
 
 @pytest.mark.parametrize("case_id", [spec.id for spec in CATALOG if variants_used(spec)])
 def test_every_variant_fixture_agrees_with_plain_numpy(case_id):
-    """The catalog's variant cases (their committed fixtures, forward only) against the plain numpy
-    implementation above, stage by stage."""
+    """The catalog's variant cases (their committed fixtures' forward stages) against the plain numpy
+    implementation above, stage by stage (their backward: tests/test_variant_backward_reference.py)."""
     from mhaspec.fixtures import GoldenSet
 
     golden = GoldenSet().load(case_id)
     assert golden.reference_error is None  # every stage stored exactly, lse included
     naive = naive_forward(golden.spec.config, golden.inputs, golden.weights)
-    assert set(golden.stages) == set(naive) == set(forward_stages(golden.spec.config))
+    assert set(naive) == set(forward_stages(golden.spec.config)) <= set(golden.stages)
     for stage in naive:
         _scaled_close(f"{case_id}: {stage}", golden.stages[stage], naive[stage])
 
