@@ -62,22 +62,21 @@ def main() -> None:
     correct_table(stored, f"the catalog's {len(stored)} variant cases (the stored golden)")
     sensitivity(stored)
     print()
-    print("bugs (standard contract): caught at the expected first stage / cases it applies to")
+    bugs({**goldens, **{f"catalog/{k}": v for k, v in stored.items()}})
+
+
+def bugs(goldens: dict) -> None:
+    """Each bug of the proof: caught at its first stage, per contract and dtype, on the cases it applies to."""
+    print("bugs: caught at the expected first stage / cases it applies to (small and catalog cases)")
     for bug, (applies, stage) in BUGS.items():
-        row = []
-        for dtype in DTYPES:
-            n = right = 0
-            wrong: set[str] = set()
-            for name, golden in goldens.items():
-                if not applies(golden.spec):
-                    continue
-                n += 1
-                first = first_failure(judge(golden, dtype, bug=bug))
-                right += first == stage(golden.spec)
-                if first != stage(golden.spec):
-                    wrong.add(f"{name}:{first}")
-            row.append(f"{dtype} {right}/{n}" + (f" ({', '.join(sorted(wrong))})" if wrong else ""))
-        print(f"  {bug}: " + "; ".join(row))
+        for precision in ("standard", "worst-case"):
+            row = []
+            for dtype in DTYPES:
+                cases = {name: g for name, g in goldens.items() if applies(g.spec)}
+                firsts = {name: first_failure(judge(g, dtype, precision, bug=bug)) for name, g in cases.items()}
+                wrong = sorted(f"{name}:{f}" for name, f in firsts.items() if f != stage(cases[name].spec))
+                row.append(f"{dtype} {len(cases) - len(wrong)}/{len(cases)}" + (f" ({', '.join(wrong)})" if wrong else ""))
+            print(f"  {bug}, {precision}: " + "; ".join(row))
 
 
 def sensitivity(stored: dict) -> None:

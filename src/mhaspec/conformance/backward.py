@@ -131,9 +131,9 @@ def judge_stage(stage: str, got: Any, golden: GoldenCase, bound: Bound, dtype: s
 
 
 def _resolved(res: StageResult, golden: GoldenCase, tolerance: np.ndarray) -> StageResult:
-    """``d_b_k`` is exactly 0 (a key bias shifts a whole score row, which softmax ignores), so a zero
-    result always "passes": it is informative when it would catch the column sums of |d_k_proj|
-    that a bug in the reduction leaves."""
+    """``d_b_k`` is exactly 0 in a spec-1.1 case (a key bias shifts a whole score row, which softmax ignores;
+    with RoPE, softcap or a sink it does not, and d_b_k is small), so a zero result may "pass": it is
+    informative when it would catch the column sums of |d_k_proj| that a bug in the reduction leaves."""
     if res.stage == STAGE.d_b_k and res.verdict == UNINFORMATIVE:
         if np.any(np.abs(golden.stages[STAGE.d_k_proj]).sum(axis=(0, 1)) > tolerance):
             res.verdict, res.message = PASS, ""
