@@ -1,6 +1,6 @@
 """The variants' backward rule for softcap′ against XLA's tanh (tests/test_variant_backward_tolerances.py proves
 the rest without a framework): its float32 tanh on CPU is a fast approximation, several ulps off, and 1 − t²
-of it must stay within the rule's rounding of sech² (model/backward_variants.py: TANH_ULPS)."""
+of it must stay within the rule's rounding of sech² (model/variants.py: TANH_ULPS)."""
 
 from __future__ import annotations
 

@@ -35,15 +35,10 @@ import numpy as np
 
 from ...fixtures import GoldenCase
 from ...spec import STAGE, variant_ops
-from .variants import (FUNCTION_ULPS, local_rope, raw_score_errors, raw_scores_worst, rope, rope_worst,
+from .variants import (FUNCTION_ULPS, TANH_ULPS, local_rope, raw_score_errors, raw_scores_worst, rope, rope_worst,
                        sech2_over_move, sink_share)
 from .vocabulary import LAMBDA, Error, Rounding, heads, merge, stored, swap
 
-#: Ulps (of the compute precision) of a correct tanh where softcap′ reads it: fast approximations are further
-#: off than libm's (XLA's float32 tanh on CPU: 4.37 ulps, measured on [−12, 12];
-#: tests/frameworks/test_jax_softcap_slope.py).  The forward's :data:`.variants.FUNCTION_ULPS` (2) is negligible beside its other terms; in
-#: 1 − t² it is the leading one where |s0| ≫ c (the difference cancels), so the backward counts it at this size.
-TANH_ULPS = 5.0
 
 # --- what the score product reads -------------------------------------------------------------------
 
