@@ -200,3 +200,72 @@ def test_an_exec_client_is_not_judged_on_a_schedule_case():
     from mhaspec.protocol.transports.program import Program
 
     assert "decode is not in mhaspec-wire/1 yet" in Program.decode_refusal
+
+
+# -- run --catalog: schedule cases of any size --------------------------------------------------
+
+
+def _long_schedule(case_id: str = "long_decode", prefill: int = 33, steps: int = 37) -> CaseSpec:
+    return CaseSpec.model_validate(_spec(id=case_id, tgt_len=prefill + steps, src_len=prefill + steps,
+                                         schedule=[prefill] + [1] * steps, batch=1))
+
+
+def test_a_call_view_of_a_golden_made_one_block_at_a_time_is_the_whole_golden_s(monkeypatch):
+    """A large --catalog case's golden is computed one block of rows at a time (fixtures.RowBlocks, blocks
+    at multiples of block_rows); each call's view, made from the block around its rows, holds the same
+    numbers as the view of the golden computed whole."""
+    from mhaspec.conformance.decode import call_view
+    from mhaspec.reference import onthefly
+
+    spec = _long_schedule()
+    whole = onthefly.golden_case(spec)
+    monkeypatch.setattr(onthefly, "ROW_BLOCK_ELEMENTS", 1)  # the smallest blocks: FAST_ROWS rows
+    blocks = onthefly.row_blocks(spec)
+    assert hasattr(blocks, "block") and 0 < blocks.block_rows < spec.tgt_len
+    for call in spec.calls()[:3] + spec.calls()[30:33]:  # blocks 0/1 and 1/2 (block_rows 32): 32, 33 … 63, 64
+        a, b = call_view(whole, 0, call), call_view(blocks, 0, call)
+        assert (a.row_offset, a.whole_tgt_len, a.spec.src_len) == (b.row_offset, b.whole_tgt_len, b.spec.src_len) \
+            == (call.t0, call.t1, call.cache)
+        assert a.stages.keys() == b.stages.keys() and np.array_equal(a.visible, b.visible)
+        for stage in a.stages:
+            np.testing.assert_array_equal(a.stages[stage], b.stages[stage], err_msg=f"{call} {stage}")
+            assert a.stages[stage].shape == expected_view_shape(spec, call, stage)
+
+
+def expected_view_shape(spec: CaseSpec, call, stage: str) -> tuple[int, ...]:
+    return REGISTRY[stage].shape(spec.config, 1, call.rows, call.cache)
+
+
+def test_run_catalog_judges_a_schedule_case_and_reports_its_calls(tmp_path, capsys):
+    path, report = tmp_path / "decode.json", tmp_path / "report.json"
+    path.write_text(json.dumps([json.loads(_long_schedule("decode_steps", prefill=6, steps=9).model_dump_json())]))
+    code = main(["run", f"{__file__}:GoldenRows", "--catalog", str(path), "--dtype", "float32",
+                 "--report", str(report)])
+    assert code == 0, capsys.readouterr()
+    result = json.loads(report.read_text())["results"][0]
+    assert result["verdict"] == "pass" and len(result["calls"]) == 10
+    assert result["calls"][-1] == {"call": 10, "of": 10, "kind": "decode", "rows": [14, 15], "cache": 15,
+                                   "verdict": "pass", "first_failing_stage": None,
+                                   "worst_ratio": result["calls"][-1]["worst_ratio"], "message": ""}
+
+
+def test_the_matrix_and_the_pytest_failure_text_name_the_failing_call(tmp_path):
+    from mhaspec.conformance import matrix
+    from mhaspec.conformance.plugin import judge_stage
+
+    from mhaspec.conformance import Session
+
+    session = Session(GoldenRows("not appended"), isolate=False)
+    try:
+        report = mhaspec.check(session, dtypes=["float32"], cases=["decode_prefill_steps"])
+        with pytest.raises(pytest.fail.Exception) as failed:
+            judge_stage(session, "decode_prefill_steps", "float32", "k_proj")
+    finally:
+        session.close()
+    assert "decode_prefill_steps [float32] k_proj: call 2 of 7 (decode, cache 6): shape" in str(failed.value)
+    report.write_json(tmp_path / "r.json")
+    m = matrix.build([tmp_path / "r.json"])
+    key = m.keys[0]
+    assert "reason: call 2 of 7 (decode, cache 6): k_proj fail" in matrix.hover_text(m, key, "decode_prefill_steps",
+                                                                                       "float32")
+    assert "| call 2 of 7 (decode, cache 6): k_proj fail" in matrix.to_markdown(m)

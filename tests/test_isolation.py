@@ -363,7 +363,9 @@ def test_a_broken_fixture_costs_one_case_and_the_report_is_written(tmp_path, cap
     assert "gqa [float32] error: fixture: " in out and "gqa.safetensors: corrupted fixture" in out
     rep = json.loads(report.read_text())
     verdicts = {r["case"]: r["verdict"] for r in rep["results"]}
-    assert verdicts.pop("gqa") == ERROR and set(verdicts.values()) == {PASS} and len(verdicts) >= 20
+    assert verdicts.pop("gqa") == ERROR and len(verdicts) >= 20
+    # (a case with a schedule: judged through decode(case), unsupported by an adapter without it)
+    assert {v for c, v in verdicts.items() if CATALOG[c].schedule is None} == {PASS}
 
 
 def test_a_fatal_fixture_problem_still_writes_a_partial_report(tmp_path, capsys):

@@ -54,21 +54,33 @@ def _input_keys(name: str, x: np.ndarray, cache: int) -> np.ndarray:
     return x
 
 
-def call_rows(golden: GoldenCase, b: int, t0: int, t1: int) -> GoldenCase:
-    """Batch entry b's golden rows [t0, t1), every key (:func:`block_case`); a case made one block of rows
-    at a time (fixtures.RowBlocks, whose blocks start at multiples of ``block_rows``) computes the rows
-    from the block start before t0 and keeps [t0, t1): memory in the call's rows, never the whole case."""
+def call_rows(golden: GoldenCase, b: int, t0: int, t1: int, last: dict[Any, GoldenCase] | None = None) -> GoldenCase:
+    """Batch entry b's golden rows [t0, t1), every key (:func:`block_case`).
+
+    A case made one block of rows at a time (fixtures.RowBlocks) computes the blocks of ``block_rows``
+    rows around [t0, t1) — the blocks judge_in_blocks would, so the same numbers to the bit — and keeps
+    the call's rows: memory in the call's rows, never the whole case.  ``last`` keeps each batch entry's last block
+    computed, which the next decode steps share."""
     if not hasattr(golden, "block"):
         return block_case(golden, b, t0, t1)
-    start = t0 - t0 % golden.block_rows  # type: ignore[attr-defined]
-    return block_case(golden.block(b, start, t1), 0, t0 - start, t1 - start)  # type: ignore[attr-defined]
+    rows, T = golden.block_rows, golden.spec.tgt_len  # type: ignore[attr-defined]
+    start, end = t0 - t0 % rows, min(T, t1 + (-t1) % rows)
+    key = (b, start, end)
+    if last is None or key not in last:
+        block = golden.block(b, start, end)  # type: ignore[attr-defined]
+        if last is None:
+            return block_case(block, 0, t0 - start, t1 - start)
+        for old in [k for k in last if k[0] == b]:  # one block per batch entry
+            del last[old]
+        last[key] = block
+    return block_case(last[key], 0, t0 - start, t1 - start)
 
 
-def call_view(golden: GoldenCase, b: int, call: Call) -> GoldenCase:
+def call_view(golden: GoldenCase, b: int, call: Call, last: dict[Any, GoldenCase] | None = None) -> GoldenCase:
     """What call ``call`` of batch entry b is judged against: golden rows [t0, t1) with ``row_offset`` t0,
     keys [0, L_c) — a case of t1 rows against L_c = P + t1 keys (so its bottom-right diagonal is the
     case's), of which these are the last rows."""
-    rows = call_rows(golden, b, call.t0, call.t1)
+    rows = call_rows(golden, b, call.t0, call.t1, last)
     error = rows.reference_error
     return dataclasses.replace(
         rows,
@@ -156,12 +168,14 @@ def verdict_of(stages: Sequence[StageResult]) -> str:
 
 
 def judge_call(golden: GoldenCase, call: Call, returned: Mapping[str, Any],
-               judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]]) -> list[StageResult]:
-    """One call's stage results: each batch entry's view judged by ``judge``, merged in pipeline order."""
+               judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
+               last: dict[Any, GoldenCase] | None = None) -> list[StageResult]:
+    """One call's stage results: each batch entry's view judged by ``judge``, merged in pipeline order
+    (``last``: :func:`call_rows`'s)."""
     arrays, failed = _shape_failures(returned, expected_shapes(golden, call), call)
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
     for b in range(golden.spec.batch):
-        view = call_view(golden, b, call)
+        view = call_view(golden, b, call, last)
         for res in judge(view, {stage: _batch_entry(stage, a, b) for stage, a in arrays.items()}):
             per_stage.setdefault(res.stage, []).append(((b, call.t0, call.t1), res))
     merged = {stage: merge(parts) for stage, parts in per_stage.items()}
@@ -212,7 +226,8 @@ def judge_calls(golden: GoldenCase, calls: Sequence[Call], returned: Sequence[Ma
     call, else the first known deviation, else the first uninformative one), each message led by the call
     (``call 3 of 7 (decode, cache 8): …``).  A case whose calls all pass has every call's stages merged,
     with the second opinion on the sums of all calls (which may still fail it, naming no call)."""
-    results = [_call_result(c, call, len(calls), judge_call(golden, call, mapping, judge))
+    last: dict[Any, GoldenCase] = {}  # the golden's last block of rows (a case made one block at a time)
+    results = [_call_result(c, call, len(calls), judge_call(golden, call, mapping, judge, last))
                for c, (call, mapping) in enumerate(zip(calls, returned))]
     verdict = next((v for v in (FAIL, KNOWN_DEVIATION, UNINFORMATIVE) if any(r.verdict == v for r in results)), PASS)
     if verdict == PASS:
