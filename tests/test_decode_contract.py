@@ -269,3 +269,22 @@ def test_the_matrix_and_the_pytest_failure_text_name_the_failing_call(tmp_path):
     assert "reason: call 2 of 7 (decode, cache 6): k_proj fail" in matrix.hover_text(m, key, "decode_prefill_steps",
                                                                                        "float32")
     assert "| call 2 of 7 (decode, cache 6): k_proj fail" in matrix.to_markdown(m)
+
+
+class AsksFirst(GoldenRows):
+    """With supports(): the worker runs supports+decode in one round trip, and sends cases ahead."""
+
+    name = "golden-rows-supports"
+
+    def supports(self, case):
+        return True if case.id != "decode_window" else "no sliding window in this cache"
+
+
+def test_supports_then_decode_and_cases_sent_ahead_through_the_worker():
+    cases = ["decode_prefill_steps", "self_basic", "decode_window", "decode_with_past", "decode_chunked_prefill"]
+    report = mhaspec.check(AsksFirst(), dtypes=["float32", "float64"], cases=cases)
+    verdicts = {(r.case, r.dtype): (r.verdict, r.message) for r in report.results}
+    assert verdicts.pop(("self_basic", "float32"))[0] == verdicts.pop(("self_basic", "float64"))[0] == "error"  # run()
+    for dtype in ("float32", "float64"):
+        assert verdicts.pop(("decode_window", dtype)) == ("unsupported", "no sliding window in this cache")
+    assert {v for v in verdicts.values()} == {("pass", "")}, verdicts

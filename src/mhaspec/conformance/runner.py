@@ -26,7 +26,7 @@ from . import decode
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
-from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult, as_float_array, compare_stage, fold_local
+from .compare import FAIL, NOT_EXPOSED, StageResult, as_float_array, compare_stage, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, golden_bounds,
@@ -244,15 +244,7 @@ class Session:
             if error:
                 return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)
             stages += more
-        verdicts = {st.verdict for st in stages}
-        if FAIL in verdicts:
-            verdict = FAIL
-        elif KNOWN_DEVIATION in verdicts:
-            verdict = KNOWN_DEVIATION
-        elif next(st for st in stages if st.stage == STAGE.output).verdict == UNINFORMATIVE:
-            verdict = UNINFORMATIVE  # the required stage could not be judged: never a pass
-        else:
-            verdict = PASS
+        verdict = decode.verdict_of(stages)  # (uninformative where the required output could not be judged)
         if verdict == FAIL:  # text only, never a verdict; the backward's returned stages too (variant bugs)
             hints = diagnose(golden, {**returned, **self._backward_returned.pop((id(golden), dtype), {})}, dtype, stages)
         else:
