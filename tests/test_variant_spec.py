@@ -77,8 +77,8 @@ def test_defaults_leave_every_committed_case_json_and_manifest_unchanged():
     by_id = {entry["spec"]["id"]: entry["spec"] for entry in manifest["cases"]}
     assert set(by_id) == set(CATALOG.ids())
     assert manifest["spec_version"] == "1.2"
-    plain = [spec for spec in CATALOG if not spec.config.has_variants and spec.bias is None]
-    assert len(plain) == 28  # the spec-1.1 catalog
+    plain = [spec for spec in CATALOG if not spec.config.has_variants and spec.bias is None and spec.schedule is None]
+    assert len(plain) == 28  # the spec-1.1 catalog (a case with a schedule came later: docs/serving.md)
     for spec in CATALOG:
         assert spec.model_dump(mode="json") == by_id[spec.id], spec.id
         assert CaseSpec.model_validate(by_id[spec.id]) == spec
