@@ -288,3 +288,37 @@ def test_supports_then_decode_and_cases_sent_ahead_through_the_worker():
     for dtype in ("float32", "float64"):
         assert verdicts.pop(("decode_window", dtype)) == ("unsupported", "no sliding window in this cache")
     assert {v for v in verdicts.values()} == {("pass", "")}, verdicts
+
+
+def test_a_long_call_is_judged_in_blocks_of_rows_with_the_same_verdicts(monkeypatch):
+    """A chunk too large for one block (memory-bounded judging) gets the same per-call verdicts and
+    worst ratios as judged at once; a bug in its last rows is found there."""
+    from mhaspec.conformance import Session, decode
+
+    golden = GoldenSet().load("decode_chunked_prefill")
+    calls = golden.spec.calls()
+    case = golden.case("float32")
+    session = Session(GoldenRows(), isolate=False)
+    judge = lambda view, mapping: session.judge_stages(view, "float32", mapping)  # noqa: E731
+    try:
+        for bug in ("", "stale"):
+            returned = GoldenRows().decode(case)
+            if bug:
+                returned[1]["output"] = returned[1]["output"].copy()
+                returned[1]["output"][:, -1] += 1.0  # the last row of the 4-row chunk
+            once = [decode.judge_call(golden, call, m, judge) for call, m in zip(calls, returned)]
+            assert decode.row_chunks(golden, calls[1]) == [(4, 8)]
+            small = 4 * calls[1].cache  # H · rows · L_c = 4 · 1 · 8: one row per block
+            assert decode.row_chunks(golden, calls[1], small) == [(4, 5), (5, 6), (6, 7), (7, 8)]
+            with monkeypatch.context() as patch:
+                patch.setattr(decode, "MAX_BLOCK_ELEMENTS", small)
+                blocked = [decode.judge_call(golden, call, m, judge) for call, m in zip(calls, returned)]
+            for a, b in zip(once, blocked):  # (the bounds' own float64 roundings follow the blocks: ratios to 1e-6)
+                assert [(s.stage, s.verdict, s.worst_index) for s in a] == [(s.stage, s.verdict, s.worst_index) for s in b]
+                assert [s.worst_ratio for s in b] == pytest.approx([s.worst_ratio for s in a], rel=1e-6)
+            verdicts = [decode.verdict_of(stages) for stages in blocked]
+            assert verdicts == (["pass", "fail", "pass"] if bug else ["pass"] * 3), verdicts
+            if bug:
+                assert next(s for s in blocked[1] if s.stage == "output").worst_index[1] == 7  # case row 7
+    finally:
+        session.close()

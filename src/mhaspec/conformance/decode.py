@@ -28,7 +28,8 @@ from ..spec import REGISTRY, STAGE
 from ..spec.schedule import Call, call_label
 from ..spec.stages import forward_stages
 from . import second_opinion
-from .blocks import block_case, merge
+from .blocks import MAX_BLOCK_ELEMENTS, ROW_AXIS, _slice_stage, block_case, merge
+from .judging import judging_block
 from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, StageResult
 from .report import CallResult
 
@@ -76,11 +77,14 @@ def call_rows(golden: GoldenCase, b: int, t0: int, t1: int, last: dict[Any, Gold
     return block_case(last[key], 0, t0 - start, t1 - start)
 
 
-def call_view(golden: GoldenCase, b: int, call: Call, last: dict[Any, GoldenCase] | None = None) -> GoldenCase:
+def call_view(golden: GoldenCase, b: int, call: Call, last: dict[Any, GoldenCase] | None = None,
+              rows: tuple[int, int] | None = None) -> GoldenCase:
     """What call ``call`` of batch entry b is judged against: golden rows [t0, t1) with ``row_offset`` t0,
     keys [0, L_c) — a case of t1 rows against L_c = P + t1 keys (so its bottom-right diagonal is the
-    case's), of which these are the last rows."""
-    rows = call_rows(golden, b, call.t0, call.t1, last)
+    case's), of which these are the last rows.  ``rows``: only the call's rows [r0, r1) (a large call is
+    judged in blocks of rows, :func:`row_chunks`), with ``row_offset`` r0."""
+    r0, r1 = rows or (call.t0, call.t1)
+    rows = call_rows(golden, b, r0, r1, last)
     error = rows.reference_error
     return dataclasses.replace(
         rows,
@@ -149,10 +153,6 @@ def _shape_failures(returned: Mapping[str, Any], expected: Mapping[str, tuple[in
     return arrays, failed
 
 
-def _batch_entry(stage: str, x: Any, b: int) -> Any:
-    return x if isinstance(x, float) else np.asarray(x)[b : b + 1]
-
-
 def verdict_of(stages: Sequence[StageResult]) -> str:
     """The verdict of a set of stage results: fail, then known deviation, then uninformative where the
     required ``output`` could not be judged, else pass."""
@@ -167,17 +167,40 @@ def verdict_of(stages: Sequence[StageResult]) -> str:
     return PASS
 
 
+def row_chunks(golden: GoldenCase, call: Call, max_elements: int | None = None) -> list[tuple[int, int]]:
+    """The blocks of rows [r0, r1) a call is judged in: the golden's own blocks (fixtures.RowBlocks: at
+    multiples of its ``block_rows``), else at most ``max_elements`` (default :data:`MAX_BLOCK_ELEMENTS`)
+    (H, rows, L_c) elements each — one block for every call of a small case, so memory stays bounded for
+    a long chunk too."""
+    max_elements = MAX_BLOCK_ELEMENTS if max_elements is None else max_elements
+    size = getattr(golden, "block_rows", 0)
+    if size:
+        return [(max(call.t0, a), min(call.t1, a + size)) for a in range(call.t0 - call.t0 % size, call.t1, size)]
+    size = max(1, max_elements // (golden.spec.config.H * call.cache))
+    return [(r, min(call.t1, r + size)) for r in range(call.t0, call.t1, size)]
+
+
 def judge_call(golden: GoldenCase, call: Call, returned: Mapping[str, Any],
                judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
                last: dict[Any, GoldenCase] | None = None) -> list[StageResult]:
-    """One call's stage results: each batch entry's view judged by ``judge``, merged in pipeline order
-    (``last``: :func:`call_rows`'s)."""
+    """One call's stage results: each batch entry's view (block by block of rows, :func:`row_chunks`)
+    judged by ``judge``, merged in pipeline order (``last``: :func:`call_rows`'s).  The key side (the
+    cache) is judged in the first block of each batch entry, its bounds shared by the others."""
     arrays, failed = _shape_failures(returned, expected_shapes(golden, call), call)
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
+    chunks = row_chunks(golden, call)
     for b in range(golden.spec.batch):
-        view = call_view(golden, b, call, last)
-        for res in judge(view, {stage: _batch_entry(stage, a, b) for stage, a in arrays.items()}):
-            per_stage.setdefault(res.stage, []).append(((b, call.t0, call.t1), res))
+        memo: dict[Any, Any] = {}  # what the blocks of this batch entry share (judging.memoised)
+        for r0, r1 in chunks:
+            view = call_view(golden, b, call, last, (r0, r1))
+            sub = {stage: _slice_stage(stage, a, b, r0 - call.t0, r1 - call.t0) if isinstance(a, np.ndarray) else a
+                   for stage, a in arrays.items()}  # (a value that is not an array: judged as it is, and fails)
+            with judging_block(view, view, memo, key_stages=r0 == call.t0) as block:
+                results = judge(block, sub)
+            for res in results:
+                if ROW_AXIS[res.stage] is None and r0 > call.t0:
+                    continue  # (judged in the entry's first block)
+                per_stage.setdefault(res.stage, []).append(((b, r0, r1), res))
     merged = {stage: merge(parts) for stage, parts in per_stage.items()}
     for stage, res in failed.items():
         merged[stage] = res  # judged NOT_EXPOSED (not passed on): the shape is its failure
