@@ -142,7 +142,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         return _variants_standard(golden, r, keep_bounds=keep_bounds, tolerances=tolerances)
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H = cfg.H
-    keep_bounds_asked, keep_bounds = keep_bounds, keep_bounds or STAGE.lse in g  # lse: from the scores' bounds
+    lse_in = STAGE.lse in g  # the log-sum-exp: from the scores' bounds, a chunk of rows at a time
     # 1. projections (k_proj, v_proj with the operands of steps 2–4 made of them, shared by the
     #    blocks of query rows of one batch entry: judging.memoised)
     e_q = forward_rules.projection(golden, "q", r)
@@ -169,27 +169,31 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                          for e in (error.get(STAGE.scores, 0.0), error.get(STAGE.attn_weights, 0.0))))  # absent: exact
     cst = forward_rules.AttentionConstants.of(golden, r)
     kernels = compiled.kernels_for(golden)
+    if lse_in:  # (N, T, 1): the lse's error, each chunk's rows from that chunk's score bounds
+        lse_g, a_s = g[STAGE.lse].reshape(N, T, 1), r.accumulation(S)
+        lse_var, lse_acc = np.empty((N, T, 1)), np.empty((N, T, 1))
 
     def chunk(n: slice, rows: slice, buf: Scratch) -> None:
         args = (cst, Q[n, rows], tQ2[n, rows], keys.KK[n], keys.aK[n], keys.V[n], keys.V2[n], keys.aV[n],
                 keys.tV2[n], sN[n, rows], pN[n, rows], oN[n, rows], visN[n, rows])
         e_o = Error(o2[n, rows], wo[n, rows])
-        if kernels is not None and compiled.attention_chunk(
-                kernels, *args,
-                bounds=None if sig_s is None else (Bound(sig_s[n, rows], wor_s[n, rows]),
-                                                   Bound(sig_p[n, rows], wor_p[n, rows])),
-                tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
-                extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
-                out=e_o, buf=buf):
-            return
         shape = sN[n, rows].shape
+        # the bounds: into the whole stage's arrays where kept, else into work arrays (the lse reads the scores')
         b = [buf(f"g_out{i}", shape) if a is None else a[n, rows] for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))]
         out = forward_rules.ChunkOut(Bound(b[0], b[1]), Bound(b[2], b[3]), e_o)
-        if not inplace.attention_chunk(*args, out=out, buf=buf):
-            forward_rules.attention_chunk(*args, out=out)
-        if tol_s is not None and tol_p is not None:
-            for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
-                inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
+        if not (kernels is not None and compiled.attention_chunk(
+                kernels, *args, bounds=(out.scores, out.attn_weights) if keep_bounds or lse_in else None,
+                tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
+                extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
+                out=e_o, buf=buf)):
+            if not inplace.attention_chunk(*args, out=out, buf=buf):
+                forward_rules.attention_chunk(*args, out=out)
+            if tol_s is not None and tol_p is not None:
+                for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
+                    inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
+        if lse_in:
+            e_l = variant_rules.scores_lse(b[0], b[1], sN[n, rows], pN[n, rows], visN[n, rows], lse_g[n, rows], a_s, r)
+            lse_var[n, rows], lse_acc[n, rows] = e_l.var, e_l.acc
 
     # the general path's arithmetic on an adapter's own NaN and inf (a deviation bound, a local
     # check) is deliberate: no RuntimeWarning, as in local_references (the chunks' threads inherit it)
@@ -201,10 +205,8 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     e_o = Error(o2.reshape(B, H, T, E), wo.reshape(B, H, T, E))
     errors = {STAGE.q_proj: e_q, STAGE.k_proj: keys.k, STAGE.v_proj: keys.v, STAGE.head_outputs: e_o,
               **forward_rules.output(golden, e_o, r)}
-    if STAGE.lse in g:  # the log-sum-exp, from the scores' bounds (docs/tolerances.md "lse")
-        assert sig_s is not None and wor_s is not None
-        errors[STAGE.lse] = variant_rules.spec11_lse(
-            golden, Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S)), r)
+    if lse_in:  # the log-sum-exp, from the scores' bounds (docs/tolerances.md "lse"; variants.spec11_lse by chunks)
+        errors[STAGE.lse] = Error(lse_var.reshape(B, H, T), lse_acc.reshape(B, H, T))
     # key_stages=False: a block whose batch entry's key and value projections another block judges
     out = {name: e.bound(r.floor) for name, e in errors.items() if key_stages or name not in KEY_STAGES}
     tols: dict[str, np.ndarray] = {}
@@ -213,7 +215,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         assert tol_s is not None and tol_p is not None
         tols[STAGE.scores], tols[STAGE.attn_weights] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
         tols = _ordered(golden, tols)
-    if not keep_bounds_asked:
+    if not keep_bounds:
         return {}, tols
     # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
     assert sig_s is not None and wor_s is not None and sig_p is not None and wor_p is not None
@@ -328,8 +330,16 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             return ref, sig, wor
 
         if has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages:
-            ref_l, b_l = variant_rules.local_lse(own[STAGE.scores].reshape(N, T, S), visN, sinks, r, worst_case)
-            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(b_l.sigma.reshape(B, H, T), b_l.worst.reshape(B, H, T))
+            sL = own[STAGE.scores].reshape(N, T, S)
+            ref_l, sig_l, wor_l = np.empty((N, T, 1)), np.empty((N, T, 1)), np.empty((N, T, 1))
+
+            def lses(n: slice, rows: slice, buf: Scratch) -> None:  # per row: chunked, the same numbers
+                ref_c, b_c = variant_rules.local_lse(sL[n, rows], visN[n, rows], None if sinks is None else sinks[n],
+                                                     r, worst_case)
+                ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
+
+            each(lses)
+            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
         weights_local = None
         if has(*LOCAL_INPUTS[STAGE.attn_weights]):
             weights_local = softmax_pass(own[STAGE.scores])
