@@ -55,7 +55,7 @@ from ..fixtures import GoldenCase
 from ..spec import STAGE, compared_entries, variant_ops
 from ..spec.tolerance import DEFAULT_TOLERANCES
 from .engine.chunks import one_blas_thread
-from .judging import memoised
+from .judging import memoised, whole_shape
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
 C = 4.0
@@ -201,10 +201,20 @@ def _precision(dtype: str) -> tuple[type, Any]:
     raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(UNIT_ROUNDOFF)}")
 
 
-def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
+def seen_keys(visible: np.ndarray) -> int:
+    """1 + the last key that some query row of ``visible`` (…, T, S) sees; S where none sees any."""
+    seen = np.flatnonzero(visible.reshape(-1, visible.shape[-1]).any(axis=0))
+    return int(seen[-1]) + 1 if seen.size else visible.shape[-1]
+
+
+def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS,
+                  seen_only: bool = False) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
     """(order, {stage: values}) of each plain implementation of ``golden`` in ``dtype``, one at a
     time (values in the working precision, each rounded to ``dtype``).  Orders that share their
-    projections share the same arrays."""
+    projections share the same arrays.  ``seen_only`` (a case without a bias or ALiBi tensor): the
+    scores and weights only over the keys up to the last one a query row sees (:func:`seen_keys`; the
+    (…, T, S) stages then stop there, every weight beyond it being 0 and no score beyond it compared),
+    which changes the other stages' plain values only in the order of their float32 roundings."""
     work, rnd = _precision(dtype)
     cfg = golden.spec.config
     w = golden.weights
@@ -280,6 +290,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         alibi = rnd(-slopes[:, None, None] * distance[None].astype(work))  # (H, T, S)
     sink = golden.weights.get("sink_logits") if cfg.sinks else None
     sink = None if sink is None else cast(sink)[None, :, None, None]  # (1, H, 1, 1)
+    keys = seen_keys(visible) if seen_only and bias is None and alibi is None else S
+    visible = visible[..., :keys]
 
     def modified(s: np.ndarray) -> np.ndarray:
         """softcap (s/c, tanh and c·t each rounded), then + bias, + ALiBi (each sum rounded)."""
@@ -331,6 +343,7 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
+            K, V = K[:, :, :keys], V[:, :, :keys]  # (B, H, keys, ·): the keys the rows see (all but with seen_only)
             same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
             s = modified(scores(kind, Q, K)) if same is None else same[STAGE.scores]  # (the same formula: the same array)
             p, lse = softmax(s, kind == "log-sum-exp")
@@ -376,6 +389,17 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.nda
     return total
 
 
+def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None) -> float:
+    """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it), where ``plain`` may stop
+    at the last key the rows see (:func:`plain_forward`'s ``seen_only``): beyond it a plain weight is 0,
+    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected."""
+    k = plain.shape[-1] if plain.ndim else 0
+    if plain.shape == g.shape:
+        return _sum_squares(plain, g_sel, selected, golden_selected=True)
+    return (_sum_squares(plain, g[..., :k], None if selected is None else selected[..., :k])
+            + _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+
+
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
                     only: Mapping[str, np.ndarray] | None = None) -> dict[str, SecondOpinion]:
     """The second opinion of each stage in ``own`` (the adapter's stages, float64, canonical
@@ -410,11 +434,13 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
                                    dtype=dtype)
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
-    for order, plain in plain_forward(golden, dtype):  # its sum (the array held, so that its id stays its own)
+    # its sum (the array held, so that its id stays its own); a block of rows of a larger case: the plain
+    # scores and weights over the keys its rows see (plain_forward's seen_only)
+    for order, plain in plain_forward(golden, dtype, seen_only=whole_shape(golden) != golden.visible.shape):
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _sum_squares(plain[stage], g_sel[stage], selections[stage], golden_selected=True)
+                ss = _plain_sum_squares(plain[stage], golden.stages[stage], g_sel[stage], selections[stage])
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out
