@@ -54,7 +54,7 @@ import numpy as np
 from ..fixtures import GoldenCase
 from ..spec import STAGE, compared_entries, variant_ops
 from ..spec.tolerance import DEFAULT_TOLERANCES
-from .engine.chunks import one_blas_thread
+from .engine.chunks import one_blas_thread, seen_keys
 from .judging import memoised, whole_shape
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
@@ -199,12 +199,6 @@ def _precision(dtype: str) -> tuple[type, Any]:
     if dtype == "bfloat16":
         return np.float32, _bf16
     raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(UNIT_ROUNDOFF)}")
-
-
-def seen_keys(visible: np.ndarray) -> int:
-    """1 + the last key that some query row of ``visible`` (…, T, S) sees; S where none sees any."""
-    seen = np.flatnonzero(visible.reshape(-1, visible.shape[-1]).any(axis=0))
-    return int(seen[-1]) + 1 if seen.size else visible.shape[-1]
 
 
 def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS,

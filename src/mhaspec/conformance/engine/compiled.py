@@ -22,6 +22,7 @@ from ..compare import Scratch
 from ..model.forward import AttentionConstants
 from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored, swap
 from . import inplace
+from .chunks import seen_keys
 
 
 #: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24; the whole case's,
@@ -109,15 +110,17 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
     u2 = c.u**2
     shape = s.shape
     S = shape[-1]
+    k = seen_keys(vis)  # the keys the chunk's rows see: the products and the loop's sums stop there
+    seen = (*shape[:-1], k)
     lhs_in = np.concatenate([tQ2 / u2, Q * Q], axis=-1)
-    m1, m2 = buf("k_m1", shape, np.float32), buf("k_m2", shape, np.float32)
+    m1, m2 = buf("k_m1", seen, np.float32), buf("k_m2", seen, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        np.matmul(lhs_in.astype(np.float32), KK.f32, out=m1)  # upper32's products, factors in c1, c2
-        np.matmul(np.abs(Q).astype(np.float32), aK.f32, out=m2)
+        np.matmul(lhs_in.astype(np.float32), KK.f32[..., :k], out=m1)  # upper32's products, factors in c1, c2
+        np.matmul(np.abs(Q).astype(np.float32), aK.f32[..., :k], out=m2)
     c1 = c.scale**2 * u2 * (1 + 2 * float(gamma(lhs_in.shape[-1] + 2, U32)))
     c2 = c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, U32)))  # m = scale·|Q||K|ᵀ, then γ_d·m, σ_d·m
-    lhs, q, pk = buf("k_lhs", shape), buf("k_q", shape), buf("k_pk", shape[:-1])
-    pp32, lhs32 = buf("k_pp32", shape, np.float32), buf("k_lhs32", shape, np.float32)
+    lhs, q, pk = buf("k_lhs", seen), buf("k_q", seen), buf("k_pk", shape[:-1])
+    pp32, lhs32 = buf("k_pp32", seen, np.float32), buf("k_lhs32", seen, np.float32)
     # the reference errors: both arrays, or both values (the two arrays of a float64 golden are 0)
     arrays = not all(isinstance(e, float) for e in extras)
     ext: list[Any] = [arrays]
@@ -129,14 +132,15 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
             c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
             bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
-            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
+            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)), k)
         if not ok:
             return False
-        # 4. head outputs, as inplace.attention_chunk
+        # 4. head outputs, as inplace.attention_chunk, over the keys seen (the weights beyond: 0); the
+        #    float32 products' factor of the whole row's length, as where no key is left out
         f32 = 1 + 2 * float(gamma(S + 2, U32))
-        o2 = (np.maximum(lhs @ V2 - 2 * o * (q @ V) + o * o * pk[..., None], 0.0)
-              + (u2 * f32) * (pp32 @ tV2.f32) + stored(c.u, o, o))
-        wo = lhs32 @ aV.f32
+        o2 = (np.maximum(lhs @ V2[:, :k] - 2 * o * (q @ V[:, :k]) + o * o * pk[..., None], 0.0)
+              + (u2 * f32) * (pp32 @ tV2.f32[:, :k]) + stored(c.u, o, o))
+        wo = lhs32 @ aV.f32[:, :k]
         if not inplace.finite(o2, wo):
             return False
     out.var[...] = o2

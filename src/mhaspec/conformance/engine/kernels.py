@@ -191,7 +191,7 @@ def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
 def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor, cap,
                     want_bounds, sig_s, wor_s, sig_p, wor_p,
                     want_tol, ext_arrays, ext_s, ext_s_val, ext_p, ext_p_val, tol_s, tol_p,
-                    lhs, q, pp32, lhs32, pk_out, work):
+                    lhs, q, pp32, lhs32, pk_out, work, S_seen):
     """Steps 2 and 3 of the golden bounds, and the operands of step 4, for a (heads, rows, S) chunk.
 
     ``m1``, ``m2``: the float32 products of the score variances and of |Q||K|ᵀ, ``c1``, ``c2`` their
@@ -203,7 +203,10 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     ``ext_arrays``, otherwise the values ``ext_s_val``, ``ext_p_val``), and
     ``lhs`` = p²t² + (u² + U64²)p² + p_round², ``q`` = p²t², ``pk_out`` = Σ_S q, ``pp32`` = p² and
     ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of
-    S float64; ``cap``: the largest worst part of a weight before its floor (1).
+    S float64; ``cap``: the largest worst part of a weight before its floor (1).  ``S_seen``: the keys
+    the chunk's rows see (chunks.seen_keys): the loops and the operands stop there (``m1``, ``m2``,
+    ``lhs``, ``q``, ``pp32``, ``lhs32`` may be that wide); every later key, masked in every row, gets
+    sigma and worst 0 (its tolerance: the reference error), a masked weight's own bounds.
     Returns False where a value written is not finite."""
     n_heads, R, S = s.shape
     ts2, tau, ptau, ell = work[0], work[1], work[2], work[3]
@@ -211,13 +214,17 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     sgs, wrs = work[8], work[9]
     stored = 2 * u2 + U64_2
     chk = 0.0
+    for j in range(S_seen, S):  # the keys no row sees: bounds 0 (the loops below never write there)
+        sgs[j] = 0.0
+        wrs[j] = 0.0
+        sigp[j] = 0.0
     for h in range(n_heads):
         for i in range(R):
             sr, pr_, mr1, mr2 = s[h, i], p[h, i], m1[h, i], m2[h, i]
             pk = 0.0
             row = 0.0
             top = 0
-            for j in range(S):  # 2. scores; the weights' score variance t², τ = LAMBDA·t
+            for j in range(S_seen):  # 2. scores; the weights' score variance t², τ = LAMBDA·t
                 sj = sr[j]
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
@@ -244,13 +251,13 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
             _emit(h, i, S, sgs, wrs, want_bounds, sig_s, wor_s, want_tol, ext_arrays, ext_s, ext_s_val, tol_s)
             rmax = _as_float64(top)
             pk_out[h, i] = pk
-            for j in range(S):  # 3. the weights' sigma; ℓ of the second-order term
+            for j in range(S_seen):  # 3. the weights' sigma; ℓ of the second-order term
                 pj = pr_[j]
                 d = max(pk - q[h, i, j], 0.0)
                 sigp[j] = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * ts2[j] + d + (u2 + U64_2 + s_s * s_s))
                 ell[j] = tau[j] + row - 2 * ptau[j]
-            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, sgs, S)
-            for j in range(S):  # the weights' worst part; the head outputs' operands
+            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, sgs, S_seen)
+            for j in range(S_seen):  # the weights' worst part; the head outputs' operands
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sec = ptau[j]
