@@ -301,7 +301,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             def scores(n: slice, rows: slice, buf: Scratch) -> None:
                 q, dst = Q[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_scores(kernels, q, K[n], K2[n], aK[n], scale, u, a_d,
-                                                                 floor, dst, buf):
+                                                                 floor, dst, buf, visN[n, rows]):
                     return
                 if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf):
                     return

@@ -150,26 +150,29 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
 
 def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
                  u: float, a_d: Acc, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 buf: Scratch) -> bool:
+                 buf: Scratch, vis: np.ndarray | None = None) -> bool:
     """:func:`.inplace.local_scores` with its elementwise passes in one compiled sweep
-    (:func:`.kernels.local_scores_chunk`)."""
+    (:func:`.kernels.local_scores_chunk`); with the chunk's visibility ``vis``, over the keys its rows see
+    only (:func:`.chunks.seen_keys`: masked scores are not compared; later keys get 0)."""
     ref, sig, wor = out
-    np.matmul(q, swap(K), out=ref)
-    m_sig, m_wor = buf("k_ls_sig", ref.shape, np.float32), buf("k_ls_wor", ref.shape, np.float32)
+    k = ref.shape[-1] if vis is None else seen_keys(vis)
+    np.matmul(q, swap(K[:, :k]), out=ref[..., :k])
+    m_sig, m_wor = (buf(name, (*ref.shape[:-1], k), np.float32) for name in ("k_ls_sig", "k_ls_wor"))
     with np.errstate(over="ignore", invalid="ignore"):
-        np.matmul((q * q).astype(np.float32), K2.f32, out=m_sig)
-        np.matmul(np.abs(q).astype(np.float32), aK.f32, out=m_wor)
+        np.matmul((q * q).astype(np.float32), K2.f32[..., :k], out=m_sig)
+        np.matmul(np.abs(q).astype(np.float32), aK.f32[..., :k], out=m_wor)
     f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, U32))  # inplace.product32's factor
     return run(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
-               2 * u * u + U64**2, a_d.worst * scale * f32, a_d.sigma * scale * f32, floor, sig, wor)
+               2 * u * u + U64**2, a_d.worst * scale * f32, a_d.sigma * scale * f32, floor, sig, wor, k)
 
 
 def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                   out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
-    """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`)."""
+    """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`), over the
+    keys the chunk's rows see (:func:`.chunks.seen_keys`; later keys: a masked key's 0)."""
     ref, sig, wor = out
     return run(kernels, "local_weights_chunk", s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor,
-               buf("k_rows", (8, s.shape[-1])))
+               buf("k_rows", (8, s.shape[-1])), seen_keys(vis))
 
 
 def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,

@@ -277,11 +277,13 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
+def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work, S_seen):
     """The local attention-weights check of a (heads, rows, S) chunk from the adapter's own scores ``s``
     (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
     no visible key: 0), the bound of its own rounding and of the scores' storage rounding into ``sig``
     and ``wor``.  Masked scores (often -inf) take no part.  ``work``: eight rows of S float64.
+    ``S_seen``: the keys the chunk's rows see (chunks.seen_keys): the loops stop there, and every later
+    key gets a masked key's 0 in ``ref``, ``sig`` and ``wor``.
     Returns False where a visible score or a value written is not finite."""
     n_heads, R, S = s.shape
     ts2, tau, ptau, ell = work[0], work[1], work[2], work[3]
@@ -291,24 +293,28 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
     for h in range(n_heads):
         for i in range(R):
             sr, pr_ = s[h, i], ref[h, i]
+            for j in range(S_seen, S):  # the keys no row sees
+                pr_[j] = 0.0
+                sig[h, i, j] = 0.0
+                wor[h, i, j] = 0.0
             peak = -math.inf
-            for j in range(S):
+            for j in range(S_seen):
                 if vis[h, i, j]:
                     peak = max(peak, sr[j])
                     chk += sr[j]
             if not math.isfinite(peak):
                 peak = 0.0
             total = 0.0
-            for j in range(S):
+            for j in range(S_seen):
                 e = _exp(min(sr[j] - peak, 0.0)) if vis[h, i, j] else 0.0
                 pr_[j] = e
                 total += e
-            for j in range(S):
+            for j in range(S_seen):
                 pr_[j] = pr_[j] / total if total > 0 else 0.0
             pk = 0.0
             row = 0.0
             top = 0
-            for j in range(S):  # the scores' storage rounding t², τ = LAMBDA·t
+            for j in range(S_seen):  # the scores' storage rounding t², τ = LAMBDA·t
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
                 pj = pr_[j]
@@ -322,7 +328,7 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
                 ptau[j] = pt
                 row += pt
             rmax = _as_float64(top)
-            for j in range(S):  # sigma; ℓ of the second-order term
+            for j in range(S_seen):  # sigma; ℓ of the second-order term
                 pj = pr_[j]
                 t2 = ts2[j]
                 d = max(pk - (pj * pj) * t2, 0.0)
@@ -330,8 +336,8 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
                 sig[h, i, j] = sg
                 chk += sg
                 ell[j] = tau[j] + row - 2 * ptau[j]
-            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, spare, S)
-            for j in range(S):  # the worst part: the softmax's own rounding and the second-order term
+            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, spare, S_seen)
+            for j in range(S_seen):  # the worst part: the softmax's own rounding and the second-order term
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
@@ -342,17 +348,24 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor):
+def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor, S_seen):
     """The local scores check of a (heads, rows, S) chunk once its products are formed
     (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
     sqrt(c_sig·m_sig + stored·ref² + (c_acc·m_wor)²), ``wor`` = c_wor·m_wor + floor, from the float32 products
-    ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  False where a value is not finite."""
+    ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  ``S_seen``: the keys the chunk's rows see
+    (chunks.seen_keys; the products ``m_sig``, ``m_wor`` may be that wide, ``ref`` formed that far): masked
+    scores are not compared, and every later key gets 0 in ``ref``, ``sig`` and ``wor``.
+    False where a value is not finite."""
     n_heads, R, S = ref.shape
     chk = 0.0
     for h in range(n_heads):
         for i in range(R):
             rr, ms, mw, so, wo = ref[h, i], m_sig[h, i], m_wor[h, i], sig[h, i], wor[h, i]
-            for j in range(S):
+            for j in range(S_seen, S):  # the keys no row sees
+                rr[j] = 0.0
+                so[j] = 0.0
+                wo[j] = 0.0
+            for j in range(S_seen):
                 x = rr[j] * scale
                 rr[j] = x
                 a = c_acc * mw[j]
