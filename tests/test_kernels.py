@@ -117,6 +117,29 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
     assert not b1["attn_weights"].sigma[hidden].any() and not b1["attn_weights"].worst[hidden].any()
 
 
+@pytest.mark.parametrize("numba", ["on", "off"])
+def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, numba, monkeypatch):
+    """The golden lse's bound, formed chunk by chunk from each chunk's score bounds, and the local lse's,
+    chunk by chunk from the adapter's own scores: every term is per row, so the numbers of the whole
+    stage at once (variants.spec11_lse, variants.local_lse), bit for bit."""
+    from mhaspec.conformance.model import variants
+
+    golden = goldens["cross_gqa_padding"]
+    monkeypatch.setenv(tol.NUMBA_ENV, numba)
+    bounds = tol.golden_bounds(golden, "float32")
+    r = tol.rounding("float32", "standard", tol.DEFAULT_TOLERANCES)
+    whole = variants.spec11_lse(golden, bounds["scores"], r).bound(r.floor)
+    assert np.array_equal(bounds["lse"].sigma, whole.sigma) and np.array_equal(bounds["lse"].worst, whole.worst)
+    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64) for stage in STAGES}
+    ref, bound = tol.local_references(golden, own, "float32")["lse"]
+    B, H, T, S = golden.visible.shape
+    ref_w, bound_w = variants.local_lse(own["scores"].reshape(B * H, T, S), golden.visible.reshape(B * H, T, S),
+                                        None, r, False)
+    assert np.array_equal(ref, ref_w.reshape(B, H, T))
+    assert np.array_equal(bound.sigma, bound_w.sigma.reshape(B, H, T))
+    assert np.array_equal(bound.worst, bound_w.worst.reshape(B, H, T))
+
+
 def test_tolerances_alone_are_those_formed_with_the_bounds(goldens, monkeypatch):
     golden = goldens["cross_gqa_padding"]
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
