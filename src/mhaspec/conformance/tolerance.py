@@ -169,6 +169,9 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                          for e in (error.get(STAGE.scores, 0.0), error.get(STAGE.attn_weights, 0.0))))  # absent: exact
     cst = forward_rules.AttentionConstants.of(golden, r)
     kernels = compiled.kernels_for(golden)
+    # a block of query rows of a larger case: each chunk over the keys its rows see (the NumPy loops; the
+    # compiled ones always, which only such cases take)
+    seen_only = judging.whole_shape(golden) != golden.visible.shape
     if lse_in:  # (N, T, 1): the lse's error, each chunk's rows from that chunk's score bounds
         lse_g, a_s = g[STAGE.lse].reshape(N, T, 1), r.accumulation(S)
         lse_var, lse_acc = np.empty((N, T, 1)), np.empty((N, T, 1))
@@ -186,7 +189,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                 tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
                 extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
                 out=e_o, buf=buf)):
-            if not inplace.attention_chunk(*args, out=out, buf=buf):
+            if not inplace.attention_chunk(*args, out=out, buf=buf, seen_only=seen_only):
                 forward_rules.attention_chunk(*args, out=out)
             if tol_s is not None and tol_p is not None:
                 for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
@@ -264,6 +267,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     B, _, T, S = golden.visible.shape
     N = B * H
     visN = golden.visible.reshape(N, T, S)
+    seen_only = judging.whole_shape(golden) != golden.visible.shape  # as in _standard
 
     # the in-place path (standard contract, no variant), the general one where it cannot
     variant = variant_rules.variant_case(golden)
@@ -303,7 +307,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 if kernels is not None and compiled.local_scores(kernels, q, K[n], K2[n], aK[n], scale, u, a_d,
                                                                  floor, dst, buf, visN[n, rows]):
                     return
-                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf):
+                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf,
+                                                 visN[n, rows] if seen_only else None):
                     return
                 x, b = local_rules.scores(q, K[n], K2[n], aK[n], scale, a_d, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
@@ -321,7 +326,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
                     return
-                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf):
+                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only):
                     return
                 ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
                     s_, vis, None if sinks is None else sinks[n], r, worst_case)

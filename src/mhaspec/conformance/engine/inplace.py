@@ -20,6 +20,7 @@ from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
 from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
+from .chunks import seen_keys
 
 
 def finite(*arrays: np.ndarray) -> bool:
@@ -188,9 +189,24 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
 
 def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
                           V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray,
-                          o: np.ndarray, vis: np.ndarray, out: ChunkOut, buf: Scratch) -> bool:
+                          o: np.ndarray, vis: np.ndarray, out: ChunkOut, buf: Scratch, seen_only: bool = False,
+                          length: int | None = None) -> bool:
     """:func:`mhaspec.conformance.model.forward.attention_chunk`, in place (see above); False (nothing
-    to trust in ``out``) where a value is not finite."""
+    to trust in ``out``) where a value is not finite.  ``seen_only``: over the keys the chunk's rows see
+    (:func:`.chunks.seen_keys`), every later key's bounds 0 (a masked weight's; masked scores are not
+    compared), the float32 products' factor of the whole row's ``length``."""
+    S = s.shape[-1]
+    k = seen_keys(vis) if seen_only else S
+    if k < S:
+        for a in (*out.scores, *out.attn_weights):
+            a[..., k:] = 0.0
+
+        def seen(b: Any) -> Any:
+            return type(b)(*(x[..., :k] for x in b))
+
+        return attention_chunk(c, Q, tQ2, KK[..., :k], aK[..., :k], V[:, :k], V2[:, :k], aV[:, :k], tV2[:, :k],
+                               s[..., :k], p[..., :k], o, vis[..., :k],
+                               ChunkOut(seen(out.scores), seen(out.attn_weights), out.head_outputs), buf, length=S)
     u, u2 = c.u, c.u**2
     shape = s.shape
     (sig_s, wor_s), (sig_p, wor_p) = out.scores, out.attn_weights
@@ -230,19 +246,28 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
         np.multiply(p, c.a_s.sigma**2, out=t)
         lhs += t
     var_v2 = lhs @ V2
-    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2) + stored(u, o, o))
+    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2, length)
+          + stored(u, o, o))
     np.multiply(p, c.a_s.worst, out=lhs)
     np.add(w.second, lhs, out=lhs)
     o2_out[...] = o2
-    wo_out[...] = upper32(lhs, aV)
+    wo_out[...] = upper32(lhs, aV, length)
     return finite(sig_s, wor_s, sig_p, wor_p, o2_out, wo_out)
 
 
 def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, u: float, a_d: Acc,
-                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                       vis: np.ndarray | None = None) -> bool:
     """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
-    sigma, worst); False where a value is not finite."""
+    sigma, worst); False where a value is not finite.  With the chunk's visibility ``vis``: over the keys
+    its rows see (:func:`.chunks.seen_keys`; masked scores are not compared, later keys get 0)."""
     ref, sig, wor = out
+    k = ref.shape[-1] if vis is None else seen_keys(vis)
+    if k < ref.shape[-1]:
+        for a in out:
+            a[..., k:] = 0.0
+        return local_scores(q, K[:, :k], K2[..., :k], aK[..., :k], scale, u, a_d, floor,
+                            (ref[..., :k], sig[..., :k], wor[..., :k]), buf)
     np.matmul(q, swap(K), out=ref)
     ref *= scale
     if not product32(q * q, K2, 2 * scale**2 * u * u, sig):
@@ -264,9 +289,16 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
 
 
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
-                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
-    """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch, seen_only: bool = False) -> bool:
+    """The local attention-weights check of one chunk from the adapter's own scores ``s``; ``seen_only``:
+    over the keys the chunk's rows see (:func:`.chunks.seen_keys`), later keys a masked key's 0."""
     ref, sig, wor = out
+    k = seen_keys(vis) if seen_only else s.shape[-1]
+    if k < s.shape[-1]:
+        for a in out:
+            a[..., k:] = 0.0
+        return local_weights(s[..., :k], vis[..., :k], u, ua, a_s, floor, (ref[..., :k], sig[..., :k], wor[..., :k]),
+                             buf)
     if vis.all():
         if not finite(s):
             return False
