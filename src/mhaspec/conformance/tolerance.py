@@ -356,15 +356,20 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             P = own[STAGE.attn_weights].reshape(N, T, S)
             V, V2, aV = judging.memoised(golden, ("local values",), value_operands)
+            # a block's chunks: the products over the keys up to the last nonzero weight (0 · a finite value
+            # adds nothing; the adapter's values all finite, or the whole rows)
+            nonzero_only = seen_only and judging.memoised(golden, ("local values finite",),
+                                                          lambda: bool(np.isfinite(V).all()))
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
 
             def outputs(n: slice, rows: slice, buf: Scratch) -> None:
                 pc, dst = P[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s, floor,
-                                                                  dst, buf):
+                                                                  dst, buf, nonzero_only):
                     return
-                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf):
+                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
+                                                  nonzero_only=nonzero_only):
                     return
                 x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst

@@ -176,13 +176,15 @@ def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: fl
 
 
 def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
-                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                  nonzero_only: bool = False) -> bool:
     """:func:`.inplace.local_outputs` with the float32 operands p² and |p| of its bound products formed
-    in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers."""
+    in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers (``nonzero_only``:
+    as there)."""
     sq, ab = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
     if not run(kernels, "local_outputs_operands", pc, sq, ab):
         return False
-    return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab))
+    return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab), nonzero_only=nonzero_only)
 
 
 def loaded_kernels() -> Any:

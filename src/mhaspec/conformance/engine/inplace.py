@@ -31,13 +31,14 @@ def finite(*arrays: np.ndarray) -> bool:
         return all(a.size == 0 or np.isfinite(a.sum()) for a in arrays)
 
 
-def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray) -> bool:
-    """``out = factor · upper32(a, b)`` (float64), False when the float32 product is not finite."""
+def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray, length: int | None = None) -> bool:
+    """``out = factor · upper32(a, b, length)`` (float64), False when the float32 product is not finite."""
     with np.errstate(over="ignore", invalid="ignore"):
         m = a.astype(np.float32, copy=False) @ b.f32
     if not np.isfinite(m.max()):
         return False
-    np.multiply(m, factor * (1 + 2 * float(gamma(a.shape[-1] + 2, U32))), out=out, dtype=np.float64)
+    n = a.shape[-1] if length is None else length
+    np.multiply(m, factor * (1 + 2 * float(gamma(n + 2, U32))), out=out, dtype=np.float64)
     return True
 
 
@@ -324,11 +325,19 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
 
 def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
                   floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
-                  operands: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+                  operands: tuple[np.ndarray, np.ndarray] | None = None, nonzero_only: bool = False,
+                  length: int | None = None) -> bool:
     """The local head-outputs check of one chunk from the adapter's own weights ``pc``; ``operands``:
     the float32 operands p² and |p| of its bound products, already formed (and ``pc`` found finite)
-    by the compiled loop (:func:`.compiled.local_outputs`), the same numbers."""
+    by the compiled loop (:func:`.compiled.local_outputs`), the same numbers.  ``nonzero_only`` (``V``
+    finite): the products over the keys up to the last one with a nonzero weight in some row of the
+    chunk (:func:`.chunks.seen_keys`: the later terms are 0), their factor of the whole row's ``length``."""
     ref, sig, wor = out
+    S = pc.shape[-1]
+    k = seen_keys(pc != 0) if nonzero_only else S
+    if k < S:
+        return local_outputs(pc[..., :k], V[:, :k], V2[:, :k], aV[:, :k], u, a_s, floor, out, buf,
+                             None if operands is None else tuple(x[..., :k] for x in operands), length=S)
     if operands is not None:
         sq, ab = operands
     else:
@@ -336,10 +345,10 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
             return False
         sq, ab = np.multiply(pc, pc, out=buf("lo_t", pc.shape)), None
     np.matmul(pc, V, out=ref)
-    if not product32(sq, V2, 2 * u * u, sig):
+    if not product32(sq, V2, 2 * u * u, sig, length):
         return False
     sig += stored(u, ref, ref)
-    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor):
+    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor, length):
         return False
     if a_s.sigma:
         t = np.multiply(wor, a_s.sigma, out=buf("lo_acc", wor.shape))
