@@ -25,7 +25,7 @@ from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import softmax
 from mhaspec.conformance.model.vocabulary import Bound
 from mhaspec.reference.onthefly import golden_case
-from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig
+from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig, masks
 from mhaspec.spec.case import MaskSpec
 
 kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
@@ -81,7 +81,7 @@ def _both(golden, dtype, monkeypatch):
 
 def _compared(golden, stage: str, x: np.ndarray) -> np.ndarray:
     """``x`` where ``stage`` is compared: masked scores are not, and past the last key a chunk's rows see
-    (chunks.seen_keys: the padded keys of cross_gqa_padding's second batch entry, a causal case's later keys)
+    (spec.masks.seen_keys: the padded keys of cross_gqa_padding's second batch entry, a causal case's later keys)
     the compiled loops leave their bounds and local reference 0."""
     return np.where(golden.visible, x, 0.0) if stage == "scores" else x
 
@@ -103,7 +103,8 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
     hidden = ~golden.visible
     for stage in b0:
         limit = 1e-7 if stage in ("scores", "attn_weights") else 1e-6
-        (s0, w0, tt0), (s1, w1, tt1) = ((_compared(golden, stage, x) for x in (b[stage].sigma, b[stage].worst, t[stage]))
+        (s0, w0, tt0), (s1, w1, tt1) = ((_compared(golden, stage, x) for x in (b[stage].sigma, b[stage].worst,
+                                                                                t[stage]))
                                         for b, t in ((b0, t0), (b1, t1)))
         assert _rel(s0, s1) <= limit, stage
         # the worst part against the whole tolerance: under the probabilistic accumulation it can be
@@ -363,8 +364,8 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
         return calls[-1]
 
     monkeypatch.setattr(compiled, "attention_chunk", counted)
-    seen: list[int] = []  # the keys each chunk's rows see (chunks.seen_keys): where the loop stops
-    monkeypatch.setattr(compiled, "seen_keys", lambda vis: seen.append(chunks.seen_keys(vis)) or seen[-1])
+    seen: list[int] = []  # the keys each chunk's rows see (spec.masks.seen_keys): where the loop stops
+    monkeypatch.setattr(compiled, "seen_keys", lambda vis: seen.append(masks.seen_keys(vis)) or seen[-1])
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
     returned = {name: golden.stages[name].astype(np.float32).astype(np.float64) for name in STAGES}

@@ -16,7 +16,7 @@ Only cases above :data:`MAX_BLOCK_ELEMENTS` per (B, H, T, S) stage are split;
 every committed fixture is judged in one block.  A block of a causal (or windowed)
 case is judged over the keys its rows see: the chunk loops of its bounds and local
 checks and the second opinion's plain implementations stop at the last one
-(:func:`~mhaspec.conformance.engine.chunks.seen_keys`), which changes only the order of
+(:func:`~mhaspec.spec.masks.seen_keys`), which changes only the order of
 the judge's own roundings (tests/test_kernels.py); the golden covers every key.
 """
 

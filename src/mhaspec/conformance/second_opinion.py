@@ -53,8 +53,9 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import REGISTRY, STAGE, compared_entries, variant_ops
+from ..spec.masks import seen_keys
 from ..spec.tolerance import DEFAULT_TOLERANCES
-from .engine.chunks import one_blas_thread, seen_keys
+from .engine.chunks import one_blas_thread
 from .judging import memoised, whole_shape
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
@@ -206,7 +207,7 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     """(order, {stage: values}) of each plain implementation of ``golden`` in ``dtype``, one at a
     time (values in the working precision, each rounded to ``dtype``).  Orders that share their
     projections share the same arrays.  ``keys`` (a case without a bias or ALiBi tensor, whose rows see
-    no later key: :func:`.engine.chunks.seen_keys`): the scores and weights over the first ``keys`` keys
+    no later key: :func:`~mhaspec.spec.masks.seen_keys`): the scores and weights over the first ``keys`` keys
     only (the (…, T, S) stages then stop there, every weight beyond being 0 and no score beyond
     compared), which changes the other stages' plain values only in the order of their float32 roundings."""
     work, rnd = _precision(dtype)
@@ -409,7 +410,8 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
     out: dict[str, SecondOpinion] = {}
     # a block of rows of a larger case (no bias or ALiBi tensor): the keys up to the last one its rows see
     S = golden.visible.shape[-1]
-    keys = (seen_keys(golden.visible) if whole_shape(golden) != golden.visible.shape and golden.inputs.get("bias") is None
+    block = whole_shape(golden) != golden.visible.shape
+    keys = (seen_keys(golden.visible) if block and golden.inputs.get("bias") is None
             and golden.spec.config.alibi_slopes is None else S)
     for stage, got in own.items():
         g = golden.stages[stage]

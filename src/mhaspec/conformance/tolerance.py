@@ -192,8 +192,10 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
             if not inplace.attention_chunk(*args, out=out, buf=buf, seen_only=seen_only):
                 forward_rules.attention_chunk(*args, out=out)
             if tol_s is not None and tol_p is not None:
-                for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
-                    inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
+                for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]),
+                                      (out.attn_weights, extra_p, tol_p[n, rows])):
+                    inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst,
+                                           buf)
         if lse_in:
             e_l = variant_rules.scores_lse(b[0], b[1], sN[n, rows], pN[n, rows], visN[n, rows], lse_g[n, rows], a_s, r)
             lse_var[n, rows], lse_acc[n, rows] = e_l.var, e_l.acc

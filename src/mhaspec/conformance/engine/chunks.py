@@ -77,14 +77,6 @@ def each_chunk(N: int, T: int, S: int, fn: Any, elements: int | None = None) -> 
             future.result()
 
 
-def seen_keys(visible: np.ndarray) -> int:
-    """1 + the last key that some query row of ``visible`` (…, T, S) sees; S where none sees any.  A
-    chunk of rows of a causal (or windowed) case sees none beyond: its weights there are 0 and its scores
-    not compared, so the sums over keys and the products of the chunk loops may stop there."""
-    seen = np.flatnonzero(visible.reshape(-1, visible.shape[-1]).any(axis=0))
-    return int(seen[-1]) + 1 if seen.size else visible.shape[-1]
-
-
 def chunks(N: int, T: int, S: int, elements: int | None = None) -> list[tuple[slice, slice]]:
     """(head slice, query-row slice) of each chunk of a (N, T, S) array, N = B·H, of about
     ``elements`` (by default :data:`CHUNK_ELEMENTS`)."""

@@ -20,9 +20,9 @@ from ...fixtures import GoldenCase
 from .. import judging
 from ..compare import Scratch
 from ..model.forward import AttentionConstants
+from ...spec.masks import seen_keys
 from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored, swap
 from . import inplace
-from .chunks import seen_keys
 
 
 #: A case with more elements than this per (B, H, T, S) stage (8·1448², 2^24; the whole case's,
@@ -153,7 +153,7 @@ def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair,
                  buf: Scratch, vis: np.ndarray | None = None) -> bool:
     """:func:`.inplace.local_scores` with its elementwise passes in one compiled sweep
     (:func:`.kernels.local_scores_chunk`); with the chunk's visibility ``vis``, over the keys its rows see
-    only (:func:`.chunks.seen_keys`: masked scores are not compared; later keys get 0)."""
+    only (:func:`~mhaspec.spec.masks.seen_keys`: masked scores are not compared; later keys get 0)."""
     ref, sig, wor = out
     k = ref.shape[-1] if vis is None else seen_keys(vis)
     np.matmul(q, swap(K[:, :k]), out=ref[..., :k])
@@ -169,7 +169,7 @@ def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair,
 def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                   out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
     """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`), over the
-    keys the chunk's rows see (:func:`.chunks.seen_keys`; later keys: a masked key's 0)."""
+    keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`; later keys: a masked key's 0)."""
     ref, sig, wor = out
     return run(kernels, "local_weights_chunk", s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor,
                buf("k_rows", (8, s.shape[-1])), seen_keys(vis))

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
 from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
-from .chunks import seen_keys
 
 
 def finite(*arrays: np.ndarray) -> bool:
@@ -194,7 +194,7 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
                           length: int | None = None) -> bool:
     """:func:`mhaspec.conformance.model.forward.attention_chunk`, in place (see above); False (nothing
     to trust in ``out``) where a value is not finite.  ``seen_only``: over the keys the chunk's rows see
-    (:func:`.chunks.seen_keys`), every later key's bounds 0 (a masked weight's; masked scores are not
+    (:func:`~mhaspec.spec.masks.seen_keys`), every later key's bounds 0 (a masked weight's; masked scores are not
     compared), the float32 products' factor of the whole row's ``length``."""
     S = s.shape[-1]
     k = seen_keys(vis) if seen_only else S
@@ -261,7 +261,7 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
                        vis: np.ndarray | None = None) -> bool:
     """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
     sigma, worst); False where a value is not finite.  With the chunk's visibility ``vis``: over the keys
-    its rows see (:func:`.chunks.seen_keys`; masked scores are not compared, later keys get 0)."""
+    its rows see (:func:`~mhaspec.spec.masks.seen_keys`; masked scores are not compared, later keys get 0)."""
     ref, sig, wor = out
     k = ref.shape[-1] if vis is None else seen_keys(vis)
     if k < ref.shape[-1]:
@@ -292,7 +292,7 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                         out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch, seen_only: bool = False) -> bool:
     """The local attention-weights check of one chunk from the adapter's own scores ``s``; ``seen_only``:
-    over the keys the chunk's rows see (:func:`.chunks.seen_keys`), later keys a masked key's 0."""
+    over the keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`), later keys a masked key's 0."""
     ref, sig, wor = out
     k = seen_keys(vis) if seen_only else s.shape[-1]
     if k < s.shape[-1]:
@@ -331,7 +331,7 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
     the float32 operands p² and |p| of its bound products, already formed (and ``pc`` found finite)
     by the compiled loop (:func:`.compiled.local_outputs`), the same numbers.  ``nonzero_only`` (``V``
     finite): the products over the keys up to the last one with a nonzero weight in some row of the
-    chunk (:func:`.chunks.seen_keys`: the later terms are 0), their factor of the whole row's ``length``."""
+    chunk (:func:`~mhaspec.spec.masks.seen_keys`: the later terms are 0), their factor of the whole row's ``length``."""
     ref, sig, wor = out
     S = pc.shape[-1]
     k = seen_keys(pc != 0) if nonzero_only else S

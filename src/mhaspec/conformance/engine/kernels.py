@@ -204,7 +204,7 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     ``lhs`` = p²t² + (u² + U64²)p² + p_round², ``q`` = p²t², ``pk_out`` = Σ_S q, ``pp32`` = p² and
     ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of
     S float64; ``cap``: the largest worst part of a weight before its floor (1).  ``S_seen``: the keys
-    the chunk's rows see (chunks.seen_keys): the loops and the operands stop there (``m1``, ``m2``,
+    the chunk's rows see (spec.masks.seen_keys): the loops and the operands stop there (``m1``, ``m2``,
     ``lhs``, ``q``, ``pp32``, ``lhs32`` may be that wide); every later key, masked in every row, gets
     sigma and worst 0 (its tolerance: the reference error), a masked weight's own bounds.
     Returns False where a value written is not finite."""
@@ -282,7 +282,7 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work, S_
     (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
     no visible key: 0), the bound of its own rounding and of the scores' storage rounding into ``sig``
     and ``wor``.  Masked scores (often -inf) take no part.  ``work``: eight rows of S float64.
-    ``S_seen``: the keys the chunk's rows see (chunks.seen_keys): the loops stop there, and every later
+    ``S_seen``: the keys the chunk's rows see (spec.masks.seen_keys): the loops stop there, and every later
     key gets a masked key's 0 in ``ref``, ``sig`` and ``wor``.
     Returns False where a visible score or a value written is not finite."""
     n_heads, R, S = s.shape
@@ -353,7 +353,7 @@ def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, fl
     (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
     sqrt(c_sig·m_sig + stored·ref² + (c_acc·m_wor)²), ``wor`` = c_wor·m_wor + floor, from the float32 products
     ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  ``S_seen``: the keys the chunk's rows see
-    (chunks.seen_keys; the products ``m_sig``, ``m_wor`` may be that wide, ``ref`` formed that far): masked
+    (spec.masks.seen_keys; the products ``m_sig``, ``m_wor`` may be that wide, ``ref`` formed that far): masked
     scores are not compared, and every later key gets 0 in ``ref``, ``sig`` and ``wor``.
     False where a value is not finite."""
     n_heads, R, S = ref.shape
