@@ -17,7 +17,7 @@ every committed fixture is judged in one block.  A block of a causal (or windowe
 case is judged over the keys its rows see: the chunk loops of its bounds and local
 checks and the second opinion's plain implementations stop at the last one
 (:func:`~mhaspec.spec.masks.seen_keys`), which changes only the order of
-the judge's own roundings (tests/test_kernels.py); the golden covers every key.
+the judge's own roundings (tests/test_kernels.py), as the fast reference's golden does.
 """
 
 from __future__ import annotations
