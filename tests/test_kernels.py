@@ -23,8 +23,9 @@ import pytest
 from mhaspec.conformance import tolerance as tol
 from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import softmax
+from mhaspec.conformance.model.vocabulary import Bound
 from mhaspec.reference.onthefly import golden_case
-from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig
+from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig, masks
 from mhaspec.spec.case import MaskSpec
 
 kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
@@ -78,6 +79,13 @@ def _both(golden, dtype, monkeypatch):
     return numpy_loop, compiled_loop, calls
 
 
+def _compared(golden, stage: str, x: np.ndarray) -> np.ndarray:
+    """``x`` where ``stage`` is compared: masked scores are not, and past the last key a chunk's rows see
+    (spec.masks.seen_keys: the padded keys of cross_gqa_padding's second batch entry, a causal case's later keys)
+    the compiled loops leave their bounds and local reference 0."""
+    return np.where(golden.visible, x, 0.0) if stage == "scores" else x
+
+
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape
     assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a == 0, b == 0)
@@ -92,20 +100,45 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
     (b0, t0), (b1, t1), calls = _both(golden, dtype, monkeypatch)
     assert calls and all(calls), "the compiled loop must have judged every chunk"
     assert list(b0) == list(b1) and list(t0) == list(t1)
+    hidden = ~golden.visible
     for stage in b0:
         limit = 1e-7 if stage in ("scores", "attn_weights") else 1e-6
-        assert _rel(b0[stage].sigma, b1[stage].sigma) <= limit, stage
+        (s0, w0, tt0), (s1, w1, tt1) = ((_compared(golden, stage, x) for x in (b[stage].sigma, b[stage].worst,
+                                                                                t[stage]))
+                                        for b, t in ((b0, t0), (b1, t1)))
+        assert _rel(s0, s1) <= limit, stage
         # the worst part against the whole tolerance: under the probabilistic accumulation it can be
         # only the second-order term, 1e-12 of the tolerance, whose closed form the loops evaluate
         # with other exponentials (a few % apart there, each an upper bound of the exact term)
-        w0, w1 = b0[stage].worst, b1[stage].worst
         assert np.array_equal(np.isfinite(w0), np.isfinite(w1)), stage
         fin = np.isfinite(w0)
-        assert np.all(np.abs(w0[fin] - w1[fin]) <= limit * t0[stage][fin]), stage
-        assert _rel(t0[stage], t1[stage]) <= limit, stage
+        assert np.all(np.abs(w0[fin] - w1[fin]) <= limit * tt0[fin]), stage
+        assert _rel(tt0, tt1) <= limit, stage
     # masked weights: no allowance at all, in both
-    hidden = ~golden.visible
     assert not b1["attn_weights"].sigma[hidden].any() and not b1["attn_weights"].worst[hidden].any()
+
+
+@pytest.mark.parametrize("numba", ["on", "off"])
+def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, numba, monkeypatch):
+    """The golden lse's bound, formed chunk by chunk from each chunk's score bounds, and the local lse's,
+    chunk by chunk from the adapter's own scores: every term is per row, so the numbers of the whole
+    stage at once (variants.spec11_lse, variants.local_lse), bit for bit."""
+    from mhaspec.conformance.model import variants
+
+    golden = goldens["cross_gqa_padding"]
+    monkeypatch.setenv(tol.NUMBA_ENV, numba)
+    bounds = tol.golden_bounds(golden, "float32")
+    r = tol.rounding("float32", "standard", tol.DEFAULT_TOLERANCES)
+    whole = variants.spec11_lse(golden, bounds["scores"], r).bound(r.floor)
+    assert np.array_equal(bounds["lse"].sigma, whole.sigma) and np.array_equal(bounds["lse"].worst, whole.worst)
+    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64) for stage in STAGES}
+    ref, bound = tol.local_references(golden, own, "float32")["lse"]
+    B, H, T, S = golden.visible.shape
+    ref_w, bound_w = variants.local_lse(own["scores"].reshape(B * H, T, S), golden.visible.reshape(B * H, T, S),
+                                        None, r, False)
+    assert np.array_equal(ref, ref_w.reshape(B, H, T))
+    assert np.array_equal(bound.sigma, bound_w.sigma.reshape(B, H, T))
+    assert np.array_equal(bound.worst, bound_w.worst.reshape(B, H, T))
 
 
 def test_tolerances_alone_are_those_formed_with_the_bounds(goldens, monkeypatch):
@@ -283,8 +316,10 @@ def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(go
     assert {fn for fn, _ in calls} == {"local_scores_chunk", "local_outputs_operands"} and all(ok for _, ok in calls)
     assert set(numpy_loop) == set(compiled_loop) >= {"scores", "head_outputs"}
     for stage in ("scores", "head_outputs"):
-        (r0, b0), (r1, b1) = numpy_loop[stage], compiled_loop[stage]
-        assert np.array_equal(r0, r1), stage  # the same BLAS products, the same scaling
+        (r0, b0), (r1, b1) = ((_compared(golden, stage, r), Bound(*(_compared(golden, stage, x) for x in b)))
+                              for r, b in (numpy_loop[stage], compiled_loop[stage]))
+        # the same scaling of BLAS products (the scores': of the keys seen, which OpenBLAS rounds alike here)
+        assert np.array_equal(r0, r1), stage
         # head_outputs' worst part holds the weights' route allowance (model.local.weights_route), a local
         # weights bound, whose compiled loop agrees to 1e-7 (test_the_compiled_local_weights_check_…)
         worst = 1e-12 if stage == "scores" else 1e-7
@@ -304,7 +339,8 @@ def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(go
     for fn in ("local_scores_chunk", "local_outputs_operands"):  # that chunk fell back, the others did not
         assert {ok for f, ok in calls if f == fn} == {False, True}, fn
     for stage in ("scores", "head_outputs"):
-        (r0, b0), (r1, b1) = numpy_loop[stage], compiled_loop[stage]
+        (r0, b0), (r1, b1) = ((_compared(golden, stage, r), Bound(*(_compared(golden, stage, x) for x in b)))
+                              for r, b in (numpy_loop[stage], compiled_loop[stage]))
         assert np.array_equal(r0, r1, equal_nan=True), stage
         assert not np.isfinite(b0.sigma).all() or not np.isfinite(b0.worst).all(), stage  # the wild value shows
         assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage  # in both alike
@@ -328,6 +364,8 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
         return calls[-1]
 
     monkeypatch.setattr(compiled, "attention_chunk", counted)
+    seen: list[int] = []  # the keys each chunk's rows see (spec.masks.seen_keys): where the loop stops
+    monkeypatch.setattr(compiled, "seen_keys", lambda vis: seen.append(masks.seen_keys(vis)) or seen[-1])
     monkeypatch.setenv(tol.NUMBA_ENV, "on")
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
     returned = {name: golden.stages[name].astype(np.float32).astype(np.float64) for name in STAGES}
@@ -335,11 +373,20 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
     def judge(g, r):
         return session.judge_stages(g, "float32", r)
 
-    blocked = judge_in_blocks(golden, returned, judge, max_elements=1 << 17)  # blocks of 40 rows
+    B, H, T, S = golden.visible.shape
+    rows = (1 << 17) // (H * S)  # per block (109)
+    blocked = judge_in_blocks(golden, returned, judge, max_elements=1 << 17)
     assert calls and all(calls), "every block must take the compiled loop"
+    # causal (T = S): a block of rows sees the keys up to its last row only, and the loops stop there
+    assert {min(t0 + rows, S) for t0 in range(0, T, rows)} <= set(seen)
     whole = judge(golden, returned)
     assert [(r.stage, r.verdict) for r in blocked] == [(r.stage, r.verdict) for r in whole]
     assert {r.verdict for r in whole} == {"pass"}
+    # the loop stopped at the keys seen: the bounds' own float64 sums and the float32 bound products
+    # of fewer terms round otherwise (as another block height's do, tests/test_blocks.py)
+    for b, w in zip(blocked, whole):
+        assert b.worst_ratio == pytest.approx(w.worst_ratio, rel=1e-6), b.stage
+        assert (b.compared, b.max_abs_err, b.max_rel_err) == (w.compared, w.max_abs_err, w.max_rel_err), b.stage
 
 
 

@@ -168,6 +168,44 @@ def test_the_verdict_does_not_depend_on_the_block_size(golden):
         assert b.second_opinion.ratio == pytest.approx(a.second_opinion.ratio, rel=0.25)
 
 
+@pytest.mark.parametrize("rel", [0.0, 1e-4])
+def test_a_causal_case_in_blocks_attends_the_plain_orders_to_the_keys_its_rows_see(rel, monkeypatch):
+    """A block of query rows of a causal case: the plain implementations stop at the block's last
+    seen key (every weight beyond is 0, no score beyond compared): the same compared elements, the
+    same verdict, the plain errors of other float32 sums only (a few % here, as another block height's)."""
+    from mhaspec.conformance import second_opinion
+    from mhaspec.reference.onthefly import OnTheFlyGolden, golden_case
+    from mhaspec.spec import Catalog, CaseSpec, MHAConfig
+
+    spec = CaseSpec(id="so_causal", config=MHAConfig(d_model=32, num_heads=4, causal=True),
+                    batch=1, tgt_len=256, src_len=256, inputs="self", seed=3)
+    g = golden_case(spec)
+    keys: list[int | None] = []
+    real = second_opinion.plain_forward
+
+    def told(*args, **kwargs):
+        keys.append(kwargs.get("keys"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(second_opinion, "plain_forward", told)
+    adapter = ScaleOff(rel, stages=("scores", "attn_weights", "head_outputs", "output"))
+    with Session(adapter, golden=OnTheFlyGolden(Catalog([spec])), isolate=False) as session:
+        returned = session._worker.run(g.case("float32"), None)[0]
+        whole = judge_in_blocks(g, returned, lambda b, r: session.judge_stages(b, "float32", r))
+        assert keys == [256]
+        blocked = judge_in_blocks(g, returned, lambda b, r: session.judge_stages(b, "float32", r),
+                                  max_elements=4 * 256 * 32)  # blocks of 32 query rows
+    assert keys[1:] == list(range(32, 257, 32))
+    for a, b in zip(whole, blocked):
+        assert a.stage == b.stage and (a.second_opinion is None) == (b.second_opinion is None)
+        if a.second_opinion is None:
+            continue
+        assert b.second_opinion.compared == a.second_opinion.compared, a.stage
+        assert b.second_opinion.adapter_rms == pytest.approx(a.second_opinion.adapter_rms, rel=1e-12), a.stage
+        assert (b.second_opinion.ratio > C) == (a.second_opinion.ratio > C), a.stage
+        assert b.second_opinion.ratio == pytest.approx(a.second_opinion.ratio, rel=0.25), a.stage
+
+
 def test_blocks_merge_the_sums_of_squares_exactly():
     """SecondOpinion.merged adds the blocks' sums and counts: the merged ratio is the one computed
     from the whole's sums (float sums of the same terms, to rounding)."""

@@ -13,7 +13,11 @@ also pass it on its own, which a correct implementation does: its rounding
 noise has that mean square in every block).
 
 Only cases above :data:`MAX_BLOCK_ELEMENTS` per (B, H, T, S) stage are split;
-every committed fixture is judged in one block.
+every committed fixture is judged in one block.  A block of a causal (or windowed)
+case is judged over the keys its rows see: the chunk loops of its bounds and local
+checks and the second opinion's plain implementations stop at the last one
+(:func:`~mhaspec.spec.masks.seen_keys`), which changes only the order of
+the judge's own roundings (tests/test_kernels.py), as the fast reference's golden does.
 """
 
 from __future__ import annotations

@@ -52,10 +52,11 @@ from typing import Any
 import numpy as np
 
 from ..fixtures import GoldenCase
-from ..spec import STAGE, compared_entries, variant_ops
+from ..spec import REGISTRY, STAGE, compared_entries, variant_ops
+from ..spec.masks import seen_keys
 from ..spec.tolerance import DEFAULT_TOLERANCES
 from .engine.chunks import one_blas_thread
-from .judging import memoised
+from .judging import memoised, whole_shape
 
 #: The stated multiple: an adapter's RMS error may be this many times the plain implementations'.
 C = 4.0
@@ -201,10 +202,14 @@ def _precision(dtype: str) -> tuple[type, Any]:
     raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(UNIT_ROUNDOFF)}")
 
 
-def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
+def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS,
+                  keys: int | None = None) -> Iterable[tuple[str, dict[str, np.ndarray]]]:
     """(order, {stage: values}) of each plain implementation of ``golden`` in ``dtype``, one at a
     time (values in the working precision, each rounded to ``dtype``).  Orders that share their
-    projections share the same arrays."""
+    projections share the same arrays.  ``keys`` (a case without a bias or ALiBi tensor, whose rows see
+    no later key: :func:`~mhaspec.spec.masks.seen_keys`): the scores and weights over the first ``keys`` keys
+    only (the (…, T, S) stages then stop there, every weight beyond being 0 and no score beyond
+    compared), which changes the other stages' plain values only in the order of their float32 roundings."""
     work, rnd = _precision(dtype)
     cfg = golden.spec.config
     w = golden.weights
@@ -280,6 +285,9 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         alibi = rnd(-slopes[:, None, None] * distance[None].astype(work))  # (H, T, S)
     sink = golden.weights.get("sink_logits") if cfg.sinks else None
     sink = None if sink is None else cast(sink)[None, :, None, None]  # (1, H, 1, 1)
+    if keys is None or bias is not None or alibi is not None:
+        keys = S
+    visible = visible[..., :keys]
 
     def modified(s: np.ndarray) -> np.ndarray:
         """softcap (s/c, tanh and c·t each rounded), then + bias, + ALiBi (each sum rounded)."""
@@ -331,6 +339,7 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
+            K, V = K[:, :, :keys], V[:, :, :keys]  # (B, H, keys, ·): the keys the rows see (all but with ``keys``)
             same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
             s = modified(scores(kind, Q, K)) if same is None else same[STAGE.scores]  # (the same formula: the same array)
             p, lse = softmax(s, kind == "log-sum-exp")
@@ -376,6 +385,17 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.nda
     return total
 
 
+def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None) -> float:
+    """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it), where ``plain`` may stop
+    at the last key the rows see (:func:`plain_forward`'s ``keys``): beyond it a plain weight is 0,
+    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected."""
+    k = plain.shape[-1] if plain.ndim else 0
+    if plain.shape == g.shape:
+        return _sum_squares(plain, g_sel, selected, golden_selected=True)
+    return (_sum_squares(plain, g[..., :k], None if selected is None else selected[..., :k])
+            + _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+
+
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
                     only: Mapping[str, np.ndarray] | None = None) -> dict[str, SecondOpinion]:
     """The second opinion of each stage in ``own`` (the adapter's stages, float64, canonical
@@ -386,13 +406,24 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
     u = UNIT_ROUNDOFF[dtype]
     selections: dict[str, np.ndarray | None] = {}
     g_sel: dict[str, np.ndarray] = {}
+    g_seen: dict[str, np.ndarray] = {}
     out: dict[str, SecondOpinion] = {}
+    # a block of rows of a larger case (no bias or ALiBi tensor): the keys up to the last one its rows see
+    S = golden.visible.shape[-1]
+    block = whole_shape(golden) != golden.visible.shape
+    keys = (seen_keys(golden.visible) if block and golden.inputs.get("bias") is None
+            and golden.spec.config.alibi_slopes is None else S)
     for stage, got in own.items():
         g = golden.stages[stage]
-        sel = compared_entries(stage, golden.visible)
+        visible, mine = golden.visible, None if only is None else only.get(stage)
+        if keys < S and REGISTRY[stage].masked == "excluded":  # (scores) none compared beyond: the same elements
+            got, g, visible = got[..., :keys], g[..., :keys], visible[..., :keys]
+            mine = None if mine is None else np.broadcast_to(mine, golden.stages[stage].shape)[..., :keys]
+        g_seen[stage] = g
+        sel = compared_entries(stage, visible)
         sel = None if sel is None else np.broadcast_to(sel, g.shape)
-        if only is not None and stage in only:
-            sel = np.broadcast_to(only[stage], g.shape) if sel is None else sel & only[stage]
+        if mine is not None:
+            sel = np.broadcast_to(mine, g.shape) if sel is None else sel & mine
         finite = np.isfinite(got) & np.isfinite(g)
         if not finite.all():
             sel = finite if sel is None else sel & finite
@@ -406,15 +437,17 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         if np.ndim(R) == 0:
             floor += float(R) ** 2 * n
         else:
-            floor += _sum_squares(np.broadcast_to(R, g.shape), None, sel)
+            floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel)
         out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
                                    dtype=dtype)
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
-    for order, plain in plain_forward(golden, dtype):  # its sum (the array held, so that its id stays its own)
+    # its sum (the array held, so that its id stays its own); a block of rows of a larger case: the plain
+    # scores and weights over the keys its rows see (plain_forward's keys; the scores compared up to there)
+    for order, plain in plain_forward(golden, dtype, keys=keys):
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _sum_squares(plain[stage], g_sel[stage], selections[stage], golden_selected=True)
+                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage])
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out

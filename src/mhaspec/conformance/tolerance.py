@@ -142,7 +142,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         return _variants_standard(golden, r, keep_bounds=keep_bounds, tolerances=tolerances)
     cfg, g, w = golden.spec.config, golden.stages, golden.weights
     H = cfg.H
-    keep_bounds_asked, keep_bounds = keep_bounds, keep_bounds or STAGE.lse in g  # lse: from the scores' bounds
+    lse_in = STAGE.lse in g  # the log-sum-exp: from the scores' bounds, a chunk of rows at a time
     # 1. projections (k_proj, v_proj with the operands of steps 2–4 made of them, shared by the
     #    blocks of query rows of one batch entry: judging.memoised)
     e_q = forward_rules.projection(golden, "q", r)
@@ -169,27 +169,36 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                          for e in (error.get(STAGE.scores, 0.0), error.get(STAGE.attn_weights, 0.0))))  # absent: exact
     cst = forward_rules.AttentionConstants.of(golden, r)
     kernels = compiled.kernels_for(golden)
+    # a block of query rows of a larger case: each chunk over the keys its rows see (the NumPy loops; the
+    # compiled ones always, which only such cases take)
+    seen_only = judging.whole_shape(golden) != golden.visible.shape
+    if lse_in:  # (N, T, 1): the lse's error, each chunk's rows from that chunk's score bounds
+        lse_g, a_s = g[STAGE.lse].reshape(N, T, 1), r.accumulation(S)
+        lse_var, lse_acc = np.empty((N, T, 1)), np.empty((N, T, 1))
 
     def chunk(n: slice, rows: slice, buf: Scratch) -> None:
         args = (cst, Q[n, rows], tQ2[n, rows], keys.KK[n], keys.aK[n], keys.V[n], keys.V2[n], keys.aV[n],
                 keys.tV2[n], sN[n, rows], pN[n, rows], oN[n, rows], visN[n, rows])
         e_o = Error(o2[n, rows], wo[n, rows])
-        if kernels is not None and compiled.attention_chunk(
-                kernels, *args,
-                bounds=None if sig_s is None else (Bound(sig_s[n, rows], wor_s[n, rows]),
-                                                   Bound(sig_p[n, rows], wor_p[n, rows])),
-                tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
-                extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
-                out=e_o, buf=buf):
-            return
         shape = sN[n, rows].shape
+        # the bounds: into the whole stage's arrays where kept, else into work arrays (the lse reads the scores')
         b = [buf(f"g_out{i}", shape) if a is None else a[n, rows] for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))]
         out = forward_rules.ChunkOut(Bound(b[0], b[1]), Bound(b[2], b[3]), e_o)
-        if not inplace.attention_chunk(*args, out=out, buf=buf):
-            forward_rules.attention_chunk(*args, out=out)
-        if tol_s is not None and tol_p is not None:
-            for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]), (out.attn_weights, extra_p, tol_p[n, rows])):
-                inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst, buf)
+        if not (kernels is not None and compiled.attention_chunk(
+                kernels, *args, bounds=(out.scores, out.attn_weights) if keep_bounds or lse_in else None,
+                tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
+                extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
+                out=e_o, buf=buf)):
+            if not inplace.attention_chunk(*args, out=out, buf=buf, seen_only=seen_only):
+                forward_rules.attention_chunk(*args, out=out)
+            if tol_s is not None and tol_p is not None:
+                for bound, e, dst in ((out.scores, extra_s, tol_s[n, rows]),
+                                      (out.attn_weights, extra_p, tol_p[n, rows])):
+                    inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst,
+                                           buf)
+        if lse_in:
+            e_l = variant_rules.scores_lse(b[0], b[1], sN[n, rows], pN[n, rows], visN[n, rows], lse_g[n, rows], a_s, r)
+            lse_var[n, rows], lse_acc[n, rows] = e_l.var, e_l.acc
 
     # the general path's arithmetic on an adapter's own NaN and inf (a deviation bound, a local
     # check) is deliberate: no RuntimeWarning, as in local_references (the chunks' threads inherit it)
@@ -201,10 +210,8 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     e_o = Error(o2.reshape(B, H, T, E), wo.reshape(B, H, T, E))
     errors = {STAGE.q_proj: e_q, STAGE.k_proj: keys.k, STAGE.v_proj: keys.v, STAGE.head_outputs: e_o,
               **forward_rules.output(golden, e_o, r)}
-    if STAGE.lse in g:  # the log-sum-exp, from the scores' bounds (docs/tolerances.md "lse")
-        assert sig_s is not None and wor_s is not None
-        errors[STAGE.lse] = variant_rules.spec11_lse(
-            golden, Bound(sig_s.reshape(B, H, T, S), wor_s.reshape(B, H, T, S)), r)
+    if lse_in:  # the log-sum-exp, from the scores' bounds (docs/tolerances.md "lse"; variants.spec11_lse by chunks)
+        errors[STAGE.lse] = Error(lse_var.reshape(B, H, T), lse_acc.reshape(B, H, T))
     # key_stages=False: a block whose batch entry's key and value projections another block judges
     out = {name: e.bound(r.floor) for name, e in errors.items() if key_stages or name not in KEY_STAGES}
     tols: dict[str, np.ndarray] = {}
@@ -213,7 +220,7 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         assert tol_s is not None and tol_p is not None
         tols[STAGE.scores], tols[STAGE.attn_weights] = tol_s.reshape(B, H, T, S), tol_p.reshape(B, H, T, S)
         tols = _ordered(golden, tols)
-    if not keep_bounds_asked:
+    if not keep_bounds:
         return {}, tols
     # masked attention weights must be exactly 0: no allowance at all (the chunks saw to it)
     assert sig_s is not None and wor_s is not None and sig_p is not None and wor_p is not None
@@ -262,6 +269,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
     B, _, T, S = golden.visible.shape
     N = B * H
     visN = golden.visible.reshape(N, T, S)
+    seen_only = judging.whole_shape(golden) != golden.visible.shape  # as in _standard
 
     # the in-place path (standard contract, no variant), the general one where it cannot
     variant = variant_rules.variant_case(golden)
@@ -299,9 +307,10 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             def scores(n: slice, rows: slice, buf: Scratch) -> None:
                 q, dst = Q[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_scores(kernels, q, K[n], K2[n], aK[n], scale, u, a_d,
-                                                                 floor, dst, buf):
+                                                                 floor, dst, buf, visN[n, rows]):
                     return
-                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf):
+                if fast and inplace.local_scores(q, K[n], K2[n], aK[n], scale, u, a_d, floor, dst, buf,
+                                                 visN[n, rows] if seen_only else None):
                     return
                 x, b = local_rules.scores(q, K[n], K2[n], aK[n], scale, a_d, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
@@ -319,7 +328,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
                     return
-                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf):
+                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only):
                     return
                 ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
                     s_, vis, None if sinks is None else sinks[n], r, worst_case)
@@ -328,8 +337,16 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             return ref, sig, wor
 
         if has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages:
-            ref_l, b_l = variant_rules.local_lse(own[STAGE.scores].reshape(N, T, S), visN, sinks, r, worst_case)
-            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(b_l.sigma.reshape(B, H, T), b_l.worst.reshape(B, H, T))
+            sL = own[STAGE.scores].reshape(N, T, S)
+            ref_l, sig_l, wor_l = np.empty((N, T, 1)), np.empty((N, T, 1)), np.empty((N, T, 1))
+
+            def lses(n: slice, rows: slice, buf: Scratch) -> None:  # per row: chunked, the same numbers
+                ref_c, b_c = variant_rules.local_lse(sL[n, rows], visN[n, rows], None if sinks is None else sinks[n],
+                                                     r, worst_case)
+                ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
+
+            each(lses)
+            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
         weights_local = None
         if has(*LOCAL_INPUTS[STAGE.attn_weights]):
             weights_local = softmax_pass(own[STAGE.scores])
@@ -341,15 +358,20 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             P = own[STAGE.attn_weights].reshape(N, T, S)
             V, V2, aV = judging.memoised(golden, ("local values",), value_operands)
+            # a block's chunks: the products over the keys up to the last nonzero weight (0 · a finite value
+            # adds nothing; the adapter's values all finite, or the whole rows)
+            nonzero_only = seen_only and judging.memoised(golden, ("local values finite",),
+                                                          lambda: bool(np.isfinite(V).all()))
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
 
             def outputs(n: slice, rows: slice, buf: Scratch) -> None:
                 pc, dst = P[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
                 if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s, floor,
-                                                                  dst, buf):
+                                                                  dst, buf, nonzero_only):
                     return
-                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf):
+                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
+                                                  nonzero_only=nonzero_only):
                     return
                 x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
                 ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst

@@ -54,7 +54,7 @@ import numpy as np
 
 from ..blas import one_blas_thread
 from ..spec import MHAConfig, variant_ops
-from ..spec.masks import visibility
+from ..spec.masks import seen_keys, visibility
 from ..spec.stages import forward_stages
 from ..spec.variants import alibi_slope_values
 
@@ -489,7 +489,6 @@ class FastRows:
     def _attend(self, b: int, h: int, r0: int, r1: int, dst: dict[str, np.ndarray | None]) -> None:
         """Scores, weights, lse and head outputs of rows [r0, r1) of (b, h), with their bounds, into ``dst``."""
         g = h // self.group
-        Vg = self.V[b, g]  # (S, E)
         vis = self.visible[b, h, r0:r1]  # (n, S)
         all_vis = self.everything_visible or bool(vis.all())
         EV = self.EV
@@ -500,13 +499,23 @@ class FastRows:
         if not exact_s:
             assert dst["e_s"] is not None and e_s is not None
             dst["e_s"][...] = e_s
+        # the weights, the lse and P·V over the keys up to the last one these rows see (causal, windows,
+        # padding): every weight beyond is 0, and the bounds of the shorter sums are within those of the
+        # whole row's, which ``rel_round`` and ``out_round`` count (every score is computed: masked ones too)
+        k = self.S if all_vis else seen_keys(vis)
+        p_all, e_p_all = dst["p"], dst["e_p"]
+        assert p_all is not None and e_p_all is not None
+        if k < self.S:
+            p_all[:, k:] = 0.0
+            e_p_all[:, k:] = 0.0
+            s, vis = s[:, :k], vis[:, :k]
+            e_s = None if e_s is None else e_s[:, :k]
+        Vg = self.V[b, g, :k]  # (k, E)
         # softmax over the visible keys, the sink in the denominator; a row with no key is all zeros
-        p = dst["p"]
-        assert p is not None
+        p = p_all[:, :k]
         sink = None if self.sinks is None else float(self.sinks[h])
         peak, total, p_sink, lse = softmax_with_lse(s, None if all_vis else vis, sink, p)
-        e_p = dst["e_p"]
-        assert e_p is not None
+        e_p = e_p_all[:, :k]
         t_sink: np.ndarray | float = 0.0
         if exact_s:  # the arguments of exp are bit-identical to the exact reference's
             c_rel = rel_round * SAFETY
@@ -538,13 +547,14 @@ class FastRows:
         assert o is not None and e_o_dst is not None
         np.matmul(p, Vg, out=o)
         v_abs, v_abs_sum = self._abs_values(b, g)
-        if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V|
+        v_abs = v_abs[:k]
+        if exact_s:  # e_p = c·p + SUBNORMAL on visible entries: one product with |V| (its column sums: every key's)
             e_o = (c_rel + out_round * (1.0 + c_rel)) * (p @ v_abs)
             e_o += (1.0 + out_round) * SUBNORMAL * v_abs_sum
         else:
             e_o = (e_p + out_round * (p + e_p)) @ v_abs
         if not isinstance(EV, float):
-            e_o += p @ EV[b, g]
+            e_o += p @ EV[b, g, :k]
         np.multiply(e_o, SAFETY, out=e_o_dst)
 
     def _assemble(self, projections: dict[str, tuple[Any, Any]], out: dict[str, np.ndarray | None],

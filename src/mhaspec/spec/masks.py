@@ -69,3 +69,11 @@ def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: 
     if mask is not None:
         visible &= np.broadcast_to(mask, visible.shape)
     return visible
+
+
+def seen_keys(visible: np.ndarray) -> int:
+    """1 + the last key that some query row of ``visible`` (…, T, S) sees; S where none sees any.  Rows
+    of a causal (or windowed) case see none beyond: their weights there are 0 and their scores not
+    compared, so a softmax, a product P·V and the judge's sums over the keys of those rows may stop there."""
+    seen = np.flatnonzero(visible.reshape(-1, visible.shape[-1]).any(axis=0))
+    return int(seen[-1]) + 1 if seen.size else visible.shape[-1]

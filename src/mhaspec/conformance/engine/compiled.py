@@ -20,6 +20,7 @@ from ...fixtures import GoldenCase
 from .. import judging
 from ..compare import Scratch
 from ..model.forward import AttentionConstants
+from ...spec.masks import seen_keys
 from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored, swap
 from . import inplace
 
@@ -109,15 +110,17 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
     u2 = c.u**2
     shape = s.shape
     S = shape[-1]
+    k = seen_keys(vis)  # the keys the chunk's rows see: the products and the loop's sums stop there
+    seen = (*shape[:-1], k)
     lhs_in = np.concatenate([tQ2 / u2, Q * Q], axis=-1)
-    m1, m2 = buf("k_m1", shape, np.float32), buf("k_m2", shape, np.float32)
+    m1, m2 = buf("k_m1", seen, np.float32), buf("k_m2", seen, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        np.matmul(lhs_in.astype(np.float32), KK.f32, out=m1)  # upper32's products, factors in c1, c2
-        np.matmul(np.abs(Q).astype(np.float32), aK.f32, out=m2)
+        np.matmul(lhs_in.astype(np.float32), KK.f32[..., :k], out=m1)  # upper32's products, factors in c1, c2
+        np.matmul(np.abs(Q).astype(np.float32), aK.f32[..., :k], out=m2)
     c1 = c.scale**2 * u2 * (1 + 2 * float(gamma(lhs_in.shape[-1] + 2, U32)))
     c2 = c.scale * (1 + 2 * float(gamma(Q.shape[-1] + 2, U32)))  # m = scale·|Q||K|ᵀ, then γ_d·m, σ_d·m
-    lhs, q, pk = buf("k_lhs", shape), buf("k_q", shape), buf("k_pk", shape[:-1])
-    pp32, lhs32 = buf("k_pp32", shape, np.float32), buf("k_lhs32", shape, np.float32)
+    lhs, q, pk = buf("k_lhs", seen), buf("k_q", seen), buf("k_pk", shape[:-1])
+    pp32, lhs32 = buf("k_pp32", seen, np.float32), buf("k_lhs32", seen, np.float32)
     # the reference errors: both arrays, or both values (the two arrays of a float64 golden are 0)
     arrays = not all(isinstance(e, float) for e in extras)
     ext: list[Any] = [arrays]
@@ -129,14 +132,15 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
             c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
             bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
-            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)))
+            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)), k)
         if not ok:
             return False
-        # 4. head outputs, as inplace.attention_chunk
+        # 4. head outputs, as inplace.attention_chunk, over the keys seen (the weights beyond: 0); the
+        #    float32 products' factor of the whole row's length, as where no key is left out
         f32 = 1 + 2 * float(gamma(S + 2, U32))
-        o2 = (np.maximum(lhs @ V2 - 2 * o * (q @ V) + o * o * pk[..., None], 0.0)
-              + (u2 * f32) * (pp32 @ tV2.f32) + stored(c.u, o, o))
-        wo = lhs32 @ aV.f32
+        o2 = (np.maximum(lhs @ V2[:, :k] - 2 * o * (q @ V[:, :k]) + o * o * pk[..., None], 0.0)
+              + (u2 * f32) * (pp32 @ tV2.f32[:, :k]) + stored(c.u, o, o))
+        wo = lhs32 @ aV.f32[:, :k]
         if not inplace.finite(o2, wo):
             return False
     out.var[...] = o2
@@ -146,36 +150,41 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
 
 def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
                  u: float, a_d: Acc, floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 buf: Scratch) -> bool:
+                 buf: Scratch, vis: np.ndarray | None = None) -> bool:
     """:func:`.inplace.local_scores` with its elementwise passes in one compiled sweep
-    (:func:`.kernels.local_scores_chunk`)."""
+    (:func:`.kernels.local_scores_chunk`); with the chunk's visibility ``vis``, over the keys its rows see
+    only (:func:`~mhaspec.spec.masks.seen_keys`: masked scores are not compared; later keys get 0)."""
     ref, sig, wor = out
-    np.matmul(q, swap(K), out=ref)
-    m_sig, m_wor = buf("k_ls_sig", ref.shape, np.float32), buf("k_ls_wor", ref.shape, np.float32)
+    k = ref.shape[-1] if vis is None else seen_keys(vis)
+    np.matmul(q, swap(K[:, :k]), out=ref[..., :k])
+    m_sig, m_wor = (buf(name, (*ref.shape[:-1], k), np.float32) for name in ("k_ls_sig", "k_ls_wor"))
     with np.errstate(over="ignore", invalid="ignore"):
-        np.matmul((q * q).astype(np.float32), K2.f32, out=m_sig)
-        np.matmul(np.abs(q).astype(np.float32), aK.f32, out=m_wor)
+        np.matmul((q * q).astype(np.float32), K2.f32[..., :k], out=m_sig)
+        np.matmul(np.abs(q).astype(np.float32), aK.f32[..., :k], out=m_wor)
     f32 = 1 + 2 * float(gamma(q.shape[-1] + 2, U32))  # inplace.product32's factor
     return run(kernels, "local_scores_chunk", ref, m_sig, m_wor, scale, 2 * scale**2 * u * u * f32,
-               2 * u * u + U64**2, a_d.worst * scale * f32, a_d.sigma * scale * f32, floor, sig, wor)
+               2 * u * u + U64**2, a_d.worst * scale * f32, a_d.sigma * scale * f32, floor, sig, wor, k)
 
 
 def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
                   out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
-    """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`)."""
+    """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`), over the
+    keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`; later keys: a masked key's 0)."""
     ref, sig, wor = out
     return run(kernels, "local_weights_chunk", s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor,
-               buf("k_rows", (8, s.shape[-1])))
+               buf("k_rows", (8, s.shape[-1])), seen_keys(vis))
 
 
 def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
-                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                  floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                  nonzero_only: bool = False) -> bool:
     """:func:`.inplace.local_outputs` with the float32 operands p² and |p| of its bound products formed
-    in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers."""
+    in one compiled sweep (:func:`.kernels.local_outputs_operands`), the same numbers (``nonzero_only``:
+    as there)."""
     sq, ab = buf("k_lo_pp", pc.shape, np.float32), buf("k_lo_ap", pc.shape, np.float32)
     if not run(kernels, "local_outputs_operands", pc, sq, ab):
         return False
-    return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab))
+    return inplace.local_outputs(pc, V, V2, aV, u, a_s, floor, out, buf, operands=(sq, ab), nonzero_only=nonzero_only)
 
 
 def loaded_kernels() -> Any:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
@@ -30,13 +31,14 @@ def finite(*arrays: np.ndarray) -> bool:
         return all(a.size == 0 or np.isfinite(a.sum()) for a in arrays)
 
 
-def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray) -> bool:
-    """``out = factor · upper32(a, b)`` (float64), False when the float32 product is not finite."""
+def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray, length: int | None = None) -> bool:
+    """``out = factor · upper32(a, b, length)`` (float64), False when the float32 product is not finite."""
     with np.errstate(over="ignore", invalid="ignore"):
         m = a.astype(np.float32, copy=False) @ b.f32
     if not np.isfinite(m.max()):
         return False
-    np.multiply(m, factor * (1 + 2 * float(gamma(a.shape[-1] + 2, U32))), out=out, dtype=np.float64)
+    n = a.shape[-1] if length is None else length
+    np.multiply(m, factor * (1 + 2 * float(gamma(n + 2, U32))), out=out, dtype=np.float64)
     return True
 
 
@@ -188,9 +190,24 @@ def weights_into(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, visf: np.nda
 
 def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair,
                           V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray, p: np.ndarray,
-                          o: np.ndarray, vis: np.ndarray, out: ChunkOut, buf: Scratch) -> bool:
+                          o: np.ndarray, vis: np.ndarray, out: ChunkOut, buf: Scratch, seen_only: bool = False,
+                          length: int | None = None) -> bool:
     """:func:`mhaspec.conformance.model.forward.attention_chunk`, in place (see above); False (nothing
-    to trust in ``out``) where a value is not finite."""
+    to trust in ``out``) where a value is not finite.  ``seen_only``: over the keys the chunk's rows see
+    (:func:`~mhaspec.spec.masks.seen_keys`), every later key's bounds 0 (a masked weight's; masked scores are not
+    compared), the float32 products' factor of the whole row's ``length``."""
+    S = s.shape[-1]
+    k = seen_keys(vis) if seen_only else S
+    if k < S:
+        for a in (*out.scores, *out.attn_weights):
+            a[..., k:] = 0.0
+
+        def seen(b: Any) -> Any:
+            return type(b)(*(x[..., :k] for x in b))
+
+        return attention_chunk(c, Q, tQ2, KK[..., :k], aK[..., :k], V[:, :k], V2[:, :k], aV[:, :k], tV2[:, :k],
+                               s[..., :k], p[..., :k], o, vis[..., :k],
+                               ChunkOut(seen(out.scores), seen(out.attn_weights), out.head_outputs), buf, length=S)
     u, u2 = c.u, c.u**2
     shape = s.shape
     (sig_s, wor_s), (sig_p, wor_p) = out.scores, out.attn_weights
@@ -230,19 +247,28 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
         np.multiply(p, c.a_s.sigma**2, out=t)
         lhs += t
     var_v2 = lhs @ V2
-    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2) + stored(u, o, o))
+    o2 = (np.maximum(var_v2 - 2 * o * (w.q @ V) + o * o * w.pk, 0.0) + u2 * upper32(w.pp, tV2, length)
+          + stored(u, o, o))
     np.multiply(p, c.a_s.worst, out=lhs)
     np.add(w.second, lhs, out=lhs)
     o2_out[...] = o2
-    wo_out[...] = upper32(lhs, aV)
+    wo_out[...] = upper32(lhs, aV, length)
     return finite(sig_s, wor_s, sig_p, wor_p, o2_out, wo_out)
 
 
 def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float, u: float, a_d: Acc,
-                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                       floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                       vis: np.ndarray | None = None) -> bool:
     """The local scores check of one chunk (see :func:`local_references`) into ``out`` = (reference,
-    sigma, worst); False where a value is not finite."""
+    sigma, worst); False where a value is not finite.  With the chunk's visibility ``vis``: over the keys
+    its rows see (:func:`~mhaspec.spec.masks.seen_keys`; masked scores are not compared, later keys get 0)."""
     ref, sig, wor = out
+    k = ref.shape[-1] if vis is None else seen_keys(vis)
+    if k < ref.shape[-1]:
+        for a in out:
+            a[..., k:] = 0.0
+        return local_scores(q, K[:, :k], K2[..., :k], aK[..., :k], scale, u, a_d, floor,
+                            (ref[..., :k], sig[..., :k], wor[..., :k]), buf)
     np.matmul(q, swap(K), out=ref)
     ref *= scale
     if not product32(q * q, K2, 2 * scale**2 * u * u, sig):
@@ -264,9 +290,16 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
 
 
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
-                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
-    """The local attention-weights check of one chunk from the adapter's own scores ``s``."""
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch, seen_only: bool = False) -> bool:
+    """The local attention-weights check of one chunk from the adapter's own scores ``s``; ``seen_only``:
+    over the keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`), later keys a masked key's 0."""
     ref, sig, wor = out
+    k = seen_keys(vis) if seen_only else s.shape[-1]
+    if k < s.shape[-1]:
+        for a in out:
+            a[..., k:] = 0.0
+        return local_weights(s[..., :k], vis[..., :k], u, ua, a_s, floor, (ref[..., :k], sig[..., :k], wor[..., :k]),
+                             buf)
     if vis.all():
         if not finite(s):
             return False
@@ -292,11 +325,19 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
 
 def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
                   floor: float, out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
-                  operands: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+                  operands: tuple[np.ndarray, np.ndarray] | None = None, nonzero_only: bool = False,
+                  length: int | None = None) -> bool:
     """The local head-outputs check of one chunk from the adapter's own weights ``pc``; ``operands``:
     the float32 operands p² and |p| of its bound products, already formed (and ``pc`` found finite)
-    by the compiled loop (:func:`.compiled.local_outputs`), the same numbers."""
+    by the compiled loop (:func:`.compiled.local_outputs`), the same numbers.  ``nonzero_only`` (``V``
+    finite): the products over the keys up to the last one with a nonzero weight in some row of the
+    chunk (:func:`~mhaspec.spec.masks.seen_keys`: the later terms are 0), their factor of the whole row's ``length``."""
     ref, sig, wor = out
+    S = pc.shape[-1]
+    k = seen_keys(pc != 0) if nonzero_only else S
+    if k < S:
+        return local_outputs(pc[..., :k], V[:, :k], V2[:, :k], aV[:, :k], u, a_s, floor, out, buf,
+                             None if operands is None else tuple(x[..., :k] for x in operands), length=S)
     if operands is not None:
         sq, ab = operands
     else:
@@ -304,10 +345,10 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
             return False
         sq, ab = np.multiply(pc, pc, out=buf("lo_t", pc.shape)), None
     np.matmul(pc, V, out=ref)
-    if not product32(sq, V2, 2 * u * u, sig):
+    if not product32(sq, V2, 2 * u * u, sig, length):
         return False
     sig += stored(u, ref, ref)
-    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor):
+    if not product32(np.abs(pc, out=sq) if ab is None else ab, aV, 1.0, wor, length):
         return False
     if a_s.sigma:
         t = np.multiply(wor, a_s.sigma, out=buf("lo_acc", wor.shape))

@@ -191,7 +191,7 @@ def _second_order_row(p, tau, ell, out, eel, ups, dns, spare, S):
 def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor, cap,
                     want_bounds, sig_s, wor_s, sig_p, wor_p,
                     want_tol, ext_arrays, ext_s, ext_s_val, ext_p, ext_p_val, tol_s, tol_p,
-                    lhs, q, pp32, lhs32, pk_out, work):
+                    lhs, q, pp32, lhs32, pk_out, work, S_seen):
     """Steps 2 and 3 of the golden bounds, and the operands of step 4, for a (heads, rows, S) chunk.
 
     ``m1``, ``m2``: the float32 products of the score variances and of |Q||K|ᵀ, ``c1``, ``c2`` their
@@ -203,7 +203,10 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     ``ext_arrays``, otherwise the values ``ext_s_val``, ``ext_p_val``), and
     ``lhs`` = p²t² + (u² + U64²)p² + p_round², ``q`` = p²t², ``pk_out`` = Σ_S q, ``pp32`` = p² and
     ``lhs32`` = second + γ_S·p for the head outputs (``lhs`` also holds σ_S²·p).  ``work``: ten rows of
-    S float64; ``cap``: the largest worst part of a weight before its floor (1).
+    S float64; ``cap``: the largest worst part of a weight before its floor (1).  ``S_seen``: the keys
+    the chunk's rows see (spec.masks.seen_keys): the loops and the operands stop there (``m1``, ``m2``,
+    ``lhs``, ``q``, ``pp32``, ``lhs32`` may be that wide); every later key, masked in every row, gets
+    sigma and worst 0 (its tolerance: the reference error), a masked weight's own bounds.
     Returns False where a value written is not finite."""
     n_heads, R, S = s.shape
     ts2, tau, ptau, ell = work[0], work[1], work[2], work[3]
@@ -211,13 +214,17 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
     sgs, wrs = work[8], work[9]
     stored = 2 * u2 + U64_2
     chk = 0.0
+    for j in range(S_seen, S):  # the keys no row sees: bounds 0 (the loops below never write there)
+        sgs[j] = 0.0
+        wrs[j] = 0.0
+        sigp[j] = 0.0
     for h in range(n_heads):
         for i in range(R):
             sr, pr_, mr1, mr2 = s[h, i], p[h, i], m1[h, i], m2[h, i]
             pk = 0.0
             row = 0.0
             top = 0
-            for j in range(S):  # 2. scores; the weights' score variance t², τ = LAMBDA·t
+            for j in range(S_seen):  # 2. scores; the weights' score variance t², τ = LAMBDA·t
                 sj = sr[j]
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
@@ -244,13 +251,13 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
             _emit(h, i, S, sgs, wrs, want_bounds, sig_s, wor_s, want_tol, ext_arrays, ext_s, ext_s_val, tol_s)
             rmax = _as_float64(top)
             pk_out[h, i] = pk
-            for j in range(S):  # 3. the weights' sigma; ℓ of the second-order term
+            for j in range(S_seen):  # 3. the weights' sigma; ℓ of the second-order term
                 pj = pr_[j]
                 d = max(pk - q[h, i, j], 0.0)
                 sigp[j] = pj * math.sqrt((1.0 - pj) * (1.0 - pj) * ts2[j] + d + (u2 + U64_2 + s_s * s_s))
                 ell[j] = tau[j] + row - 2 * ptau[j]
-            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, sgs, S)
-            for j in range(S):  # the weights' worst part; the head outputs' operands
+            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, sgs, S_seen)
+            for j in range(S_seen):  # the weights' worst part; the head outputs' operands
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sec = ptau[j]
@@ -270,11 +277,13 @@ def attention_chunk(s, p, vis, m1, m2, c1, c2, w_d, s_d, u2, ua, w_s, s_s, floor
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
+def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work, S_seen):
     """The local attention-weights check of a (heads, rows, S) chunk from the adapter's own scores ``s``
     (inplace.local_weights): the float64 softmax of the visible scores into ``ref`` (a row with
     no visible key: 0), the bound of its own rounding and of the scores' storage rounding into ``sig``
     and ``wor``.  Masked scores (often -inf) take no part.  ``work``: eight rows of S float64.
+    ``S_seen``: the keys the chunk's rows see (spec.masks.seen_keys): the loops stop there, and every later
+    key gets a masked key's 0 in ``ref``, ``sig`` and ``wor``.
     Returns False where a visible score or a value written is not finite."""
     n_heads, R, S = s.shape
     ts2, tau, ptau, ell = work[0], work[1], work[2], work[3]
@@ -284,24 +293,28 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
     for h in range(n_heads):
         for i in range(R):
             sr, pr_ = s[h, i], ref[h, i]
+            for j in range(S_seen, S):  # the keys no row sees
+                pr_[j] = 0.0
+                sig[h, i, j] = 0.0
+                wor[h, i, j] = 0.0
             peak = -math.inf
-            for j in range(S):
+            for j in range(S_seen):
                 if vis[h, i, j]:
                     peak = max(peak, sr[j])
                     chk += sr[j]
             if not math.isfinite(peak):
                 peak = 0.0
             total = 0.0
-            for j in range(S):
+            for j in range(S_seen):
                 e = _exp(min(sr[j] - peak, 0.0)) if vis[h, i, j] else 0.0
                 pr_[j] = e
                 total += e
-            for j in range(S):
+            for j in range(S_seen):
                 pr_[j] = pr_[j] / total if total > 0 else 0.0
             pk = 0.0
             row = 0.0
             top = 0
-            for j in range(S):  # the scores' storage rounding t², τ = LAMBDA·t
+            for j in range(S_seen):  # the scores' storage rounding t², τ = LAMBDA·t
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
                 pj = pr_[j]
@@ -315,7 +328,7 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
                 ptau[j] = pt
                 row += pt
             rmax = _as_float64(top)
-            for j in range(S):  # sigma; ℓ of the second-order term
+            for j in range(S_seen):  # sigma; ℓ of the second-order term
                 pj = pr_[j]
                 t2 = ts2[j]
                 d = max(pk - (pj * pj) * t2, 0.0)
@@ -323,8 +336,8 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
                 sig[h, i, j] = sg
                 chk += sg
                 ell[j] = tau[j] + row - 2 * ptau[j]
-            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, spare, S)
-            for j in range(S):  # the worst part: the softmax's own rounding and the second-order term
+            _second_order_row(pr_, tau, ell, ptau, eel, ups, dns, spare, S_seen)
+            for j in range(S_seen):  # the worst part: the softmax's own rounding and the second-order term
                 pj = pr_[j]
                 v = 1.0 if vis[h, i, j] else 0.0
                 sj = sr[j] if vis[h, i, j] else 0.0
@@ -335,17 +348,24 @@ def local_weights_chunk(s, vis, u2, ua, w_s, s_s, floor, ref, sig, wor, work):
 
 
 @nb.njit(nogil=True, error_model="numpy", fastmath=FASTMATH)
-def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor):
+def local_scores_chunk(ref, m_sig, m_wor, scale, c_sig, stored, c_wor, c_acc, floor, sig, wor, S_seen):
     """The local scores check of a (heads, rows, S) chunk once its products are formed
     (inplace.local_scores): ``ref`` (q·Kᵀ in float64) scaled in place, ``sig`` =
     sqrt(c_sig·m_sig + stored·ref² + (c_acc·m_wor)²), ``wor`` = c_wor·m_wor + floor, from the float32 products
-    ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  False where a value is not finite."""
+    ``m_sig`` (q²·K²ᵀ) and ``m_wor`` (|q|·|K|ᵀ) in one sweep.  ``S_seen``: the keys the chunk's rows see
+    (spec.masks.seen_keys; the products ``m_sig``, ``m_wor`` may be that wide, ``ref`` formed that far): masked
+    scores are not compared, and every later key gets 0 in ``ref``, ``sig`` and ``wor``.
+    False where a value is not finite."""
     n_heads, R, S = ref.shape
     chk = 0.0
     for h in range(n_heads):
         for i in range(R):
             rr, ms, mw, so, wo = ref[h, i], m_sig[h, i], m_wor[h, i], sig[h, i], wor[h, i]
-            for j in range(S):
+            for j in range(S_seen, S):  # the keys no row sees
+                rr[j] = 0.0
+                so[j] = 0.0
+                wo[j] = 0.0
+            for j in range(S_seen):
                 x = rr[j] * scale
                 rr[j] = x
                 a = c_acc * mw[j]

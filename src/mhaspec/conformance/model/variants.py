@@ -396,14 +396,22 @@ def spec11_lse(golden: GoldenCase, scores_bound: Any, r: Rounding) -> Error:
     part minus the floor is the scores' ``acc``; T_s² = sigma² + acc²): :func:`lse`.  -> (B, H, T)."""
     B, H, T, S = golden.visible.shape
     N = B * H
-    vis = golden.visible.reshape(N, T, S)
-    sig = np.broadcast_to(scores_bound.sigma, (B, H, T, S)).reshape(N, T, S)
-    acc = np.maximum(np.broadcast_to(scores_bound.worst, (B, H, T, S)).reshape(N, T, S) - r.floor, 0.0)
-    ts2 = np.where(vis, sig * sig + acc * acc, 0.0)
+    sig, worst = (np.broadcast_to(x, (B, H, T, S)).reshape(N, T, S) for x in (scores_bound.sigma, scores_bound.worst))
     s = golden.stages[STAGE.scores].reshape(N, T, S)
     p = golden.stages[STAGE.attn_weights].reshape(N, T, S)
-    e = lse(p, ts2, np.abs(s), vis, golden.stages[STAGE.lse].reshape(N, T, 1), r.accumulation(S), r)
+    e = scores_lse(sig, worst, s, p, golden.visible.reshape(N, T, S), golden.stages[STAGE.lse].reshape(N, T, 1),
+                   r.accumulation(S), r)
     return Error(e.var.reshape(B, H, T), e.acc.reshape(B, H, T))
+
+
+def scores_lse(sig: np.ndarray, worst: np.ndarray, s: np.ndarray, p: np.ndarray, vis: np.ndarray, lse_: np.ndarray,
+               a_s: Any, r: Rounding) -> Error:
+    """:func:`lse` of rows (…, S) of golden scores ``s`` and weights ``p`` from the scores' bound (``sigma``,
+    ``worst``; the worst part less the floor is their ``acc``, T_s² = sigma² + acc²): every term is per row,
+    so rows may be taken a chunk at a time (:func:`.tolerance._standard`).  -> (…, 1)."""
+    acc = np.maximum(worst - r.floor, 0.0)
+    ts2 = np.where(vis, sig * sig + acc * acc, 0.0)
+    return lse(p, ts2, np.abs(s), vis, lse_, a_s, r)
 
 
 def spec11_lse_worst(golden: GoldenCase, scores_tolerance: np.ndarray, dtype: str,

@@ -259,14 +259,15 @@ class Pair(NamedTuple):
         return Pair(self.f64[index], self.f32[index])
 
 
-def upper32(a: np.ndarray, b: Pair) -> np.ndarray:
+def upper32(a: np.ndarray, b: Pair, length: int | None = None) -> np.ndarray:
     """``a @ b`` for non-negative ``a`` and ``b``, formed in float32 and rounded up.
 
     A sum of n non-negative terms in float32 is below the exact one by at most γ₃₂(n + 2)
     relative (two more roundings: the inputs'); multiplying by 1 + 2γ₃₂ keeps it an upper
     bound, at half the cost of a float64 product.  Callers scale ``a`` and ``b`` to O(1)
-    magnitudes so that nothing that matters underflows."""
-    n = a.shape[-1] + 2
+    magnitudes so that nothing that matters underflows.  ``length``: the n to count (at least
+    ``a``'s last axis; a row's whole length where the caller left out its zero terms)."""
+    n = (a.shape[-1] if length is None else length) + 2
     with np.errstate(over="ignore", invalid="ignore"):
         out = (a.astype(np.float32) @ b.f32).astype(np.float64)
     if not np.isfinite(out).all():  # beyond float32's range (an adapter's own wild values)
