@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from mhaspec.spec import Case
+from mhaspec.spec.schedule import Call, schedule_calls  # noqa: F401 (re-exported for the proofs)
 
 DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -34,12 +35,6 @@ BUGS = {
     "past_ignored": "the P past keys are never loaded: the cache starts with the first call's own rows",
     "window_from_call_start": "the sliding window placed by the call's first row instead of each row",
 }
-
-
-def schedule_calls(schedule: list[int], tgt_len: int, src_len: int) -> list[tuple[int, int, int]]:
-    """(t0, t1, L_c) of each call: rows [t0, t1), cache length L_c = S − T + t1 after it."""
-    ends = np.cumsum(schedule).tolist()
-    return [(t1 - n, t1, src_len - tgt_len + t1) for n, t1 in zip(schedule, ends)]
 
 
 def rotate(x: np.ndarray, heads: int, positions: np.ndarray, case: Case, acc: type) -> np.ndarray:
@@ -87,19 +82,19 @@ class DecodeImpl:
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         """The whole case as one call (a bottom-right causal case: its full pass)."""
-        return self.decode_calls(case, [(0, case.tgt_len, case.src_len)])[0]
+        return self.decode_calls(case, schedule_calls([case.tgt_len], case.tgt_len, case.src_len))[0]
 
     def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
         return self.decode_calls(case, case.calls())
 
     # -- the cache --------------------------------------------------------------------------------
-    def decode_calls(self, case: Case, calls: list[tuple[int, int, int]]) -> list[dict[str, np.ndarray]]:
+    def decode_calls(self, case: Case, calls: list[Call]) -> list[dict[str, np.ndarray]]:
         dt = DT[case.dtype]
         acc = np.float32 if case.dtype in ("float16", "bfloat16") else dt
         held: dict[str, np.ndarray] = {}  # name -> (B, capacity or length, F)
         length = 0
         out = []
-        for c, (t0, t1, cache_len) in enumerate(calls):
+        for c, (t0, t1, cache_len, _) in enumerate(calls):
             brought = t1 - t0 if (c > 0 or self.bug == "past_ignored") else cache_len  # call 0 brings the past
             rows = self._key_rows(case, slice(cache_len - brought, cache_len), acc, dt, c)  # name -> (B, n, F)
             times = {"not_appended": 0, "appended_twice": 2}.get(self.bug, 1) if c > 0 else 1
@@ -256,7 +251,7 @@ def call_view(stage: str, full: np.ndarray, t0: int, t1: int, cache_len: int) ->
 
 
 def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible: np.ndarray,
-                       calls: list[tuple[int, int, int]]) -> tuple[int, str] | None:
+                       calls: list[Call]) -> tuple[int, str] | None:
     """(0-based call, stage) where ``impl``'s float64 decode of ``case`` first differs from the golden by
     more than tests.zoo.CHANGED of the stage's magnitude (calls in order, stages in pipeline order;
     scores only where visible), or None where its float64 result is unchanged."""
@@ -265,7 +260,7 @@ def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible:
     from .zoo import CHANGED
 
     outs = impl.decode_calls(case, calls)
-    for c, (out, (t0, t1, cache_len)) in enumerate(zip(outs, calls)):
+    for c, (out, (t0, t1, cache_len, _)) in enumerate(zip(outs, calls)):
         for stage in forward_stages(case.config):
             if stage not in out:
                 continue

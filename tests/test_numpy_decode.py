@@ -12,6 +12,7 @@ import pytest
 
 from mhaspec.adapters.numpy_mha import NumpyMHA, decode_calls
 from mhaspec.spec import Case
+from mhaspec.spec.schedule import schedule_calls
 from mhaspec.spec.stages import REGISTRY
 
 from .test_variant_spec import VARIANTS, _spec
@@ -21,12 +22,6 @@ ULPS = 64
 SCHEDULES = {"one prefill": [5], "prefill then decode": [1, 1, 1, 1, 1], "chunks": [2, 1, 2]}
 CAUSAL = {name: {**fields, "causal": True, "causal_alignment": "bottom_right"} for name, fields in VARIANTS.items()
           if fields.get("T", 5) <= fields.get("S", 7)}
-
-
-def schedule_calls(schedule: list[int], tgt_len: int, src_len: int) -> list[tuple[int, int, int]]:
-    """(t0, t1, L_c) of each call (the contract of docs/serving.md: L_c = S − T + t1)."""
-    ends = np.cumsum(schedule).tolist()
-    return [(t1 - n, t1, src_len - tgt_len + t1) for n, t1 in zip(schedule, ends)]
 
 
 def causal_case(name: str, dtype: str) -> Case:
@@ -51,7 +46,7 @@ def assert_calls_are_rows_of_the_full_pass(case: Case, schedule: list[int]) -> N
     eps = float(np.finfo(np.float32 if case.dtype != "float64" else np.float64).eps)
     if case.dtype in ("float16", "bfloat16"):
         eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[case.dtype]
-    for c, (out, (t0, t1, cache_len)) in enumerate(zip(decode_calls(case, calls), calls)):
+    for c, (out, (t0, t1, cache_len, _)) in enumerate(zip(decode_calls(case, calls), calls)):
         assert set(out) == set(full), (c, sorted(set(full) ^ set(out)))
         for stage, got in out.items():
             want = call_view(stage, np.asarray(full[stage], dtype=np.float64), t0, t1, cache_len)

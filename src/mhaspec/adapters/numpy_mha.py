@@ -29,11 +29,13 @@ ALiBi's slopes and the window are constants (no gradient; the window is in the v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..spec import Case, MHAConfig, masks
+from ..spec.schedule import Call
 from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
 from ..spec.variants import VARIANTS, alibi_slope_values
@@ -241,15 +243,16 @@ def decode_call(case: Case, cache: KVCache, t0: int, t1: int, cache_len: int) ->
     return out
 
 
-def decode_calls(case: Case, calls: list[tuple[int, int, int]]) -> list[dict[str, np.ndarray]]:
-    """Each call (t0, t1, L_c) of a schedule in turn against one cache (capacity S) -> its stages."""
+def decode_calls(case: Case, calls: Sequence[Call]) -> list[dict[str, np.ndarray]]:
+    """Each call of a schedule (:func:`mhaspec.spec.schedule.schedule_calls`) in turn against one cache
+    (capacity S) -> its stages."""
     cfg, (dt, _) = case.config, precision(case.dtype)
     B, S, G = case.batch, case.src_len, cfg.H_kv
     shapes = {"k_proj": (B, S, G * cfg.D_k), "v_proj": (B, S, G * cfg.D_v)}
     if cfg.rope is not None:
         shapes["k_rot"] = shapes["k_proj"]
     cache = KVCache(shapes, dt)
-    return [decode_call(case, cache, t0, t1, cache_len) for t0, t1, cache_len in calls]
+    return [decode_call(case, cache, call.t0, call.t1, call.cache) for call in calls]
 
 
 class NumpyMHA:
