@@ -278,3 +278,48 @@ def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible:
             if diff > CHANGED * (float(np.max(np.abs(want[finite]), initial=0.0)) + 1e-300):
                 return c, stage
     return None
+
+
+# -- the schedule cases the proofs judge (tests/test_decode_proofs.py, benchmarks/decode_figures.py) -
+
+def decode_golden():
+    """(golden set, case ids) of the built-in catalog's cases with a schedule (their fixtures)."""
+    from mhaspec.fixtures import GoldenSet
+    from mhaspec.spec import CATALOG
+
+    return GoldenSet(), [cid for cid in CATALOG.ids() if CATALOG[cid].schedule is not None]
+
+
+_REPORTS: dict[int, tuple[Any, Any]] = {}
+
+
+def decode_report(impl) -> Any:
+    """``impl``'s report on the schedule cases in every dtype (in this process), once per session."""
+    import mhaspec
+
+    if id(impl) not in _REPORTS:  # the implementation is kept with its report: its id is never reused
+        golden, ids = decode_golden()
+        _REPORTS[id(impl)] = (impl, mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False))
+    return _REPORTS[id(impl)][1]
+
+
+def expected_calls(impl) -> dict[str, tuple[int, str]]:
+    """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
+    differs from the golden (cases it does not change are left out)."""
+    golden, ids = decode_golden()
+    out = {}
+    for case_id in ids:
+        g = golden.load(case_id)
+        case = g.case("float64")
+        where = first_changed_call(impl, case, g.stages, g.visible, case.calls())
+        if where is not None:
+            out[case_id] = where
+    return out
+
+
+def first_failing_call(result) -> tuple[int, str] | None:
+    """(0-based call, stage) of a case result's first failing call (the JSON report's ``calls``), or None."""
+    for call in result.to_json().get("calls") or []:
+        if call["verdict"] == "fail":
+            return call["call"] - 1, call["first_failing_stage"]
+    return None
