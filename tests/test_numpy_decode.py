@@ -13,8 +13,8 @@ import pytest
 from mhaspec.adapters.numpy_mha import NumpyMHA, decode_calls
 from mhaspec.spec import Case
 from mhaspec.spec.schedule import schedule_calls
-from mhaspec.spec.stages import REGISTRY
 
+from .decode_zoo import call_view
 from .test_variant_spec import VARIANTS, _spec
 
 #: ulps of the stage's largest magnitude by which a call may differ from the full pass
@@ -26,18 +26,6 @@ CAUSAL = {name: {**fields, "causal": True, "causal_alignment": "bottom_right"} f
 
 def causal_case(name: str, dtype: str) -> Case:
     return Case.build(_spec(name, **dict(CAUSAL[name])), dtype)
-
-
-def call_view(stage: str, full: np.ndarray, t0: int, t1: int, cache_len: int) -> np.ndarray:
-    """The part of a full-pass stage that a call (rows [t0, t1), cache L_c) returns."""
-    rows = REGISTRY[stage].rows
-    if rows is None:  # a key-side stage: the whole cache
-        return full[:, :cache_len]
-    index = [slice(None)] * full.ndim
-    index[rows] = slice(t0, t1)
-    if stage in ("scores", "attn_weights"):
-        index[-1] = slice(0, cache_len)
-    return full[tuple(index)]
 
 
 def assert_calls_are_rows_of_the_full_pass(case: Case, schedule: list[int]) -> None:
