@@ -33,9 +33,9 @@ def main() -> None:
     worst = {dt: (0.0, "") for dt in DTYPES}
     for name, impl in CORRECT.items():
         for r in decode_report(impl).results:
-            for call in r.to_json()["calls"]:
-                if (call["worst_ratio"] or 0.0) > worst[r.dtype][0]:
-                    worst[r.dtype] = (call["worst_ratio"], f"{name} on {r.case}, call {call['call']}")
+            for call in r.calls:
+                if (call.worst_ratio or 0.0) > worst[r.dtype][0]:
+                    worst[r.dtype] = (call.worst_ratio, f"{name} on {r.case}, call {call.call} of {call.of}")
     print(f"kill list: {len(KILL_LIST)} bugs; correct decodes: {len(CORRECT)}")
     print(f"{'dtype':10} {'caught':>8} {'at call+stage':>14}  smallest margin of the correct decodes")
     for dt in DTYPES:

@@ -318,8 +318,7 @@ def expected_calls(impl) -> dict[str, tuple[int, str]]:
 
 
 def first_failing_call(result) -> tuple[int, str] | None:
-    """(0-based call, stage) of a case result's first failing call (the JSON report's ``calls``), or None."""
-    for call in result.to_json().get("calls") or []:
-        if call["verdict"] == "fail":
-            return call["call"] - 1, call["first_failing_stage"]
-    return None
+    """(0-based call, stage) of a case result's first failing call (``CaseResult.calls``), or None."""
+    from mhaspec.conformance import FAIL
+
+    return next(((call.call - 1, call.first_failing_stage) for call in result.calls if call.verdict == FAIL), None)

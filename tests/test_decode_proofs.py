@@ -22,7 +22,7 @@ pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per d
 
 def worst_ratio(report) -> float:
     """The largest error/tolerance over every judged call of the report (1 / the smallest margin)."""
-    return max((c["worst_ratio"] or 0.0) for r in report.results for c in r.to_json()["calls"])
+    return max((c.worst_ratio or 0.0) for r in report.results for c in r.calls)
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
@@ -30,8 +30,8 @@ def test_correct_decodes_pass_every_call_in_every_dtype(name):
     report = decode_report(CORRECT[name])
     assert len(report.results) == len(DTYPES) * len(decode_golden()[1])
     assert all(r.verdict == PASS for r in report.results), report.table()
-    calls = [c for r in report.results for c in r.to_json()["calls"]]
-    assert calls and all(c["verdict"] == PASS for c in calls)
+    calls = [c for r in report.results for c in r.calls]
+    assert calls and all(c.verdict == PASS for c in calls)
     assert len(calls) == len(DTYPES) * sum(len(decode_golden()[0].load(cid).case("float64").calls())
                                            for cid in decode_golden()[1])
     worst = worst_ratio(report)
