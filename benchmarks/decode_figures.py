@@ -15,14 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhaspec.conformance import FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
-from tests.decode_zoo import CORRECT, KILL_LIST, decode_report, expected_calls, first_failing_call  # noqa: E402
+from tests.decode_zoo import CORRECT, KILL_LIST, decode_results, expected_calls, first_failing_call  # noqa: E402
 
 
 def main() -> None:
     caught = {dt: [0, 0, 0] for dt in DTYPES}  # caught, at the expected call and stage, pairs
     for name, impl in KILL_LIST.items():
         expected = expected_calls(impl)
-        for r in decode_report(impl).results:
+        for r in decode_results(impl):
             if r.case not in expected:
                 continue
             counts = caught[r.dtype]
@@ -32,7 +32,7 @@ def main() -> None:
                 counts[1] += first_failing_call(r) == expected[r.case]
     worst = {dt: (0.0, "") for dt in DTYPES}
     for name, impl in CORRECT.items():
-        for r in decode_report(impl).results:
+        for r in decode_results(impl):
             for call in r.calls:
                 if (call.worst_ratio or 0.0) > worst[r.dtype][0]:
                     worst[r.dtype] = (call.worst_ratio, f"{name} on {r.case}, call {call.call} of {call.of}")

@@ -282,38 +282,65 @@ def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible:
 
 # -- the schedule cases the proofs judge (tests/test_decode_proofs.py, benchmarks/decode_figures.py) -
 
-def decode_golden():
-    """(golden set, case ids) of the built-in catalog's cases with a schedule (their fixtures)."""
+#: schedule cases of the proofs' own, beside the built-in catalog's: a chunk longer than the window, a
+#: past with RoPE offsets and key padding, a chunked prefill of interleaved partial RoPE (sizes all
+#: different: B=2, H=3 or 4, D_k=6)
+PROOF_CASES: dict[str, dict[str, Any]] = {
+    "zoo_window_chunks": dict(window_left=2, num_heads=4, num_kv_heads=2, d_model=12, T=9, S=9, schedule=(5, 1, 3)),
+    "zoo_past_rope_padding": dict(rope={"theta": 100.0, "query_offset": 3}, T=5, S=8, schedule=(2, 1, 2),
+                                  mask={"kind": "key_padding", "lengths": (8, 6)}),
+    "zoo_interleaved_chunks": dict(rope={"style": "interleaved", "rotary_dim": 4, "theta": 50.0}, T=7, S=7,
+                                   schedule=(4, 3)),
+}
+
+
+def proof_spec(name: str):
+    """The CaseSpec of :data:`PROOF_CASES` ``name``: causal, bottom-right (tests/test_variant_spec.py's sizes)."""
+    from .test_variant_spec import _spec
+
+    fields = dict(PROOF_CASES[name])
+    schedule = fields.pop("schedule")
+    spec = _spec(name, causal=True, causal_alignment="bottom_right", **fields)
+    return spec.model_copy(update={"schedule": schedule})
+
+
+def decode_goldens() -> list[tuple[Any, list[str]]]:
+    """[(golden set, case ids)]: the built-in catalog's schedule cases (their fixtures), and
+    :data:`PROOF_CASES` computed on the fly by the fast reference."""
     from mhaspec.fixtures import GoldenSet
-    from mhaspec.spec import CATALOG
+    from mhaspec.reference.onthefly import OnTheFlyGolden
+    from mhaspec.spec import CATALOG, Catalog
 
-    return GoldenSet(), [cid for cid in CATALOG.ids() if CATALOG[cid].schedule is not None]
+    own = Catalog([proof_spec(name) for name in PROOF_CASES])
+    return [(GoldenSet(), [cid for cid in CATALOG.ids() if CATALOG[cid].schedule is not None]),
+            (OnTheFlyGolden(own, "tests/decode_zoo.py"), own.ids())]
 
 
-_REPORTS: dict[int, tuple[Any, Any]] = {}
+_REPORTS: dict[int, tuple[Any, list[Any]]] = {}
 
 
-def decode_report(impl) -> Any:
-    """``impl``'s report on the schedule cases in every dtype (in this process), once per session."""
+def decode_results(impl) -> list[Any]:
+    """``impl``'s case results on every schedule case in every dtype (in this process), once per session."""
     import mhaspec
 
-    if id(impl) not in _REPORTS:  # the implementation is kept with its report: its id is never reused
-        golden, ids = decode_golden()
-        _REPORTS[id(impl)] = (impl, mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False))
+    if id(impl) not in _REPORTS:  # the implementation is kept with its results: its id is never reused
+        results = [r for golden, ids in decode_goldens()
+                   for r in mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False).results]
+        _REPORTS[id(impl)] = (impl, results)
     return _REPORTS[id(impl)][1]
 
 
 def expected_calls(impl) -> dict[str, tuple[int, str]]:
     """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
     differs from the golden (cases it does not change are left out)."""
-    golden, ids = decode_golden()
     out = {}
-    for case_id in ids:
-        g = golden.load(case_id)
-        case = g.case("float64")
-        where = first_changed_call(impl, case, g.stages, g.visible, case.calls())
-        if where is not None:
-            out[case_id] = where
+    for golden, ids in decode_goldens():
+        for case_id in ids:
+            g = golden.load(case_id)
+            case = g.case("float64")
+            where = first_changed_call(impl, case, g.stages, g.visible, case.calls())
+            if where is not None:
+                out[case_id] = where
     return out
 
 

@@ -15,26 +15,26 @@ import pytest
 from mhaspec.conformance import FAIL, PASS
 from mhaspec.spec import DTYPES
 
-from .decode_zoo import CORRECT, KILL_LIST, decode_golden, decode_report, expected_calls, first_failing_call
+from .decode_zoo import CORRECT, KILL_LIST, decode_goldens, decode_results, expected_calls, first_failing_call
 
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
 
 
-def worst_ratio(report) -> float:
-    """The largest error/tolerance over every judged call of the report (1 / the smallest margin)."""
-    return max((c.worst_ratio or 0.0) for r in report.results for c in r.calls)
+def worst_ratio(results) -> float:
+    """The largest error/tolerance over every judged call of the results (1 / the smallest margin)."""
+    return max((c.worst_ratio or 0.0) for r in results for c in r.calls)
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
 def test_correct_decodes_pass_every_call_in_every_dtype(name):
-    report = decode_report(CORRECT[name])
-    assert len(report.results) == len(DTYPES) * len(decode_golden()[1])
-    assert all(r.verdict == PASS for r in report.results), report.table()
-    calls = [c for r in report.results for c in r.calls]
-    assert calls and all(c.verdict == PASS for c in calls)
-    assert len(calls) == len(DTYPES) * sum(len(decode_golden()[0].load(cid).case("float64").calls())
-                                           for cid in decode_golden()[1])
-    worst = worst_ratio(report)
+    results = decode_results(CORRECT[name])
+    schedules = [golden.load(cid).case("float64").calls() for golden, ids in decode_goldens() for cid in ids]
+    assert len(results) == len(DTYPES) * len(schedules)
+    failing = [(r.case, r.dtype, r.verdict, r.message) for r in results if r.verdict != PASS]
+    assert not failing, failing
+    calls = [c for r in results for c in r.calls]
+    assert len(calls) == len(DTYPES) * sum(map(len, schedules)) and all(c.verdict == PASS for c in calls)
+    worst = worst_ratio(results)
     # a worst ratio above 1/2 would mean a correct implementation comes close to failing
     assert worst <= 0.5, f"{name}: worst error/tolerance {worst:.3g} (margin {1 / worst:.3g}x)"
 
@@ -44,7 +44,7 @@ def test_a_kill_list_bug_is_caught_at_its_call_and_stage_in_every_dtype(name):
     impl = KILL_LIST[name]
     expected = expected_calls(impl)
     assert expected, f"{name} changes no schedule case in float64"
-    by = {(r.case, r.dtype): r for r in decode_report(impl).results}
+    by = {(r.case, r.dtype): r for r in decode_results(impl)}
     wrong = []
     for (case, dtype), result in sorted(by.items()):
         if case in expected:
