@@ -43,6 +43,12 @@ def main() -> None:
         ratio, where = worst[dt]
         margin = f"{1 / ratio:.3g}x ({where})" if ratio else "-"
         print(f"{dt:10} {n:>3}/{pairs:<4} {at:>6}/{pairs:<7}  {margin}")
+    print("\nsmallest margin per correct decode (tolerance / error over every call):")
+    print(f"{'':16}" + "".join(f"{dt:>10}" for dt in DTYPES))
+    for name, impl in CORRECT.items():
+        row = {dt: max((c.worst_ratio or 0.0) for r in decode_results(impl) if r.dtype == dt for c in r.calls)
+               for dt in DTYPES}
+        print(f"{name:16}" + "".join(f"{(1 / x if x else float('inf')):>9.3g}x" for x in row.values()))
 
 
 if __name__ == "__main__":
