@@ -66,3 +66,17 @@ def test_the_cache_is_held_in_the_dtype_and_grows_by_the_call():
     assert [o["k_rot"].shape[1] for o in outs] == [4, 5, 7]  # P = 2 past keys, then the calls' rows
     assert all(o[s].dtype == np.float16 for o in outs for s in ("k_proj", "k_rot", "v_proj"))
     assert [o["scores"].shape for o in outs] == [(2, 4, 2, 4), (2, 4, 1, 5), (2, 4, 2, 7)]
+
+
+def test_the_catalog_schedule_cases_conform_call_by_call():
+    """Through the runner: decode(case) on the built-in schedule cases, every call judged and passing."""
+    import mhaspec
+    from mhaspec.spec import CATALOG
+
+    ids = [cid for cid in CATALOG.ids() if CATALOG[cid].schedule is not None]
+    assert ids
+    report = mhaspec.check("numpy", cases=ids, dtypes=["float32", "bfloat16"], isolate=False, timeout=None)
+    for r in report.results:
+        assert r.verdict == "pass", (r.case, r.dtype, r.message)
+        assert [c.call for c in r.calls] == list(range(1, len(CATALOG[r.case].schedule) + 1)), r.case
+        assert all(c.verdict == "pass" for c in r.calls), r.case
