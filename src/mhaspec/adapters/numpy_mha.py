@@ -29,11 +29,13 @@ ALiBi's slopes and the window are constants (no gradient; the window is in the v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..spec import Case, MHAConfig
+from ..spec import Case, MHAConfig, masks
+from ..spec.schedule import Call
 from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
 from ..spec.variants import VARIANTS, alibi_slope_values
@@ -99,15 +101,17 @@ def sink_grad(delta: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> np.ndarr
     return -(p_sink * delta).sum(axis=(0, 2))
 
 
-def score_bias(s: np.ndarray, case: Case, dt: np.dtype, acc: type) -> np.ndarray:
-    """s (B, H, T, S) in the accumulator, plus the case's additive ``bias`` input (stored in the dtype)
-    and minus slope_h · |i + off − j| (ALiBi, slopes in the accumulator)."""
-    if case.inputs.bias is not None:
-        s = s + case.inputs.bias.astype(dt).astype(acc)  # (B|1, H|1, T, S)
-    slopes = alibi_slope_values(case.config)
+def score_bias(s: np.ndarray, bias: np.ndarray | None, distance: np.ndarray | None, config: MHAConfig,
+               dt: np.dtype, acc: type) -> np.ndarray:
+    """s (B, H, n, L) in the accumulator, plus the additive ``bias`` input of these rows and keys
+    ((B|1, H|1, n|1, L), stored in the dtype) and minus slope_h · distance (ALiBi: ``distance`` (n, L) =
+    |i + off − j| of these rows and keys, slopes in the accumulator)."""
+    if bias is not None:
+        s = s + bias.astype(dt).astype(acc)  # (B|1, H|1, n, L)
+    slopes = alibi_slope_values(config)
     if slopes is not None:
-        distance = alibi_distance(case.config, case.tgt_len, case.src_len, case.tgt_len).astype(acc)  # (T, S)
-        s = s - slopes.astype(acc)[:, None, None] * distance[None]
+        assert distance is not None, "ALiBi needs the rows' distances"
+        s = s - slopes.astype(acc)[:, None, None] * distance.astype(acc)[None]
     return s
 
 
@@ -132,6 +136,125 @@ def softmax_with_lse(s: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | Non
     return p, lse[..., 0]
 
 
+# -- the chain, composed: projections, then attention over whatever keys are given -----------------
+
+def precision(dtype: str) -> tuple[np.dtype, type]:
+    """(the dtype under test, the accumulator): float32 accumulates the 16-bit dtypes' sums."""
+    dt = backend.dtype(dtype)
+    return dt, (np.float32 if dtype in ("float16", "bfloat16") else dt.type)
+
+
+def project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, dt: np.dtype, acc: type) -> np.ndarray:
+    """x (B, L, in) @ w (in, out) + b, the operands stored in ``dt``, summed in ``acc``, rounded to
+    ``dt`` -> (B, L, out)."""
+    y = x.astype(dt).astype(acc) @ w.astype(dt).astype(acc)
+    if b is not None:
+        y = y + b.astype(dt).astype(acc)
+    return y.astype(dt)
+
+
+def attend(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray,
+           bias: np.ndarray | None, distance: np.ndarray | None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Attention of n query rows over L keys, in the case's dtype: q (B, n, H·D_k) (after RoPE),
+    k (B, L, H_kv·D_k) (after RoPE), v (B, L, H_kv·D_v), ``allowed`` (B, H, n, L), the score bias of
+    these rows and keys (B|1, H|1, n|1, L) or None, ALiBi's ``distance`` (n, L) or None
+    -> (scores, attn_weights, lse, head_outputs, concat, output of the n rows; what the backward reuses)."""
+    cfg, w = case.config, case.weights
+    dt, acc = precision(case.dtype)
+    B, n, L, H, G = q.shape[0], q.shape[1], k.shape[1], cfg.H, cfg.H_kv
+    Q = q.reshape(B, n, H, cfg.D_k)  # BTHD
+    K = np.repeat(k.reshape(B, L, G, cfg.D_k), H // G, axis=2)  # BSHD: head h reads h // group
+    V = np.repeat(v.reshape(B, L, G, cfg.D_v), H // G, axis=2)  # BSHE
+    kept: dict[str, Any] = {}
+    s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
+    s = s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc)
+    if cfg.softcap is not None:
+        kept["tanh"] = np.tanh(s / s.dtype.type(cfg.softcap))  # (B, H, n, L), for softcap′
+        s = softcap(s, cfg.softcap)
+    s = score_bias(s, bias, distance, cfg, dt, acc).astype(dt)  # the logits the softmax sees, rounded once
+    sinks = None if not cfg.sinks else w.sink_logits.astype(dt).astype(acc)  # (H,)
+    p, lse = softmax_with_lse(s.astype(acc), allowed, sinks)
+    p = p.astype(dt)
+    o = np.einsum("BHTS,BSHE->BHTE", p.astype(acc), V.astype(acc)).astype(dt)
+    concat = o.transpose(0, 2, 1, 3).reshape(B, n, H * cfg.D_v)
+    y = project(concat, w.w_o, w.b_o, dt, acc)
+    stages = {"scores": s, "attn_weights": p, "lse": lse.astype(dt), "head_outputs": o, "concat": concat,
+              "output": y}
+    return stages, {**kept, "Q": Q, "K": K, "V": V, "allowed": allowed, "dt": dt, "acc": acc, "lse": lse,
+                    "sinks": sinks}
+
+
+# -- decoding against a KV cache (docs/serving.md) ------------------------------------------------
+
+class KVCache:
+    """The key side seen so far, stored in the dtype under test: preallocated (B, capacity, F) arrays
+    by name (``k_proj``, ``k_rot`` with RoPE, ``v_proj``) and one length, the rows [0, length) written."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int, int]], dt: np.dtype) -> None:
+        self.arrays = {name: np.zeros(shape, dtype=dt) for name, shape in shapes.items()}
+        self.length = 0
+
+    def append(self, rows: dict[str, np.ndarray]) -> None:
+        """Writes ``rows`` (each (B, n, F), every name of the cache) after the rows already held."""
+        n = {x.shape[1] for x in rows.values()}
+        assert len(n) == 1 and rows.keys() == self.arrays.keys(), f"KVCache.append: rows {sorted(rows)}, {n}"
+        end = self.length + n.pop()
+        for name, x in rows.items():
+            self.arrays[name][:, self.length:end] = x
+        self.length = end
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """Every name's rows [0, length), copies (B, length, F)."""
+        return {name: a[:, : self.length].copy() for name, a in self.arrays.items()}
+
+
+def call_rows(x: np.ndarray | None, t0: int, t1: int, keys: int) -> np.ndarray | None:
+    """A (B|1, H|1, T|1, S) input (the mask, the score bias) restricted to query rows [t0, t1) and the
+    keys [0, keys) of a call (an axis of length 1 broadcasts and stays)."""
+    if x is None:
+        return None
+    rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
+    return x[:, :, rows, :keys] if x.shape[3] > 1 else x[:, :, rows]
+
+
+def decode_call(case: Case, cache: KVCache, t0: int, t1: int, cache_len: int) -> dict[str, np.ndarray]:
+    """One call: query rows [t0, t1) of the case, the key/value rows [cache.length, cache_len) appended
+    to the cache (projected, turned by RoPE at their cache positions), then the rows attend to the
+    whole cache, aligned bottom-right to its length -> the call's stages (the cache's after it)."""
+    cfg, w = case.config, case.weights
+    dt, acc = precision(case.dtype)
+    n, new = t1 - t0, slice(cache.length, cache_len)
+    q = project(case.inputs.query[:, t0:t1], w.w_q, w.b_q, dt, acc)  # (B, n, H·D_k)
+    rows = {"k_proj": project(case.inputs.key[:, new], w.w_k, w.b_k, dt, acc),  # (B, new, H_kv·D_k)
+            "v_proj": project(case.inputs.value[:, new], w.w_v, w.b_v, dt, acc)}  # (B, new, H_kv·D_v)
+    out = {"q_proj": q}
+    if cfg.rope is not None:  # query rows at their case positions, the new keys at their cache positions
+        q_pos, k_pos = rope_positions(cfg, n, cache_len, row_offset=t0)
+        q = out["q_rot"] = rope(q, cfg.H, rope_cos_sin(cfg, q_pos, dt), cfg)
+        rows["k_rot"] = rope(rows["k_proj"], cfg.H_kv, rope_cos_sin(cfg, k_pos[new], dt), cfg)
+    cache.append(rows)
+    held = cache.contents()
+    out.update(held)
+    allowed = masks.visibility(cfg, call_rows(case.inputs.mask, t0, t1, cache_len), case.batch, n, cache_len)
+    distance = None if alibi_slope_values(cfg) is None else alibi_distance(cfg, n, cache_len, n)  # (n, L)
+    attended, _ = attend(case, q, held.get("k_rot", held["k_proj"]), held["v_proj"], allowed,
+                         call_rows(case.inputs.bias, t0, t1, cache_len), distance)
+    out.update(attended)
+    return out
+
+
+def decode_calls(case: Case, calls: Sequence[Call]) -> list[dict[str, np.ndarray]]:
+    """Each call of a schedule (:func:`mhaspec.spec.schedule.schedule_calls`) in turn against one cache
+    (capacity S) -> its stages."""
+    cfg, (dt, _) = case.config, precision(case.dtype)
+    B, S, G = case.batch, case.src_len, cfg.H_kv
+    shapes = {"k_proj": (B, S, G * cfg.D_k), "v_proj": (B, S, G * cfg.D_v)}
+    if cfg.rope is not None:
+        shapes["k_rot"] = shapes["k_proj"]
+    cache = KVCache(shapes, dt)
+    return [decode_call(case, cache, call.t0, call.t1, call.cache) for call in calls]
+
+
 class NumpyMHA:
     """The numpy adapter (built-in name ``numpy``)."""
 
@@ -152,58 +275,28 @@ class NumpyMHA:
 
     def _forward(self, case: Case) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(every stage, what the backward pass reuses)."""
-        cfg = case.config
-        dt = backend.dtype(case.dtype)
-        acc = np.float32 if case.dtype in ("float16", "bfloat16") else dt
-
-        def rnd(x: np.ndarray) -> np.ndarray:  # store a stage in the dtype under test
-            return x.astype(dt)
-
-        def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-            y = x.astype(acc) @ rnd(w).astype(acc)
-            if b is not None:
-                y = y + rnd(b).astype(acc)
-            return rnd(y)
-
-        w = case.weights
-        q = linear(rnd(case.inputs.query), w.w_q, w.b_q)  # (B, T, H·D)
-        k = linear(rnd(case.inputs.key), w.w_k, w.b_k)  # (B, S, G·D)
-        v = linear(rnd(case.inputs.value), w.w_v, w.b_v)  # (B, S, G·E)
-
-        B, T, S, H, G = case.batch, case.tgt_len, case.src_len, cfg.H, cfg.H_kv
+        cfg, w = case.config, case.weights
+        dt, acc = precision(case.dtype)
+        T, S = case.tgt_len, case.src_len
+        q = project(case.inputs.query, w.w_q, w.b_q, dt, acc)  # (B, T, H·D)
+        k = project(case.inputs.key, w.w_k, w.b_k, dt, acc)  # (B, S, G·D)
+        v = project(case.inputs.value, w.w_v, w.b_v, dt, acc)  # (B, S, G·E)
         stages: dict[str, np.ndarray] = {"q_proj": q, "k_proj": k, "v_proj": v}
         kept: dict[str, Any] = {}
         if cfg.rope is not None:
             q_pos, k_pos = rope_positions(cfg, T, S)
             kept["q_cos_sin"], kept["k_cos_sin"] = rope_cos_sin(cfg, q_pos, dt), rope_cos_sin(cfg, k_pos, dt)
-            q = stages["q_rot"] = rope(q, H, kept["q_cos_sin"], cfg)  # (B, T, H·D)
-            k = stages["k_rot"] = rope(k, G, kept["k_cos_sin"], cfg)  # (B, S, G·D)
-        Q = q.reshape(B, T, H, cfg.D_k)  # BTHD
-        K = k.reshape(B, S, G, cfg.D_k)  # BSGD
-        V = v.reshape(B, S, G, cfg.D_v)  # BSGE
-        group = H // G
-        K = np.repeat(K, group, axis=2)  # BSHD: head h reads h // group
-        V = np.repeat(V, group, axis=2)  # BSHE
+            q = stages["q_rot"] = rope(q, cfg.H, kept["q_cos_sin"], cfg)  # (B, T, H·D)
+            k = stages["k_rot"] = rope(k, cfg.H_kv, kept["k_cos_sin"], cfg)  # (B, S, G·D)
+        distance = None if alibi_slope_values(cfg) is None else alibi_distance(cfg, T, S, T)  # (T, S)
+        attended, used = attend(case, q, k, v, backend.keep_mask(case), case.inputs.bias, distance)
+        stages.update(attended)
+        return stages, {**kept, **used}
 
-        s = np.einsum("BTHD,BSHD->BHTS", Q.astype(acc), K.astype(acc))
-        s = s.astype(acc) * np.asarray(cfg.scale, dtype=dt).astype(acc)
-        if cfg.softcap is not None:
-            kept["tanh"] = np.tanh(s / s.dtype.type(cfg.softcap))  # (B, H, T, S), for softcap′
-            s = softcap(s, cfg.softcap)
-        s = rnd(score_bias(s, case, dt, acc))  # the logits the softmax sees, rounded once
-
-        allowed = backend.keep_mask(case)  # (B, H, T, S): causal AND window AND mask
-        sinks = None if not cfg.sinks else rnd(case.weights.sink_logits).astype(acc)  # (H,)
-        p, lse = softmax_with_lse(s.astype(acc), allowed, sinks)
-        p = rnd(p)
-
-        o = rnd(np.einsum("BHTS,BSHE->BHTE", p.astype(acc), V.astype(acc)))
-        concat = o.transpose(0, 2, 1, 3).reshape(B, T, H * cfg.D_v)
-        y = linear(concat, w.w_o, w.b_o)
-        stages.update({"scores": s, "attn_weights": p, "lse": rnd(lse), "head_outputs": o, "concat": concat,
-                       "output": y})
-        return stages, {**kept, "Q": Q, "K": K, "V": V, "allowed": allowed, "dt": dt, "acc": acc, "lse": lse,
-                        "sinks": sinks}
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """The case's query rows call by call against a KV cache (docs/serving.md): one mapping of
+        stages per call of ``case.calls()`` — the call's query rows, and the whole cache after it."""
+        return decode_calls(case, case.calls())
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage the case has, by hand: the gradients of Σ case.d_output ⊙ output
