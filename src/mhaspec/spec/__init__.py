@@ -14,12 +14,16 @@ from .backward import (
 from .case import Case, CaseSpec, Dtype, Inputs, MaskSpec, Weights
 from .catalog import BUILTIN_CATALOGS, CATALOG, Catalog, load_catalog_file, resolve_catalog
 from .config import DTYPES, INPUT_NAMES, STAGES, WEIGHT_NAMES, MHAConfig
+from .schedule import Call, call_label, schedule_calls
 from .manifest import MANIFEST_NAME, SPEC_VERSION, Manifest, ManifestEntry
 from .stages import (ALL_STAGES, INPUT_GRADIENT_STAGES, REGISTRY, STAGE, Stage, compared_entries, downstream,
                      gradient_of, stage)
 
 __all__ = [
     "ALL_STAGES",
+    "Call",
+    "call_label",
+    "schedule_calls",
     "INPUT_GRADIENT_STAGES",
     "REGISTRY",
     "STAGE",

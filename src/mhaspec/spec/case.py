@@ -13,6 +13,7 @@ from .backward import make_d_output
 from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
 from .masks import visibility
+from .schedule import Call, schedule_calls, schedule_problem
 from .variants import CASE_VARIANT_DEFAULTS, BiasSpec, drop_off_variants
 
 Dtype = Literal["float64", "float32", "float16", "bfloat16"]
@@ -70,11 +71,17 @@ class CaseSpec(BaseModel):
         None, description="the additive score bias input (B|1, H|1, T, S) (docs/spec.md §2a); not config.bias, "
         "which is about the projections' biases b_q … b_o"
     )
+    schedule: tuple[int, ...] | None = Field(
+        None, description="query rows per call against the adapter's own KV cache (docs/serving.md): entries >= 1 "
+        "summing to tgt_len; needs config.causal with causal_alignment bottom_right and S >= T (S - T keys are in "
+        "the cache before the first call)"
+    )
 
     @model_serializer(mode="wrap")
     def _dump_variants_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        # A spec-1.1 case dumps exactly the fields it had, so manifests keep their bytes.
-        return drop_off_variants(handler(self), CASE_VARIANT_DEFAULTS)
+        # A spec-1.1 case dumps exactly the fields it had, so manifests keep their bytes; a case without a
+        # schedule dumps none.
+        return drop_off_variants(handler(self), {**CASE_VARIANT_DEFAULTS, "schedule": None})
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CaseSpec:
@@ -106,7 +113,15 @@ class CaseSpec(BaseModel):
                     raise ValueError(
                         f"mask.fully_masked: ({b}, {t}) is outside (B={self.batch}, T={self.tgt_len})"
                     )
+        if self.schedule is not None:
+            problem = schedule_problem(self.schedule, self.tgt_len, self.src_len, cfg.causal, cfg.causal_alignment)
+            if problem:
+                raise ValueError(problem)
         return self
+
+    def calls(self) -> list[Call]:
+        """The calls of the case's schedule, (t0, t1, L_c, kind) each; [] without a schedule."""
+        return [] if self.schedule is None else schedule_calls(self.schedule, self.tgt_len, self.src_len)
 
     # -- materialisation -------------------------------------------------
     def make_inputs(self) -> dict[str, np.ndarray]:
@@ -255,6 +270,14 @@ class Case(BaseModel):
     inputs: Inputs
     weights: Weights
     d_output: np.ndarray | None = None
+    #: The case's schedule (docs/serving.md): query rows per call of ``decode(case)``; None: a single pass.
+    schedule: tuple[int, ...] | None = None
+
+    def calls(self) -> list[Call]:
+        """The calls of ``decode(case)``, in order: (t0, t1, cache L_c, kind) each — query rows
+        [t0, t1) arrive, key/value rows [S − T + t0, S − T + t1) are appended (call 0 also brings the past
+        [0, S − T)), and the cache then holds key rows [0, L_c).  [] without a schedule."""
+        return [] if self.schedule is None else schedule_calls(self.schedule, self.tgt_len, self.src_len)
 
     @property
     def B(self) -> int:
@@ -299,6 +322,10 @@ class Case(BaseModel):
             got = getattr(self.inputs, name).shape
             if got != shape:
                 raise ValueError(f"inputs.{name}: expected shape (B, L, F) = {shape}, got {got}")
+        if self.schedule is not None:
+            problem = schedule_problem(self.schedule, self.tgt_len, self.src_len, cfg.causal, cfg.causal_alignment)
+            if problem:
+                raise ValueError(problem)
         if self.d_output is not None and self.d_output.shape != (self.batch, self.tgt_len, cfg.d_out):
             raise ValueError(
                 f"d_output: expected shape (B, T, d_out) = {(self.batch, self.tgt_len, cfg.d_out)}, "
@@ -348,11 +375,13 @@ class Case(BaseModel):
         self_attention: bool = False,
         key_is_value: bool = False,
         d_output: Any = None,
+        schedule: Any = None,
     ) -> Case:
         """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``).
 
         ``self_attention`` uses ``query`` as key and value; ``key_is_value``
-        uses ``key`` as value (the arrays passed for them are ignored)."""
+        uses ``key`` as value (the arrays passed for them are ignored); ``schedule``: rows per call of
+        ``decode(case)`` (docs/serving.md)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         query = _readonly(np.asarray(inputs["query"], dtype=np.float64))
@@ -379,6 +408,7 @@ class Case(BaseModel):
             inputs=Inputs(query=query, key=key, value=value, mask=mask, bias=bias),
             weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
             d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
+            schedule=None if schedule is None else tuple(schedule),
         )
 
     @classmethod
@@ -395,5 +425,5 @@ class Case(BaseModel):
         return cls.from_arrays(
             spec.id, spec.config, dtype, inputs, weights,
             self_attention=spec.inputs == "self", key_is_value=spec.inputs == "shared_kv",
-            d_output=spec.make_d_output() if d_output is None else d_output,
+            d_output=spec.make_d_output() if d_output is None else d_output, schedule=spec.schedule,
         )

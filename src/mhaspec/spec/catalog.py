@@ -377,6 +377,43 @@ CATALOG = Catalog(
                  causal_alignment="bottom_right"),
             batch=3, tgt_len=2, src_len=9, seed=51,
         ),
+        # -- schedules: query rows arriving in calls against the adapter's KV cache (docs/serving.md) --------
+        _case(
+            "decode_prefill_steps",
+            "a prefill of 5 rows, then 6 single-row decode steps against the cache: self-attention, causal, "
+            "T = S = 11",
+            dict(d_model=12, num_heads=3, causal=True, causal_alignment="bottom_right"),
+            batch=2, tgt_len=11, src_len=11, inputs="self", seed=52, schedule=(5, 1, 1, 1, 1, 1, 1),
+        ),
+        _case(
+            "decode_chunked_prefill",
+            "a chunked prefill: calls of 4, 4 and 3 rows, each against the cache of the calls before; key "
+            "padding (B = 3 sees 10, 8, 5 keys)",
+            dict(d_model=20, num_heads=4, causal=True, causal_alignment="bottom_right"),
+            batch=3, tgt_len=11, src_len=11, inputs="self", seed=53, schedule=(4, 4, 3),
+            mask=MaskSpec(kind="key_padding", lengths=(10, 8, 5)),
+        ),
+        _case(
+            "decode_with_past",
+            "a cache holding P = S - T = 4 keys before the first call (ONNX past_key-style), then 2 rows and 4 "
+            "decode steps; cross inputs distinct (kdim 10, vdim 14)",
+            dict(d_model=12, num_heads=2, kdim=10, vdim=14, causal=True, causal_alignment="bottom_right"),
+            batch=2, tgt_len=6, src_len=10, seed=54, schedule=(2, 1, 1, 1, 1),
+        ),
+        _case(
+            "decode_gqa_rope",
+            "decode steps with GQA (H=6, H_kv=2) and RoPE half: the positions continue across calls, T = S = 9",
+            dict(d_model=24, num_heads=6, num_kv_heads=2, rope=dict(style="half"), causal=True,
+                 causal_alignment="bottom_right"),
+            batch=2, tgt_len=9, src_len=9, inputs="self", seed=55, schedule=(3, 1, 1, 1, 1, 1, 1),
+        ),
+        _case(
+            "decode_window",
+            "Mistral-style sliding window (window_left=3) + GQA (H=4, H_kv=2) with decode steps: the cache "
+            "outgrows the window, T = S = 10",
+            dict(d_model=16, num_heads=4, num_kv_heads=2, window_left=3, causal=True, causal_alignment="bottom_right"),
+            batch=1, tgt_len=10, src_len=10, inputs="self", seed=56, schedule=(4, 1, 1, 1, 1, 1, 1),
+        ),
     ]
 )
 
