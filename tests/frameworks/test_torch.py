@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, check_here, golden_case
+from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_decode_matches_run, assert_same_weights, check_here,
+                                      decode_specs, golden_case)
 
 torch = require("torch")
 
@@ -467,3 +468,45 @@ def test_torch_lse_in_half_precision_is_rounded_once() -> None:
         exact = np.logaddexp.reduce(np.append(seen, sinks[h]))
         half_ulp = 2.0 ** (np.floor(np.log2(abs(exact))) - 8) if exact != 0 else 2.0**-134
         assert abs(lse[b, h, i] - exact) <= half_ulp * (1 + 2**-10), (b, h, i, lse[b, h, i], exact)
+
+
+# -- decode(case): a schedule's calls against a hand-written KV cache (docs/serving.md) ----------------------
+
+DECODE_CATALOG = [spec.id for spec in mhaspec.spec.CATALOG if spec.schedule is not None]
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
+@pytest.mark.parametrize(("dtype", "rel"), [
+    # float64: the same few roundings as run's, summed over the L_c cached keys instead of all S (masked ones
+    # add exact zeros): the worst seen is 1.3e-13 of the scale; a cache or position bug moves entries by O(1)
+    ("float64", 1e-12),
+    # float32: the worst seen is 2.4e-7 of the scale (SDPA's kernel sums the shorter rows in another order)
+    ("float32", 2e-6),
+])
+def test_decode_calls_are_the_full_pass_rows(name: str, dtype: str, rel: float) -> None:
+    adapter = load_adapter(name)
+    cases = [golden_case(case_id, dtype) for case_id in DECODE_CATALOG]
+    cases += [spec.case(dtype) for spec in decode_specs(adapter.variants)]
+    for case in cases:
+        assert_decode_matches_run(adapter, case, rel)
+
+
+class TopLeftWithinTheCall(torch_sdpa.TorchSDPAAdapter):
+    """The pitfall: SDPA's ``is_causal=True`` in every call of a causal case (as a full pass with T = S may),
+    which aligns the diagonal top-left within the call: a decode step's one query sees key 0 only."""
+
+    def _masks(self, case):
+        return {"attn_mask": None, "is_causal": True}
+
+
+def test_is_causal_within_a_call_is_aligned_top_left_and_caught() -> None:
+    case = golden_case("decode_prefill_steps")  # self-attention, no past: the prefill is right, the steps not
+    full, calls = torch_sdpa.TorchSDPAAdapter().run(case), TopLeftWithinTheCall().decode(case)
+    prefill, *steps = zip(case.calls(), calls)
+    np.testing.assert_allclose(prefill[1]["output"], full["output"][:, :prefill[0].t1], rtol=0, atol=1e-12)
+    for call, got in steps:  # the one query row sees key 0 only: far from row t0 of the full pass
+        assert np.abs(got["output"] - full["output"][:, call.t0:call.t1]).max() > 0.05, call
+    # what SDPA's is_causal means: the query row i of a call sees keys j <= i, counted from the call's start
+    Q, K, V = (torch.randn(1, 1, n, 4, dtype=torch.float64) for n in (1, 5, 5))
+    top_left = torch.nn.functional.scaled_dot_product_attention(Q, K[:, :, :5], V[:, :, :5], is_causal=True)
+    torch.testing.assert_close(top_left, V[:, :, :1], rtol=0, atol=1e-15)
