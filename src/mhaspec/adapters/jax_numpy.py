@@ -207,12 +207,12 @@ class JaxMHAAdapter(CompilingAdapter):
         static = {name: value for name, value in static_arguments(case).items() if name in DECODE_STATIC}
         with computing_in(dtype, self.device):
             step = compiled(decode_step, DECODE_STATIC, self.fast)
-            query, key, value = case.inputs_as(lambda x: array_in(x, dtype))
             weights, cache, start = tree_in(case.weights.as_dict(), dtype), empty_cache(case), 0
             for call in calls:
-                view = call_view(case, call)
-                stages, cache = step(
-                    query[:, call.t0:call.t1], key[:, start:call.cache], value[:, start:call.cache], cache,
+                view, new = call_view(case, call), slice(start, call.cache)  # new: the key rows appended
+                query, key, value = view.inputs.query, case.inputs.key[:, new], case.inputs.value[:, new]
+                stages, cache = step(  # the rows cut in numpy: an eager slice of a jax array compiles per shape
+                    array_in(query, dtype), array_in(key, dtype), array_in(value, dtype), cache,
                     np.int32(call.t0), np.int32(start), keep_mask(view, causal=True, window=True, keys=case.S),
                     array_in(None if view.inputs.bias is None else pad_keys(view.inputs.bias, case.S, 0.0), dtype),
                     alibi_in(view, keys=case.S), weights, **static)
