@@ -34,6 +34,28 @@ CASE_VERDICTS = (PASS, KNOWN_DEVIATION, FAIL, ERROR, UNSUPPORTED, UNINFORMATIVE)
 
 
 @dataclass
+class CallResult:
+    """One call of a case with a schedule (docs/serving.md): ``call`` of ``of`` (1-based), its kind, its
+    query rows [t0, t1), the cache length L_c after it, its verdict and the stages it was judged on."""
+
+    call: int
+    of: int
+    kind: str
+    rows: tuple[int, int]
+    cache: int
+    verdict: str
+    first_failing_stage: str | None = None
+    worst_ratio: float | None = None
+    message: str = ""
+    stages: list[StageResult] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"call": self.call, "of": self.of, "kind": self.kind, "rows": list(self.rows), "cache": self.cache,
+                "verdict": self.verdict, "first_failing_stage": self.first_failing_stage,
+                "worst_ratio": _num(self.worst_ratio), "message": self.message}
+
+
+@dataclass
 class CaseResult:
     """One case in one dtype: its verdict, its first failing stage, every stage's verdict."""
 
@@ -45,6 +67,7 @@ class CaseResult:
     hints: list[str] = field(default_factory=list)  # recognised bug signatures (diagnose.py), failing cases only
     adapter_s: float = 0.0  # time spent inside the adapter
     harness_s: float = 0.0  # time spent judging
+    calls: list[CallResult] = field(default_factory=list)  # a case with a schedule: each call of decode(case)
 
     @property
     def first_failing_stage(self) -> str | None:
@@ -99,6 +122,7 @@ class CaseResult:
             "diagnosis": list(self.hints),
             "adapter_seconds": round(self.adapter_s, 6),
             "stages": [st.to_json() for st in self.stages],
+            **({"calls": [c.to_json() for c in self.calls]} if self.calls else {}),
         }
 
 

@@ -22,6 +22,7 @@ from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import ROW_AXIS, judge_in_blocks
+from . import decode
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
@@ -115,6 +116,8 @@ class Session:
         self.variants = tuple(info.get("variants") or ())
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
+        self._has_decode = bool(info.get("has_decode"))
+        self._schedule_backward = 0  # case×dtype with a schedule judged with --backward: forward only (docs/serving.md)
         self._timeouts = 0
         #: (golden, dtype, forward bounds) of the last case judged in one block (see _judge_backward)
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
@@ -162,6 +165,8 @@ class Session:
             return  # reported when its turn comes
         if undeclared(golden.spec, self.variants):
             return  # never sent: reported unsupported when its turn comes
+        if golden.spec.schedule is not None and self._decode_refusal():
+            return  # never sent: reported unsupported when its turn comes
         self._worker.prefetch(golden.case(key[1]), with_supports=self._has_supports)
 
     def result(self, case_id: str, dtype: str) -> CaseResult:
@@ -187,6 +192,9 @@ class Session:
         missing = undeclared(golden.spec, self.variants)
         if missing:
             return CaseResult(case_id, dtype, UNSUPPORTED, message=missing)
+        scheduled = golden.spec.schedule is not None  # judged call by call through decode(case), never run()
+        if scheduled and self._decode_refusal():
+            return CaseResult(case_id, dtype, UNSUPPORTED, message=self._decode_refusal())
         case = golden.case(dtype)
         if self._has_supports:
             try:
@@ -202,7 +210,8 @@ class Session:
 
         start = time.perf_counter()
         try:
-            returned, adapter_s = self._worker.run(case, case_timeout(self.timeout, case))
+            step = self._worker.decode if scheduled else self._worker.run
+            returned, adapter_s = step(case, case_timeout(self.timeout, case))
         except CaseTimeout as exc:
             self._timeouts += 1
             return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
@@ -210,6 +219,8 @@ class Session:
             return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
 
         t0 = time.perf_counter()
+        if scheduled:
+            return self._judge_calls(golden, dtype, returned, adapter_s, t0)
         if not isinstance(returned, Mapping):
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() returned {type(returned).__name__}, expected a mapping of stage name to array")
@@ -249,6 +260,22 @@ class Session:
         self._backward_returned.pop((id(golden), dtype), None)
         return CaseResult(case_id, dtype, verdict, stages, hints=hints, adapter_s=adapter_s,
                           harness_s=time.perf_counter() - t0)
+
+    def _decode_refusal(self) -> str | None:
+        """Why a case with a schedule is not judged with this adapter (None: it is, through decode(case))."""
+        return self._worker.decode_refusal or (None if self._has_decode else decode.NO_DECODE)
+
+    def _judge_calls(self, golden: GoldenCase, dtype: str, returned: Any, adapter_s: float, t0: float) -> CaseResult:
+        """A case with a schedule: what ``decode(case)`` returned, judged call by call (conformance/decode.py)."""
+        calls = golden.spec.calls()
+        error = decode.contract_error(returned, golden, calls)
+        if error:
+            return CaseResult(golden.id, dtype, ERROR, message=error, adapter_s=adapter_s)
+        verdict, stages, results, message = decode.judge_calls(
+            golden, calls, returned, lambda view, mapping: self.judge_stages(view, dtype, mapping))
+        self._schedule_backward += self.backward
+        return CaseResult(golden.id, dtype, verdict, stages, message=message, adapter_s=adapter_s,
+                          harness_s=time.perf_counter() - t0, calls=results)
 
     def judge_stages(self, golden: GoldenCase, dtype: str, returned: Mapping[str, Any]) -> list[StageResult]:
         """Every stage of ``returned`` judged twice: against the golden (end to end) and, where
@@ -447,6 +474,9 @@ class Session:
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
         elif self.backward:
+            if self._schedule_backward:
+                warnings.append(f"--backward: {self._schedule_backward} case×dtype have a schedule, judged forward "
+                                "only (decode(case), docs/serving.md); their backward stages were not judged")
             if self._no_backward_golden:
                 warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden "
                                 f"({CATALOG_FORWARD_ONLY}); their backward stages were not judged")

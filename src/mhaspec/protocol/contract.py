@@ -244,6 +244,7 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
         "framework_version": version,
         "has_supports": getattr(adapter, "supports", None) is not None,
         "has_backward": callable(getattr(adapter, "backward", None)),
+        "has_decode": callable(getattr(adapter, "decode", None)),
     }
 
 

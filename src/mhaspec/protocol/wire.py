@@ -43,11 +43,12 @@ FRAME = struct.Struct("<QQ")
 MAX_HEADER = 1 << 24
 MAX_PAYLOAD = 1 << 40
 
-#: The steps a request may ask for, in the order a combined op runs them.
-STEPS = ("supports", "run", "backward")
+#: The steps a request may ask for, in the order a combined op runs them.  ``decode`` (a case with a
+#: schedule, docs/serving.md) is asked only of mhaspec's own Python worker: an exec client is never sent it.
+STEPS = ("supports", "run", "backward", "decode")
 #: Every request ``op``: ``load`` (only to mhaspec's own Python worker, first), a step, a step after
 #: ``supports`` (one round trip per case), ``close``.
-OPS = ("load", "supports", "run", "backward", "supports+run", "supports+backward", "close")
+OPS = ("load", "supports", "run", "backward", "decode", "supports+run", "supports+backward", "supports+decode", "close")
 #: Every reply kind (``reply``): ``ready`` (the worker's first message), or the step it answers.
 REPLIES = ("ready", *STEPS)
 
@@ -183,7 +184,7 @@ def failure(reply: str, error: str) -> dict[str, Any]:
 
 #: What ``ready`` may leave out, and what it then means (a Python worker always sends every key).
 READY_DEFAULTS: dict[str, Any] = {"deviations": [], "framework": None, "framework_version": None,
-                                  "has_supports": False, "has_backward": False, "variants": []}
+                                  "has_supports": False, "has_backward": False, "has_decode": False, "variants": []}
 
 
 def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,7 +206,7 @@ def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise Malformed(f"a 'ready' whose variants {unknown} are not among {', '.join(VARIANTS)}")
-    for key in ("has_supports", "has_backward"):
+    for key in ("has_supports", "has_backward", "has_decode"):
         if not isinstance(info[key], bool):
             raise Malformed(f"a 'ready' whose {key} is not true or false ({info[key]!r})")
     for key in ("framework", "framework_version"):
@@ -318,6 +319,32 @@ def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, 
     """What ``run()`` or ``backward()`` returned, as a header (keys, stages that cannot travel as arrays) and bytes."""
     if not isinstance(returned, Mapping):
         return {"reply": step, "ok": True, "seconds": seconds, "mapping": False, "type": type(returned).__name__}, b""
+    described, arrays = _described_mapping(returned)
+    return {"reply": step, "ok": True, "seconds": seconds, **described}, safetensors.encode_parts(arrays)
+
+
+def decoded_reply(returned: Any, seconds: float) -> tuple[dict[str, Any], safetensors.Parts | bytes]:
+    """What ``decode()`` returned (a list of one mapping per call, docs/serving.md) as a header — each
+    call's keys and stages that cannot travel as arrays, under ``calls`` — and bytes: call c's stage
+    ``NAME`` is the array ``c/NAME``.  Anything but a list or tuple travels as its type's name."""
+    if not isinstance(returned, (list, tuple)):
+        return {"reply": "decode", "ok": True, "seconds": seconds, "sequence": False,
+                "type": type(returned).__name__}, b""
+    calls: list[dict[str, Any]] = []
+    arrays: dict[str, np.ndarray] = {}
+    for c, mapping in enumerate(returned):
+        if not isinstance(mapping, Mapping):
+            calls.append({"mapping": False, "type": type(mapping).__name__})
+            continue
+        described, own = _described_mapping(mapping)
+        calls.append(described)
+        arrays.update({f"{c}/{name}": array for name, array in own.items()})
+    header = {"reply": "decode", "ok": True, "seconds": seconds, "sequence": True, "calls": calls}
+    return header, safetensors.encode_parts(arrays)
+
+
+def _described_mapping(returned: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """({mapping, keys, special}, the arrays by stage name) of a returned mapping of stage name to array."""
     arrays: dict[str, np.ndarray] = {}
     special: dict[str, Any] = {}
     for key, value in returned.items():
@@ -332,9 +359,7 @@ def returned_reply(step: str, returned: Any, seconds: float) -> tuple[dict[str, 
             arrays[key] = array
         else:  # complex, object, str ...: judged by dtype alone, so the dtype and shape suffice
             special[key] = {"dtype": array.dtype.str, "name": array.dtype.name, "shape": list(array.shape)}
-    header = {"reply": step, "ok": True, "seconds": seconds, "mapping": True, "keys": [str(k) for k in returned],
-              "special": special}
-    return header, safetensors.encode_parts(arrays)
+    return {"mapping": True, "keys": [str(k) for k in returned], "special": special}, arrays
 
 
 class _Unconvertible:
@@ -351,9 +376,26 @@ def unpack_returned(header: Mapping[str, Any], payload: bytes) -> Any:
     """What the adapter returned, as the runner judges it: a mapping of the returned keys (arrays,
     stand-ins of the values that could not travel, None for a key that is not a stage), or a
     stand-in object of the returned type's name when it was not a mapping."""
+    return _unpack_mapping(header, safetensors.decode(payload))
+
+
+def unpack_decoded(header: Mapping[str, Any], payload: bytes) -> Any:
+    """What ``decode()`` returned (:func:`decoded_reply`), as the runner judges it: a list of each call's
+    mapping (as :func:`unpack_returned` gives it), or a stand-in object of the returned type's name."""
+    if not header["sequence"]:
+        return type(header["type"], (), {})()
+    arrays = safetensors.decode(payload)
+    out = []
+    for c, described in enumerate(header["calls"]):
+        prefix = f"{c}/"
+        own = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
+        out.append(_unpack_mapping(described, own))
+    return out
+
+
+def _unpack_mapping(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
     if not header["mapping"]:
         return type(header["type"], (), {})()  # an object of the same type name: judged as "not a mapping"
-    arrays = safetensors.decode(payload)
     out: dict[str, Any] = {}
     for key in header["keys"]:
         if key in arrays:

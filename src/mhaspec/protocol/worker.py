@@ -42,13 +42,16 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def call_adapter(adapter: Any, step: str, case: Case) -> tuple[dict[str, Any], bytes]:
-    """The reply to one step (``supports``, ``run`` or ``backward``) of ``case``."""
+    """The reply to one step (``supports``, ``run``, ``backward`` or ``decode``) of ``case``."""
     start = time.perf_counter()
     try:
         if step == "supports":
             return wire.supports_reply(adapter.supports(case)), b""
-        returned = adapter.backward(case) if step == "backward" else adapter.run(case)
-        header, payload = wire.returned_reply(step, returned, 0.0)
+        if step == "decode":  # a case with a schedule: one mapping per call (docs/serving.md); never run()
+            header, payload = wire.decoded_reply(adapter.decode(case), 0.0)
+        else:
+            returned = adapter.backward(case) if step == "backward" else adapter.run(case)
+            header, payload = wire.returned_reply(step, returned, 0.0)
         header["seconds"] = time.perf_counter() - start  # converting lazy arrays is part of the adapter's time
         return header, payload
     except SystemExit as exc:

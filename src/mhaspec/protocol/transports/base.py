@@ -72,6 +72,14 @@ class Transport(abc.ABC):
     def backward(self, case: Case, timeout: float | None) -> tuple[Any, float]:
         """(what ``backward(case)`` returned, seconds it took)."""
 
+    def decode(self, case: Case, timeout: float | None) -> tuple[Any, float]:
+        """(what ``decode(case)`` returned — one mapping per call of the case's schedule — seconds it took);
+        asked only of an adapter whose description says ``has_decode`` (docs/serving.md)."""
+        raise AdapterCrash(f"{type(self).__name__}: decode is not in this transport")
+
+    #: Why this transport never asks ``decode`` (None: it asks it of an adapter that has it).
+    decode_refusal: str | None = None
+
     def prefetch(self, case: Case, with_supports: bool) -> None:
         """Send ``case`` ahead so that it computes while the runner judges the previous one (optional)."""
 

@@ -47,6 +47,11 @@ class InProcess(Transport):
         returned = self._call("backward", lambda: self.adapter.backward(case), timeout)
         return returned, time.perf_counter() - start
 
+    def decode(self, case: Case, timeout: float | None) -> tuple[Any, float]:
+        start = time.perf_counter()
+        returned = self._call("decode", lambda: self.adapter.decode(case), timeout)
+        return returned, time.perf_counter() - start
+
     def close(self) -> None:
         pass
 

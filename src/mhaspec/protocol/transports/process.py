@@ -246,11 +246,11 @@ class ProcessTransport(Transport):
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        self._send(case, with_supports=op == "supports", then="backward" if op == "backward" else "run")
+        self._send(case, with_supports=op == "supports", then=_then(op, case))
         return self._reply(op, case, timeout, self._expect.popleft()[2])
 
     def _send(self, case: Case, with_supports: bool, then: str = "run") -> None:
-        """Send ``case`` with the step ``then`` (``run`` or ``backward``), after ``supports`` if asked."""
+        """Send ``case`` with the step ``then`` (``run``, ``backward`` or ``decode``), after ``supports`` if asked."""
         assert self._pipe is not None
         op = f"supports+{then}" if with_supports else then
         self._seq += 1
@@ -274,7 +274,7 @@ class ProcessTransport(Transport):
         """
         if self._expect or not self._ready or self._process is None or self._process.poll() is not None:
             return
-        self._send(case, with_supports)
+        self._send(case, with_supports, then=_then("run", case))
 
     def _reply(self, op: str, case: Case, timeout: float | None, seq: int) -> tuple[dict[str, Any], bytes]:
         assert self._pipe is not None and self._process is not None
@@ -300,7 +300,7 @@ class ProcessTransport(Transport):
         if isinstance(reply.get("environment"), dict):
             self.environment = self._described(reply.pop("environment"))  # the first run() of this process
         if op == "supports" and not (reply["ok"] is True and reply.get("answer") is True):
-            if self._expect and self._expect[0][0] == "run" and self._expect[0][1] is case:
+            if self._expect and self._expect[0][0] in ("run", "decode") and self._expect[0][1] is case:
                 self._expect.popleft()  # the worker does not run a case it does not support
         if reply["ok"] is not True:
             raise AdapterCrash(str(reply["error"]))
@@ -319,16 +319,29 @@ class ProcessTransport(Transport):
         """(what ``backward(case)`` returned, seconds it took in the worker)."""
         return self._returned("backward", case, timeout)
 
+    def decode(self, case: Case, timeout: float | None) -> tuple[Any, float]:
+        """(what ``decode(case)`` returned, one mapping per call, seconds it took in the worker)."""
+        return self._returned("decode", case, timeout)
+
     def _returned(self, op: str, case: Case, timeout: float | None) -> tuple[Any, float]:
         reply, data = self._request(op, case, timeout)
-        if op == "run" and self.on_idle is not None:
+        if op in ("run", "decode") and self.on_idle is not None:
             self.on_idle()  # e.g. send the next case ahead: the worker computes it while this one is judged
         try:
-            return wire.unpack_returned(reply, data), float(reply["seconds"])
+            unpack = wire.unpack_decoded if op == "decode" else wire.unpack_returned
+            return unpack(reply, data), float(reply["seconds"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             self._discard()
             raise AdapterCrash(f"the worker sent a malformed reply during {op}() ({type(exc).__name__}: {exc}); "
                                "worker process killed") from None
+
+
+def _then(op: str, case: Case) -> str:
+    """The step a request for ``op`` on ``case`` runs: ``backward`` or ``decode`` as asked; after ``supports``
+    (or sent ahead), ``decode`` for a case with a schedule (whose ``run()`` is never called), else ``run``."""
+    if op in ("backward", "decode"):
+        return op
+    return "decode" if case.schedule is not None else "run"
 
 
 class Worker(ProcessTransport):

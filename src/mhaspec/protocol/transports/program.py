@@ -75,6 +75,9 @@ class Program(ProcessTransport):
     ``ready`` says ``has_supports`` is asked for the rest.
     """
 
+    #: A case with a schedule is never sent to a program (docs/serving.md).
+    decode_refusal = "decode is not in mhaspec-wire/1 yet: an exec: adapter is not judged on a case with a schedule (docs/serving.md)"
+
     def __init__(self, adapter: str, load_timeout: float = LOAD_TIMEOUT) -> None:
         self.argv = command(adapter)
         super().__init__(repr(adapter), load_timeout)
