@@ -536,6 +536,14 @@ def test_jax_decode_calls_are_the_full_pass_rows(dtype: str, rel: float) -> None
         assert_decode_matches_run(adapter, case, rel)
 
 
+def test_jax_decode_cases_conform_call_by_call() -> None:
+    report = check_here("jax", pattern="decode_*")
+    decode_cases = [spec.id for spec in mhaspec.spec.CATALOG if spec.schedule is not None]
+    assert report.ok and len(report.results) == 4 * len(decode_cases), str(report)
+    for result in report.results:
+        assert [call.verdict for call in result.calls] == ["pass"] * len(result.calls) and result.calls, result.case
+
+
 def test_jax_decode_compiles_one_program_per_call_shape() -> None:
     """A prefill and six decode steps: two XLA compilations (the steps share one program: t0 and the cache's
     start are traced; the rows, masks and results are cut in numpy)."""

@@ -491,6 +491,14 @@ def test_decode_calls_are_the_full_pass_rows(name: str, dtype: str, rel: float) 
         assert_decode_matches_run(adapter, case, rel)
 
 
+@pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
+def test_decode_cases_conform_call_by_call(name: str) -> None:
+    report = check_here(name, pattern="decode_*")
+    assert report.ok and len(report.results) == 4 * len(DECODE_CATALOG), str(report)
+    for result in report.results:
+        assert [call.verdict for call in result.calls] == ["pass"] * len(result.calls) and result.calls, result.case
+
+
 class TopLeftWithinTheCall(torch_sdpa.TorchSDPAAdapter):
     """The pitfall: SDPA's ``is_causal=True`` in every call of a causal case (as a full pass with T = S may),
     which aligns the diagonal top-left within the call: a decode step's one query sees key 0 only."""
@@ -500,13 +508,17 @@ class TopLeftWithinTheCall(torch_sdpa.TorchSDPAAdapter):
 
 
 def test_is_causal_within_a_call_is_aligned_top_left_and_caught() -> None:
-    case = golden_case("decode_prefill_steps")  # self-attention, no past: the prefill is right, the steps not
-    full, calls = torch_sdpa.TorchSDPAAdapter().run(case), TopLeftWithinTheCall().decode(case)
-    prefill, *steps = zip(case.calls(), calls)
-    np.testing.assert_allclose(prefill[1]["output"], full["output"][:, :prefill[0].t1], rtol=0, atol=1e-12)
-    for call, got in steps:  # the one query row sees key 0 only: far from row t0 of the full pass
-        assert np.abs(got["output"] - full["output"][:, call.t0:call.t1]).max() > 0.05, call
-    # what SDPA's is_causal means: the query row i of a call sees keys j <= i, counted from the call's start
+    # what SDPA's is_causal means: query row i of a call sees keys j <= i counted from the call's first key, so a
+    # decode step's one query sees key 0 only (its output is V's row 0)
     Q, K, V = (torch.randn(1, 1, n, 4, dtype=torch.float64) for n in (1, 5, 5))
-    top_left = torch.nn.functional.scaled_dot_product_attention(Q, K[:, :, :5], V[:, :, :5], is_causal=True)
+    top_left = torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True)
     torch.testing.assert_close(top_left, V[:, :, :1], rtol=0, atol=1e-15)
+    # judged: without a past, the prefill (T_c = S_c) is right and the first decode step fails; with a past,
+    # the prefill already fails; in every dtype, at head_outputs (the first stage SDPA exposes after the mask)
+    report = mhaspec.check(TopLeftWithinTheCall(), isolate=False, cases=["decode_prefill_steps", "decode_with_past"])
+    assert len(report.results) == 8 and not report.ok
+    for result in report.results:
+        first = "call 2 of 7 (decode, cache 6)" if result.case == "decode_prefill_steps" else "call 1 of 5 (prefill, cache 6)"
+        assert (result.verdict, result.first_failing_stage) == ("fail", "head_outputs"), (result.case, result.dtype)
+        assert result.message.startswith(first + ": head_outputs fail"), result.message
+        assert all(call.verdict == "fail" for call in result.calls[1:]), result.calls
