@@ -311,7 +311,8 @@ def alibi_in(case: Case, keys: int | None = None) -> jax.Array | None:
     term = variant_ops.alibi(case.config, case.T, case.S, case.T)  # (H, T, S)
     if term is None:
         return None
-    return jax.device_put((term[None] if keys is None else pad_keys(term[None], keys, 0.0)).astype(accumulator(case.dtype)))
+    term = term[None] if keys is None else pad_keys(term[None], keys, 0.0)  # (1, H, T, S | keys)
+    return jax.device_put(term.astype(accumulator(case.dtype)))
 
 
 def score_bias(bias: jax.Array | None, alibi: jax.Array | None, acc: Any) -> jax.Array | None:
