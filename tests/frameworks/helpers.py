@@ -10,6 +10,7 @@ import mhaspec
 from mhaspec.conformance import Report
 from mhaspec.fixtures import GoldenSet
 from mhaspec.spec import Case, MHAConfig
+from mhaspec.spec.schedule import call_label
 
 GOLDEN = GoldenSet()
 
@@ -142,3 +143,65 @@ def backward_shapes(spec: Any, hidden: tuple[str, ...] = ()) -> dict[str, tuple[
     bias_shape = None if bias is None else bias.shape
     shapes = backward_stage_shapes(case.config, case.B, case.T, case.S, spec.inputs, bias_shape)
     return {name: shape for name, shape in shapes.items() if name not in hidden}
+
+
+# -- decode(case): a schedule's calls against the adapter's own cache (docs/serving.md) ------------------------
+
+
+def decode_specs(names: frozenset[str]) -> list[Any]:
+    """Schedule cases (bottom-right causal, B 2, T 7 in calls of 3, 1, 2, 1 over S 10: a past of 3 keys, a
+    prefill, decode steps and a chunk) using only the variants ``names``, one per variant and one with all of
+    them, a random mask (rows that see no key) and a padding mask; every size differs (d_model 14, H 4, H_kv 2,
+    D_k 6)."""
+    from mhaspec.spec.case import MaskSpec
+    from mhaspec.spec.variants import BiasSpec, RopeSpec, variants_used
+
+    def spec(case_id: str, **fields: Any) -> Any:
+        sized = {"causal": True, "causal_alignment": "bottom_right", "tgt_len": 7, "src_len": 10, **fields}
+        return variant_spec(case_id, **sized).model_copy(update={"schedule": (3, 1, 2, 1)})
+
+    specs = [
+        spec("decode_plain"),
+        spec("decode_padded", mask=MaskSpec(kind="key_padding", lengths=(9, 4))),
+        spec("decode_random_mask", mask=MaskSpec(kind="random", density=0.6, fully_masked=((0, 4), (1, 0)))),
+        spec("decode_window", window_left=2),
+        spec("decode_softcap", softcap=1.5),
+        spec("decode_alibi", alibi_slopes="standard"),
+        spec("decode_bias", bias=BiasSpec(per_batch=True)),
+        spec("decode_sinks", sinks=True),
+        spec("decode_rope", rope=RopeSpec(style="interleaved", rotary_dim=4, query_offset=3, key_offset=1)),
+        spec("decode_everything", window_left=4, softcap=2.0, alibi_slopes="standard", sinks=True, rope=RopeSpec(),
+             bias=BiasSpec(), mask=MaskSpec(kind="key_padding", lengths=(10, 6))),
+    ]
+    return [s for s in specs if set(variants_used(s)) <= names]
+
+
+def call_part(name: str, x: np.ndarray, t0: int, t1: int, length: int) -> np.ndarray:
+    """Stage ``name`` of the full pass (``run``) cut to what one call of rows [t0, t1) over L_c = ``length``
+    keys returns: the cache's rows [0, L_c) of a key-side stage, the call's query rows (and keys [0, L_c))
+    of the others."""
+    if name in ("k_proj", "k_rot", "v_proj"):
+        return x[:, :length]
+    if name in ("scores", "attn_weights"):
+        return x[:, :, t0:t1, :length]
+    if name in ("lse", "head_outputs"):
+        return x[:, :, t0:t1]
+    return x[:, t0:t1]
+
+
+def assert_decode_matches_run(adapter: Any, case: Case, rel: float) -> None:
+    """Each call of ``adapter.decode(case)`` returns the stages of ``adapter.run(case)`` cut to the call
+    (:func:`call_part`), within rel · max(1, max |run's|) (−inf exactly where run's is), and no other stages."""
+    full = {name: np.asarray(x, dtype=np.float64) for name, x in adapter.run(case).items()}
+    calls = adapter.decode(case)
+    assert len(calls) == len(case.calls()), (case.id, len(calls))
+    for index, (call, got) in enumerate(zip(case.calls(), calls)):
+        assert set(got) <= set(full), (case.id, call, set(got) - set(full))
+        for name, x in got.items():
+            want, x = call_part(name, full[name], call.t0, call.t1, call.cache), np.asarray(x, dtype=np.float64)
+            where = f"{case.id} {case.dtype} {call_label(index, call, len(calls))} {name}"
+            assert x.shape == want.shape, (where, x.shape, want.shape)
+            infinite = np.isinf(want)
+            np.testing.assert_array_equal(x[infinite], want[infinite], err_msg=where)
+            scale = max(1.0, float(np.abs(want[~infinite]).max(initial=0.0)))
+            np.testing.assert_allclose(x[~infinite], want[~infinite], rtol=0, atol=rel * scale, err_msg=where)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_matches_reference, assert_same_weights,
-                                      backward_shapes, check_here, golden_case, variant_spec, variant_specs)
+from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_decode_matches_run, assert_matches_reference,
+                                      assert_same_weights, backward_shapes, check_here, decode_specs, golden_case,
+                                      variant_spec, variant_specs)
 
 jax = require("jax")
 require("flax")
@@ -322,8 +323,8 @@ def test_one_compilation_per_case(name: str, dtype: str) -> None:
     assert compiles == 1
 
 
-def run_counting_compilations(adapter, case: Case) -> tuple[dict, int]:
-    """(``adapter.run(case)``, the number of XLA compilations it caused)."""
+def run_counting_compilations(adapter, case: Case, method: str = "run") -> tuple[dict, int]:
+    """(``adapter.run(case)`` (or its ``method``), the number of XLA compilations it caused)."""
     compiles = []
 
     def listen(event: str, duration: float, **kwargs) -> None:
@@ -332,7 +333,7 @@ def run_counting_compilations(adapter, case: Case) -> tuple[dict, int]:
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        out = adapter.run(case)
+        out = getattr(adapter, method)(case)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     return out, len(compiles)
@@ -515,3 +516,44 @@ def test_jax_dpa_lse_of_a_row_without_keys_is_finite_as_declared() -> None:
     lse = load_adapter("jax-dpa").run(spec.case("float32"))["lse"]
     np.testing.assert_allclose(lse[~seen], -0.7 * np.finfo(np.float32).max + np.log(4), rtol=1e-6)
     assert_matches_reference({"lse": np.where(seen, lse, -np.inf)}, spec, rtol=1e-6)
+
+
+# -- decode(case): a schedule's calls against a preallocated cache of jax arrays (docs/serving.md) -----------
+
+
+@pytest.mark.parametrize(("dtype", "rel"), [
+    # float64: the worst seen is 6e-14 of the scale (the cache's S keys, the unfilled ones masked, against run's
+    # S keys: the same sums); a cache or position bug moves entries by O(1)
+    ("float64", 1e-12),
+    # float32: the worst seen is 4e-7 of the scale
+    ("float32", 2e-6),
+])
+def test_jax_decode_calls_are_the_full_pass_rows(dtype: str, rel: float) -> None:
+    adapter = load_adapter("jax")
+    cases = [golden_case(spec.id, dtype) for spec in mhaspec.spec.CATALOG if spec.schedule is not None]
+    cases += [spec.case(dtype) for spec in decode_specs(adapter.variants)]
+    for case in cases:
+        assert_decode_matches_run(adapter, case, rel)
+
+
+def test_jax_decode_cases_conform_call_by_call() -> None:
+    report = check_here("jax", pattern="decode_*")
+    decode_cases = [spec.id for spec in mhaspec.spec.CATALOG if spec.schedule is not None]
+    assert report.ok and len(report.results) == 4 * len(decode_cases), str(report)
+    for result in report.results:
+        assert [call.verdict for call in result.calls] == ["pass"] * len(result.calls) and result.calls, result.case
+
+
+def test_jax_decode_compiles_one_program_per_call_shape() -> None:
+    """A prefill and five decode steps: two XLA compilations (the steps share one program: t0 and the cache's
+    start are traced; the rows, masks and results are cut in numpy).  Sizes no other test compiles."""
+    from mhaspec.spec.variants import RopeSpec
+
+    spec = variant_spec("decode_compiles", causal=True, causal_alignment="bottom_right", rope=RopeSpec(), window_left=3,
+                        tgt_len=8, src_len=13, d_model=10)
+    case = spec.model_copy(update={"schedule": (3, 1, 1, 1, 1, 1)}).case("float16")
+    calls, compiles = run_counting_compilations(load_adapter("jax"), case, "decode")
+    assert [c["output"].shape for c in calls] == [(case.B, n, case.config.d_out) for n in case.schedule]
+    assert compiles == 2
+
+

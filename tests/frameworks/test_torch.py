@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require
-from tests.frameworks.helpers import GOLDEN, arange_weights, assert_same_weights, check_here, golden_case
+from tests.frameworks.helpers import (GOLDEN, arange_weights, assert_decode_matches_run, assert_same_weights, check_here,
+                                      decode_specs, golden_case)
 
 torch = require("torch")
 
@@ -467,3 +468,57 @@ def test_torch_lse_in_half_precision_is_rounded_once() -> None:
         exact = np.logaddexp.reduce(np.append(seen, sinks[h]))
         half_ulp = 2.0 ** (np.floor(np.log2(abs(exact))) - 8) if exact != 0 else 2.0**-134
         assert abs(lse[b, h, i] - exact) <= half_ulp * (1 + 2**-10), (b, h, i, lse[b, h, i], exact)
+
+
+# -- decode(case): a schedule's calls against a hand-written KV cache (docs/serving.md) ----------------------
+
+DECODE_CATALOG = [spec.id for spec in mhaspec.spec.CATALOG if spec.schedule is not None]
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
+@pytest.mark.parametrize(("dtype", "rel"), [
+    # float64: the same few roundings as run's, summed over the L_c cached keys instead of all S (masked ones
+    # add exact zeros): the worst seen is 1.3e-13 of the scale; a cache or position bug moves entries by O(1)
+    ("float64", 1e-12),
+    # float32: the worst seen is 2.4e-7 of the scale (SDPA's kernel sums the shorter rows in another order)
+    ("float32", 2e-6),
+])
+def test_decode_calls_are_the_full_pass_rows(name: str, dtype: str, rel: float) -> None:
+    adapter = load_adapter(name)
+    cases = [golden_case(case_id, dtype) for case_id in DECODE_CATALOG]
+    cases += [spec.case(dtype) for spec in decode_specs(adapter.variants)]
+    for case in cases:
+        assert_decode_matches_run(adapter, case, rel)
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
+def test_decode_cases_conform_call_by_call(name: str) -> None:
+    report = check_here(name, pattern="decode_*")
+    assert report.ok and len(report.results) == 4 * len(DECODE_CATALOG), str(report)
+    for result in report.results:
+        assert [call.verdict for call in result.calls] == ["pass"] * len(result.calls) and result.calls, result.case
+
+
+class TopLeftWithinTheCall(torch_sdpa.TorchSDPAAdapter):
+    """The pitfall: SDPA's ``is_causal=True`` in every call of a causal case (as a full pass with T = S may),
+    which aligns the diagonal top-left within the call: a decode step's one query sees key 0 only."""
+
+    def _masks(self, case):
+        return {"attn_mask": None, "is_causal": True}
+
+
+def test_is_causal_within_a_call_is_aligned_top_left_and_caught() -> None:
+    # what SDPA's is_causal means: query row i of a call sees keys j <= i counted from the call's first key, so a
+    # decode step's one query sees key 0 only (its output is V's row 0)
+    Q, K, V = (torch.randn(1, 1, n, 4, dtype=torch.float64) for n in (1, 5, 5))
+    top_left = torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    torch.testing.assert_close(top_left, V[:, :, :1], rtol=0, atol=1e-15)
+    # judged: without a past, the prefill (T_c = S_c) is right and the first decode step fails; with a past,
+    # the prefill already fails; in every dtype, at head_outputs (the first stage SDPA exposes after the mask)
+    report = mhaspec.check(TopLeftWithinTheCall(), isolate=False, cases=["decode_prefill_steps", "decode_with_past"])
+    assert len(report.results) == 8 and not report.ok
+    for result in report.results:
+        first = "call 2 of 7 (decode, cache 6)" if result.case == "decode_prefill_steps" else "call 1 of 5 (prefill, cache 6)"
+        assert (result.verdict, result.first_failing_stage) == ("fail", "head_outputs"), (result.case, result.dtype)
+        assert result.message.startswith(first + ": head_outputs fail"), result.message
+        assert all(call.verdict == "fail" for call in result.calls[1:]), result.calls

@@ -33,9 +33,10 @@ import numpy as np
 
 from ..spec import Case, masks
 from ..spec.variants import VARIANTS, RopeSpec
+from .backends import call_view
 from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
-                           keep_mask, linear, projections, rope, score_bias, softcap, softmax_with_lse, tap_shapes,
-                           tapping, tree_in, uses_variants, vjp_stages)
+                           keep_mask, linear, pad_keys, projections, rope, score_bias, softcap, softmax_with_lse,
+                           tap_shapes, tapping, tree_in, uses_variants, vjp_stages)
 
 #: :func:`mha`'s static arguments: it is jit-compiled by :func:`~.backends.jax.compiled` (the forward)
 #: or inside ``vjp_stages`` (the backward).  One program per case structure.
@@ -58,17 +59,29 @@ def mha(
     ``taps`` (for the backward pass): zeros added to each intermediate stage, so that
     ``jax.vjp`` with respect to them gives that stage's gradient; None in the forward.
     """
-    acc, dt, w, tap = accumulator(dtype), jnp.dtype(dtype), weights, tapping(taps)
+    w, tap = weights, tapping(taps)
     q, k, v = projections(query, key, value, w, dtype, tap)  # (B, T, H·D), (B, S, G·D), (B, S, G·E)
     stages = {"q_proj": q, "k_proj": k, "v_proj": v}
-
-    B, T, S, H, G = query.shape[0], query.shape[1], key.shape[1], heads, kv_heads
     if rope_spec is not None:
-        q = stages["q_rot"] = tap("q_rot", rope(q, H, rope_spec.query_offset, rope_spec, dtype))  # (B, T, H·D)
-        k = stages["k_rot"] = tap("k_rot", rope(k, G, rope_spec.key_offset, rope_spec, dtype))  # (B, S, G·D)
+        q = stages["q_rot"] = tap("q_rot", rope(q, heads, rope_spec.query_offset, rope_spec, dtype))  # (B, T, H·D)
+        k = stages["k_rot"] = tap("k_rot", rope(k, kv_heads, rope_spec.key_offset, rope_spec, dtype))  # (B, S, G·D)
+    return {**stages, **attend(q, k, v, mask, bias, alibi, w, tap, heads=heads, kv_heads=kv_heads, scale=scale,
+                               causal_shift=causal_shift, cap=cap, dtype=dtype)}
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
+    alibi: jax.Array | None, w: dict[str, Any], tap: Any,
+    *, heads: int, kv_heads: int, scale: float, causal_shift: int | None, cap: float | None, dtype: str,
+) -> dict[str, jax.Array]:
+    """The stages from the scores on (scores, attn_weights, lse, head_outputs, concat, output) of q
+    (B, T, H·D), k (B, S, G·D) (turned, with RoPE) and v (B, S, G·E); the other arguments as :func:`mha`'s."""
+    acc, dt = accumulator(dtype), jnp.dtype(dtype)
+    B, T, S, H, G = q.shape[0], q.shape[1], k.shape[1], heads, kv_heads
     Q = q.reshape(B, T, G, H // G, -1)  # BTGRD: head h = g·R + r reads kv head g = h // R
     K = k.reshape(B, S, G, -1)  # BSGD
     V = v.reshape(B, S, G, -1)  # BSGE
+    stages = {}
 
     s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc).reshape(B, H, T, S)
     s = s * jnp.asarray(scale, dtype=dt).astype(acc)
@@ -113,6 +126,57 @@ def arrays_in(case: Case) -> tuple[jax.Array | None, jax.Array | None, jax.Array
     return keep_mask(case, window=True), array_in(case.inputs.bias, case.dtype), alibi_in(case)
 
 
+# -- a call of a schedule against a preallocated KV cache (docs/serving.md) ----------------------------------
+
+#: :func:`decode_step`'s static arguments: one program per (n_c, rows appended) and case structure.
+DECODE_STATIC = ("heads", "kv_heads", "scale", "cap", "rope_spec", "dtype")
+
+
+def decode_step(
+    query: jax.Array, key: jax.Array, value: jax.Array, cache: dict[str, jax.Array], t0: jax.Array,
+    start: jax.Array, mask: jax.Array, bias: jax.Array | None, alibi: jax.Array | None, weights: dict[str, Any],
+    *, heads: int, kv_heads: int, scale: float, cap: float | None, rope_spec: RopeSpec | None, dtype: str,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """One call against a preallocated cache, functionally: -> (the call's stages, the cache after it).
+
+    query (B, n_c, d_model) the call's rows (the sequence's rows t0 …), key (B, n, kdim) and value
+    (B, n, vdim) the rows it appends at cache rows [start, start + n); ``cache``: ``k_proj`` (B, S, G·D),
+    with RoPE ``k_rot`` (what attention reads), ``v_proj`` (B, S, G·E), S its capacity (the case's S); t0
+    and start are traced (int32), so every decode step of one shape is one program.  ``mask``
+    (B|1, 1|H, n_c, S) True = may attend: the call's bottom-right causal band AND window AND mask, False on
+    the rows not yet filled; ``bias`` (B|1, H|1, n_c, S) and ``alibi`` (1, H, n_c, S) for those keys
+    (0 past the filled rows).  The key-side stages are the whole cache (B, S, ·)."""
+    w, tap = weights, tapping(None)
+    q, k, v = projections(query, key, value, w, dtype, tap)  # (B, n_c, H·D), (B, n, G·D), (B, n, G·E)
+    new, stages = {"k_proj": k, "v_proj": v}, {"q_proj": q}
+    if rope_spec is not None:
+        q = stages["q_rot"] = rope(q, heads, rope_spec.query_offset + t0, rope_spec, dtype)  # (B, n_c, H·D)
+        new["k_rot"] = rope(k, kv_heads, rope_spec.key_offset + start, rope_spec, dtype)  # (B, n, G·D)
+    cache = {name: jax.lax.dynamic_update_slice_in_dim(held, new[name], start, axis=1) for name, held in cache.items()}
+    stages.update(cache)  # (B, S, ·)
+    k = cache["k_rot"] if rope_spec is not None else cache["k_proj"]
+    stages.update(attend(q, k, cache["v_proj"], mask, bias, alibi, w, tap, heads=heads, kv_heads=kv_heads,
+                         scale=scale, causal_shift=None, cap=cap, dtype=dtype))
+    return stages, cache
+
+
+def empty_cache(case: Case) -> dict[str, jax.Array]:
+    """The preallocated cache of :func:`decode_step`: zeros (B, S, ·) in the dtype, S = the case's S."""
+    cfg, zeros = case.config, lambda width: jax.device_put(np.zeros((case.B, case.S, width), dtype=case.dtype))
+    cache = {"k_proj": zeros(cfg.H_kv * cfg.D_k), "v_proj": zeros(cfg.H_kv * cfg.D_v)}
+    if cfg.rope is not None:
+        cache["k_rot"] = zeros(cfg.H_kv * cfg.D_k)
+    return cache
+
+
+def call_stages(stages: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """A call's stages (numpy) cut to the L_c = ``length`` keys filled: the cache's rows (B, L_c, ·), the
+    scores' and weights' columns (B, H, n_c, L_c)."""
+    cut = {"k_proj": np.s_[:, :length], "k_rot": np.s_[:, :length], "v_proj": np.s_[:, :length],
+           "scores": np.s_[..., :length], "attn_weights": np.s_[..., :length]}
+    return {name: x[cut[name]] if name in cut else x for name, x in stages.items()}
+
+
 class JaxMHAAdapter(CompilingAdapter):
     """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage, every variant.
 
@@ -133,6 +197,30 @@ class JaxMHAAdapter(CompilingAdapter):
             if not uses_variants(case):  # a spec-1.1 case's fixture has no lse to compare
                 del stages["lse"]
             return array_out(stages)
+
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """Every stage of each call of the case's schedule (docs/serving.md): :func:`decode_step` under
+        ``jax.jit`` (one program per call shape: a prefill, then one for every decode step) against a cache
+        of jax arrays preallocated to the case's S (:func:`empty_cache`), returned by each call and passed
+        to the next; the call's mask, bias and ALiBi are its view's (``call_view``), padded to S keys."""
+        dtype, calls, out = case.dtype, case.calls(), []
+        static = {name: value for name, value in static_arguments(case).items() if name in DECODE_STATIC}
+        with computing_in(dtype, self.device):
+            step = compiled(decode_step, DECODE_STATIC, self.fast)
+            weights, cache, start = tree_in(case.weights.as_dict(), dtype), empty_cache(case), 0
+            for call in calls:
+                view, new = call_view(case, call), slice(start, call.cache)  # new: the key rows appended
+                query, key, value = view.inputs.query, case.inputs.key[:, new], case.inputs.value[:, new]
+                stages, cache = step(  # the rows cut in numpy: an eager slice of a jax array compiles per shape
+                    array_in(query, dtype), array_in(key, dtype), array_in(value, dtype), cache,
+                    np.int32(call.t0), np.int32(start), keep_mask(view, causal=True, window=True, keys=case.S),
+                    array_in(None if view.inputs.bias is None else pad_keys(view.inputs.bias, case.S, 0.0), dtype),
+                    alibi_in(view, keys=case.S), weights, **static)
+                if not uses_variants(case):  # as run(): a spec-1.1 case's stages
+                    del stages["lse"]
+                out.append(call_stages(array_out(stages), call.cache))
+                start = call.cache
+        return out
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage by ``jax.vjp`` of :func:`mha`: the intermediate stages' gradients through

@@ -125,27 +125,28 @@ class MultiHeadAttention(nn.Module):
         bias: torch.Tensor | None = None,
         *,
         return_stages: bool = False,
+        cache: backend.KVCache | None = None,
+        q_start: int = 0,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) — key and value
         default to query; mask: bool broadcastable to (B, H, T, S), True = may attend
         (the polarity of ``F.scaled_dot_product_attention``); bias: the additive score
-        bias (B|1, H|1, T, S), added after the softcap (docs/spec.md §2a)."""
+        bias (B|1, H|1, T, S), added after the softcap (docs/spec.md §2a).
+
+        With a ``cache`` (:class:`~.backends.torch.KVCache`, docs/serving.md): key and value are the rows
+        appended to it, query's first row is row ``q_start`` of the sequence, and attention reads the whole
+        cache: S is its length after the append (mask and bias are given for those S keys), the causal
+        diagonal bottom-right; the key-side stages are the cache's contents."""
         cfg = self.config
         key = query if key is None else key
         value = key if value is None else value
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        H, G, D, E = cfg.H, cfg.H_kv, cfg.D_k, cfg.D_v
-        stages: dict[str, torch.Tensor] = {}
 
         # 1. Project (and turn), then split heads: head h owns features [h·D, (h+1)·D).
-        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
-        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
-        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
-        if cfg.rope is not None:
-            q, k = stages["q_rot"], stages["k_rot"] = backend.rope_qk(cfg, q, k)
-        Q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        K = k.view(B, S, G, D).transpose(1, 2).repeat_interleave(cfg.group_size, dim=1)  # (B, H, S, D)
-        V = v.view(B, S, G, E).transpose(1, 2).repeat_interleave(cfg.group_size, dim=1)  # (B, H, S, E)
+        stages, q, k, v = backend.project(self, cfg, query, key, value, cache, q_start)
+        Q, K, V = backend.split_heads(cfg, q, k, v)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        B, T, S = Q.shape[0], Q.shape[2], K.shape[2]
+        K = K.repeat_interleave(cfg.group_size, dim=1)  # (B, H, S, D): head h reads kv head h // (H/G)
+        V = V.repeat_interleave(cfg.group_size, dim=1)  # (B, H, S, E)
 
         # 2. Attend: the logits (scaled dot products, softcap, bias and ALiBi), the masked softmax
         #    over S with the sinks, the weighted sum of values.
@@ -155,7 +156,7 @@ class MultiHeadAttention(nn.Module):
         head_outputs = attn_weights @ V  # (B, H, T, E)
 
         # 3. Concat heads in head order, then the output projection.
-        concat = head_outputs.transpose(1, 2).reshape(B, T, H * E)  # (B, T, H·E)
+        concat = head_outputs.transpose(1, 2).reshape(B, T, cfg.H * cfg.D_v)  # (B, T, H·E)
         output = self.out_proj(concat)  # (B, T, d_out)
         if not return_stages:
             return output
@@ -223,12 +224,17 @@ class TorchMHAAdapter:
         return backend.loaded_module(MultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
                                      **case.config.model_dump())
 
+    def _inputs(self, case: Case) -> dict[str, torch.Tensor | None]:
+        """The case's mask (bool) and additive bias (in its dtype, (B|1, H|1, T, S)) as ``forward`` takes them."""
+        mask, bias = case.inputs.mask, case.inputs.bias
+        return {"mask": None if mask is None else backend.array_in(mask, torch.bool, self.device),
+                "bias": None if bias is None else backend.array_in(bias, case.dtype, self.device)}
+
     def _call(self, module: MultiHeadAttention, case: Case, bias: torch.Tensor | None = None) -> backend.StagesCall:
         """``module``'s forward with the case's mask and additive bias (``bias``, else the case's in its
         dtype), every stage returned."""
-        mask = None if case.inputs.mask is None else backend.array_in(case.inputs.mask, torch.bool, self.device)
-        if bias is None and case.inputs.bias is not None:
-            bias = backend.array_in(case.inputs.bias, case.dtype, self.device)  # (B|1, H|1, T, S)
+        given = self._inputs(case)
+        mask, bias = given["mask"], given["bias"] if bias is None else bias
 
         def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
             return module(query=query, key=key, value=value, mask=mask, bias=bias, return_stages=True)
@@ -237,6 +243,22 @@ class TorchMHAAdapter:
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         return backend.inference(case, self.device, self._call(self._module(case), case))
+
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """Every stage of each call of the case's schedule (docs/serving.md) against a hand-written
+        :class:`~.backends.torch.KVCache` in the dtype: each call projects its new key/value rows, turns them
+        at their cache positions, appends them, and attends with its queries over the whole cache (the
+        bottom-right diagonal of n_c rows over L_c keys, the window, the mask's and bias's rows and keys of
+        the call).  Per call: q_proj (q_rot), the cache's k_proj (k_rot) and v_proj, scores, attn_weights,
+        lse, head_outputs, concat, output."""
+        module = self._module(case)
+
+        def step(view: Case, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: backend.KVCache,
+                 q_start: int) -> dict[str, torch.Tensor]:
+            return module(query=query, key=key, value=value, **self._inputs(view), return_stages=True, cache=cache,
+                          q_start=q_start)
+
+        return backend.decode(case, self.device, step)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """Every backward stage by ``torch.autograd``: intermediate stages (q_rot, k_rot, scores …) through

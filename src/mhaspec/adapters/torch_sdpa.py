@@ -73,12 +73,17 @@ class SDPAMultiHeadAttention(backend.FusedAttentionModule):
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        cache: backend.KVCache | None = None,
+        q_start: int = 0,
     ) -> dict[str, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim); attn_mask and
         is_causal as ``F.scaled_dot_product_attention`` takes them (a float mask with sinks).
+        With a ``cache`` (:class:`~.backends.torch.KVCache`): key and value are the rows appended to it,
+        query's first row is row ``q_start`` of the sequence, and SDPA reads the whole cache (S = its length
+        after the append; the mask is then (B|1, H|1, T, S) for those keys).
         Returns the stages it sees: q_proj, k_proj, v_proj, (q_rot, k_rot,) head_outputs, concat, output."""
         cfg = self.config
-        stages, Q, K, V = self.project(query, key, value)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        stages, Q, K, V = self.project(query, key, value, cache, q_start)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
         if self.sink_logits is not None:
             K, V, attn_mask = with_sink_column(K, V, attn_mask, self.sink_logits, Q.shape[2])  # S + 1 keys
         head_outputs = F.scaled_dot_product_attention(
@@ -155,6 +160,23 @@ class TorchSDPAAdapter:
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         return backend.inference(case, self.device, self._call(self._module(case), self._masks(case)))
+
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """The stages of each call of the case's schedule (docs/serving.md) against a hand-written
+        :class:`~.backends.torch.KVCache` in the dtype: each call projects its new key/value rows, turns them
+        at their cache positions, appends them, and calls SDPA with the call's queries and the whole cache.
+        ``is_causal=True`` would align the diagonal top-left within the call (a decode step's one query
+        would see key 0 only), so a call with fewer rows than keys gets the bottom-right mask explicitly
+        (:meth:`_masks` of the call's view: the causal band AND the window AND the mask, the bias and ALiBi
+        as a float mask).  Per call: q_proj (q_rot), the cache's k_proj (k_rot) and v_proj, head_outputs,
+        concat, output."""
+        module = self._module(case)
+
+        def step(view: Case, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: backend.KVCache,
+                 q_start: int) -> dict[str, torch.Tensor]:
+            return module(query=query, key=key, value=value, cache=cache, q_start=q_start, **self._masks(view))
+
+        return backend.decode(case, self.device, step)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``torch.autograd`` through SDPA's own backward: the projections'

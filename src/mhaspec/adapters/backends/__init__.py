@@ -13,6 +13,9 @@ names for the same jobs, where the framework has the job (``tests/test_backends.
 * ``weights_in(weights, …)`` / ``weights_out(params)`` — canonical weights to the framework's
   parameters (torch's state dict, ONNX initializers, Flax's tree) and back.
 
+A case with a schedule (docs/serving.md) is fed call by call to an adapter's ``decode(case)``:
+:func:`call_view` is the case as one call sees it, the geometry its masks and biases are made in.
+
 The query/key/value aliasing is :meth:`mhaspec.spec.Case.inputs_as`; the causal band's offset
 is :func:`mhaspec.spec.masks.causal_offset`.
 
@@ -28,6 +31,9 @@ from importlib import resources
 from typing import Any
 
 from mhaspec.protocol.contract import Deviation
+from mhaspec.spec import Case
+from mhaspec.spec.case import Inputs
+from mhaspec.spec.schedule import Call
 
 _FIELDS = ("reason", "case", "dtype", "stage", "rows", "within")
 
@@ -55,3 +61,24 @@ def declared(family: str, key: str, **values: Any) -> list[Deviation]:
             raise ValueError(f"deviations/{family}.json {key!r}: unknown field(s) {', '.join(sorted(unknown))}")
         out.append(Deviation(**{k: v.format(**values) if isinstance(v, str) else v for k, v in entry.items()}))
     return out
+
+
+def call_view(case: Case, call: Call) -> Case:
+    """``case`` as call ``call`` of its schedule sees it: query rows [t0, t1) (T = n_c), key and value
+    rows [0, L_c) (S = L_c: the cache after the call), the mask and the bias on those rows and keys, RoPE's
+    ``query_offset`` moved by t0; no schedule, no d_output.  Aligned bottom-right like the whole case, its
+    causal diagonal, window and ALiBi distances are the whole pass's for these rows (off = L_c − n_c =
+    S − T + t0), so an adapter's code for masks and biases makes a call's unchanged.  Arrays are read-only
+    views of the case's (no copy)."""
+    t0, t1, length = call.t0, call.t1, call.cache
+
+    def rows_keys(x: Any) -> Any:  # (B|1, H|1, T|1, S) -> (B|1, H|1, n_c|1, L_c)
+        return None if x is None else x[:, :, slice(t0, t1) if x.shape[2] > 1 else slice(None), :length]
+
+    ins, cfg = case.inputs, case.config
+    if cfg.rope is not None:
+        cfg = cfg.model_copy(update={"rope": cfg.rope.model_copy(update={"query_offset": cfg.rope.query_offset + t0})})
+    inputs = Inputs(query=ins.query[:, t0:t1], key=ins.key[:, :length], value=ins.value[:, :length],
+                    mask=rows_keys(ins.mask), bias=rows_keys(ins.bias))
+    return case.model_copy(update={"config": cfg, "tgt_len": t1 - t0, "src_len": length, "self_attention": False,
+                                   "inputs": inputs, "d_output": None, "schedule": None})

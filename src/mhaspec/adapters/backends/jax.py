@@ -143,10 +143,11 @@ def tree_in(tree: Any, name: str) -> Any:
     return jax.tree.map(lambda x: array_in(x, name), tree)
 
 
-def keep_mask(case: Case, *, causal: bool = False, window: bool = False) -> jax.Array | None:
+def keep_mask(case: Case, *, causal: bool = False, window: bool = False, keys: int | None = None) -> jax.Array | None:
     """The case's mask (True = may attend: JAX's and Flax's polarity, the spec's), in its own shape
     (B, 1|H, 1|T, S), on the default device; ANDed with the case's causal band (1, 1, T, S) when
-    ``causal`` and with its sliding window's band when ``window``.  Built in numpy: an eager jnp op on
+    ``causal`` and with its sliding window's band when ``window``; with ``keys``, padded to that many
+    keys with False (a preallocated cache's rows not yet filled).  Built in numpy: an eager jnp op on
     each case's new shape would cost one compilation."""
     mask = case.inputs.mask
     bands = [masks.causal_visible(case.config, case.tgt_len, case.src_len) if causal else None,
@@ -154,7 +155,14 @@ def keep_mask(case: Case, *, causal: bool = False, window: bool = False) -> jax.
     for band in bands:
         if band is not None:
             mask = band[None, None] if mask is None else mask & band[None, None]
+    if keys is not None:
+        mask = pad_keys(np.ones((1, 1, 1, case.src_len), dtype=bool) if mask is None else mask, keys, False)
     return array_in(mask)
+
+
+def pad_keys(x: np.ndarray, keys: int, fill: Any) -> np.ndarray:
+    """x (…, S) padded on its last axis with ``fill`` to (…, ``keys``)."""
+    return np.concatenate([x, np.full((*x.shape[:-1], keys - x.shape[-1]), fill, dtype=x.dtype)], axis=-1)
 
 
 def array_out(stages: Any) -> Any:
@@ -295,13 +303,16 @@ def softcap(s: jax.Array, cap: float) -> jax.Array:
     return c * jnp.tanh(s / c)
 
 
-def alibi_in(case: Case) -> jax.Array | None:
+def alibi_in(case: Case, keys: int | None = None) -> jax.Array | None:
     """ALiBi's term −slope_h·|i + off − j| (1, H, T, S) in the accumulator (float32 for the 16-bit dtypes), on
-    the default device (call inside :func:`computing_in`), or None without ALiBi.  Made in numpy
-    (``mhaspec.spec.variant_ops.alibi``, float64, rounded once to the accumulator) and handed over by
-    ``device_put``, like the mask: no compilation per shape."""
+    the default device (call inside :func:`computing_in`), or None without ALiBi; with ``keys``, padded to
+    that many keys with 0.  Made in numpy (``mhaspec.spec.variant_ops.alibi``, float64, rounded once to the
+    accumulator) and handed over by ``device_put``, like the mask: no compilation per shape."""
     term = variant_ops.alibi(case.config, case.T, case.S, case.T)  # (H, T, S)
-    return None if term is None else jax.device_put(term[None].astype(accumulator(case.dtype)))
+    if term is None:
+        return None
+    term = term[None] if keys is None else pad_keys(term[None], keys, 0.0)  # (1, H, T, S | keys)
+    return jax.device_put(term.astype(accumulator(case.dtype)))
 
 
 def score_bias(bias: jax.Array | None, alibi: jax.Array | None, acc: Any) -> jax.Array | None:

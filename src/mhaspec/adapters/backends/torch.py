@@ -19,6 +19,7 @@ import torch
 
 from ...spec import Case, Weights, masks, variant_ops
 from ...spec.stages import BACKWARD_STAGES, STAGE
+from . import call_view
 from .numpy import sum_to_shape
 from .numpy import weights_in as canonical
 
@@ -261,11 +262,13 @@ def rope(x: torch.Tensor, heads: int, positions: torch.Tensor, config: Any) -> t
     return torch.cat((turned, passing), dim=-1).reshape(B, L, F)
 
 
-def rope_qk(config: Any, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qk(config: Any, q: torch.Tensor, k: torch.Tensor, q_start: int = 0, k_start: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot (B, T, H·D_k), k_rot (B, S, H_kv·D_k)): q_proj and k_proj turned at the case's positions
-    (query_offset + i, key_offset + j: :func:`mhaspec.spec.variant_ops.rope_positions`)."""
-    q_pos, k_pos = (torch.from_numpy(p).to(q.device)
-                    for p in variant_ops.rope_positions(config, q.shape[1], k.shape[1]))
+    (query_offset + q_start + i, key_offset + k_start + j: :func:`mhaspec.spec.variant_ops.rope_positions`;
+    the starts are a call's first query row and the cache length before it, 0 in a whole pass)."""
+    q_pos, k_pos = variant_ops.rope_positions(config, q.shape[1], k.shape[1], row_offset=q_start)
+    q_pos, k_pos = (torch.from_numpy(p).to(q.device) for p in (q_pos, k_pos + k_start))
     return rope(q, config.H, q_pos, config), rope(k, config.H_kv, k_pos, config)
 
 
@@ -320,23 +323,98 @@ class FusedAttentionModule(torch.nn.Module):
         self.out_proj = torch.nn.Linear(cfg.H * cfg.D_v, cfg.d_out, bias=cfg.bias, **factory)  # W^O
         self.sink_logits = torch.nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
 
-    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: KVCache | None = None,
+                q_start: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj,
-        v_proj, and q_rot, k_rot with RoPE; Q (B, H, T, D_k), K (B, H_kv, S, D_k), V (B, H_kv, S, D_v))."""
-        cfg = self.config
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        stages: dict[str, torch.Tensor] = {}
-        q = stages["q_proj"] = self.q_proj(query)  # (B, T, H·D)
-        k = stages["k_proj"] = self.k_proj(key)  # (B, S, G·D)
-        v = stages["v_proj"] = self.v_proj(value)  # (B, S, G·E)
-        if cfg.rope is not None:
-            q, k = stages["q_rot"], stages["k_rot"] = rope_qk(cfg, q, k)
-        return (stages, q.view(B, T, cfg.H, cfg.D_k).transpose(1, 2), k.view(B, S, cfg.H_kv, cfg.D_k).transpose(1, 2),
-                v.view(B, S, cfg.H_kv, cfg.D_v).transpose(1, 2))
+        v_proj, and q_rot, k_rot with RoPE; Q (B, H, T, D_k), K (B, H_kv, S, D_k), V (B, H_kv, S, D_v))
+        (:func:`project`; with a ``cache``, the key-side stages, K and V are the whole cache's)."""
+        stages, q, k, v = project(self, self.config, query, key, value, cache, q_start)
+        return stages, *split_heads(self.config, q, k, v)
 
     def merge(self, head_outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """head_outputs (B, H, T, D_v) -> the stages head_outputs, concat (B, T, H·D_v) and output (B, T, d_out)."""
         B, H, T, E = head_outputs.shape
         concat = head_outputs.transpose(1, 2).reshape(B, T, H * E)  # (B, T, H·E)
         return {"head_outputs": head_outputs, "concat": concat, "output": self.out_proj(concat)}
+
+
+# -- a call of a schedule against the adapter's own KV cache (docs/serving.md) -------------------------------
+
+#: the key-side stages a :class:`KVCache` holds, each (B, L, ·), L the rows fed so far
+CACHED = ("k_proj", "k_rot", "v_proj")
+
+
+class KVCache:
+    """A hand-written KV cache: the projected keys ``k_proj`` (B, L, H_kv·D_k), with RoPE the turned keys
+    ``k_rot`` (what attention reads; k_proj is kept beside them so that a call can return the cache's
+    contents at every key-side stage), and the values ``v_proj`` (B, L, H_kv·D_v), in the dtype, of the L
+    key rows fed so far; each call appends its new rows along L (``torch.cat``)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, torch.Tensor] = {}
+
+    @property
+    def length(self) -> int:
+        """L, the key rows in the cache."""
+        return 0 if not self.stages else self.stages["k_proj"].shape[1]
+
+    def append(self, new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new rows' key-side stages (B, n, ·) appended -> the whole cache (B, L + n, ·) by stage name."""
+        for name in CACHED:
+            if name in new:
+                held = self.stages.get(name)
+                self.stages[name] = new[name] if held is None else torch.cat((held, new[name]), dim=1)
+        return dict(self.stages)
+
+
+def project(module: torch.nn.Module, config: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            cache: KVCache | None = None, q_start: int = 0
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``module``'s four projections' first three (``q_proj``, ``k_proj``, ``v_proj``) and RoPE: query
+    (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj, v_proj, with RoPE
+    q_rot and k_rot; q (B, T, H·D_k), k (B, S, H_kv·D_k), v (B, S, H_kv·D_v), what attention reads).
+
+    With a ``cache``, key and value are the rows a call appends: they are turned at their cache positions
+    (from ``cache.length``), the queries at ``q_start`` (the call's first row), and the key-side stages,
+    k and v are the whole cache after the append (B, L, ·)."""
+    stages: dict[str, torch.Tensor] = {}
+    q = stages["q_proj"] = module.q_proj(query)  # (B, T, H·D)
+    stages["k_proj"] = module.k_proj(key)  # (B, S, G·D)
+    stages["v_proj"] = module.v_proj(value)  # (B, S, G·E)
+    if config.rope is not None:
+        q, stages["k_rot"] = rope_qk(config, q, stages["k_proj"], q_start, 0 if cache is None else cache.length)
+        stages["q_rot"] = q
+    if cache is not None:
+        stages.update(cache.append(stages))  # (B, L, ·)
+    k = stages["k_rot"] if config.rope is not None else stages["k_proj"]
+    return stages, q, k, stages["v_proj"]
+
+
+def split_heads(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, T, H·D_k), k (B, S, H_kv·D_k), v (B, S, H_kv·D_v) -> Q (B, H, T, D_k), K (B, H_kv, S, D_k),
+    V (B, H_kv, S, D_v): head h owns features [h·D, (h+1)·D)."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    return (q.view(B, T, config.H, config.D_k).transpose(1, 2), k.view(B, S, config.H_kv, config.D_k).transpose(1, 2),
+            v.view(B, S, config.H_kv, config.D_v).transpose(1, 2))
+
+
+#: ``step(view, query, key, value, cache, q_start)`` of an adapter: one call's stage tensors by name —
+#: ``view`` the case as the call sees it (:func:`mhaspec.adapters.backends.call_view`: its masks and
+#: biases), query (B, n_c, d_model) the call's rows, key and value the rows it appends to ``cache``,
+#: q_start its first query row
+DecodeStep = Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, int], dict[str, torch.Tensor]]
+
+
+def decode(case: Case, device: torch.device | str, step: DecodeStep) -> list[dict[str, np.ndarray]]:
+    """The stages of each call of ``case``'s schedule (:meth:`mhaspec.spec.Case.calls`), in order, under
+    ``inference_mode`` against one :class:`KVCache`: call c gives ``step`` query rows [t0, t1) and key/value
+    rows [L_(c−1), L_c) (call 0: the past too, [0, L_0)) in the case's dtype; back as NumPy."""
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device))
+    cache, out = KVCache(), []
+    with torch.inference_mode():
+        for call in case.calls():
+            new = slice(cache.length, call.cache)  # the key rows this call appends
+            stages = step(call_view(case, call), query[:, call.t0:call.t1], key[:, new], value[:, new], cache, call.t0)
+            out.append({name: array_out(t) for name, t in stages.items()})
+    return out
