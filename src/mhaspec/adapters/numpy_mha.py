@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import Case, MHAConfig, masks
-from ..spec.schedule import Call
+from ..spec.schedule import Call, call_rows
 from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
 from ..spec.variants import VARIANTS, alibi_slope_values
@@ -208,21 +208,13 @@ class KVCache:
         return {name: a[:, : self.length].copy() for name, a in self.arrays.items()}
 
 
-def call_rows(x: np.ndarray | None, t0: int, t1: int, keys: int) -> np.ndarray | None:
-    """A (B|1, H|1, T|1, S) input (the mask, the score bias) restricted to query rows [t0, t1) and the
-    keys [0, keys) of a call (an axis of length 1 broadcasts and stays)."""
-    if x is None:
-        return None
-    rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
-    return x[:, :, rows, :keys] if x.shape[3] > 1 else x[:, :, rows]
-
-
-def decode_call(case: Case, cache: KVCache, t0: int, t1: int, cache_len: int) -> dict[str, np.ndarray]:
+def decode_call(case: Case, cache: KVCache, call: Call) -> dict[str, np.ndarray]:
     """One call: query rows [t0, t1) of the case, the key/value rows [cache.length, cache_len) appended
     to the cache (projected, turned by RoPE at their cache positions), then the rows attend to the
     whole cache, aligned bottom-right to its length -> the call's stages (the cache's after it)."""
     cfg, w = case.config, case.weights
     dt, acc = precision(case.dtype)
+    t0, t1, cache_len = call.t0, call.t1, call.cache
     n, new = t1 - t0, slice(cache.length, cache_len)
     q = project(case.inputs.query[:, t0:t1], w.w_q, w.b_q, dt, acc)  # (B, n, H·D_k)
     rows = {"k_proj": project(case.inputs.key[:, new], w.w_k, w.b_k, dt, acc),  # (B, new, H_kv·D_k)
@@ -235,10 +227,10 @@ def decode_call(case: Case, cache: KVCache, t0: int, t1: int, cache_len: int) ->
     cache.append(rows)
     held = cache.contents()
     out.update(held)
-    allowed = masks.visibility(cfg, call_rows(case.inputs.mask, t0, t1, cache_len), case.batch, n, cache_len)
+    allowed = masks.visibility(cfg, call_rows(case.inputs.mask, call), case.batch, n, cache_len)
     distance = None if alibi_slope_values(cfg) is None else alibi_distance(cfg, n, cache_len, n)  # (n, L)
     attended, _ = attend(case, q, held.get("k_rot", held["k_proj"]), held["v_proj"], allowed,
-                         call_rows(case.inputs.bias, t0, t1, cache_len), distance)
+                         call_rows(case.inputs.bias, call), distance)
     out.update(attended)
     return out
 
@@ -252,7 +244,7 @@ def decode_calls(case: Case, calls: Sequence[Call]) -> list[dict[str, np.ndarray
     if cfg.rope is not None:
         shapes["k_rot"] = shapes["k_proj"]
     cache = KVCache(shapes, dt)
-    return [decode_call(case, cache, call.t0, call.t1, call.cache) for call in calls]
+    return [decode_call(case, cache, call) for call in calls]
 
 
 class NumpyMHA:

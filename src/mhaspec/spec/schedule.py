@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
+import numpy as np
+
 CallKind = Literal["prefill", "decode", "chunk"]
 
 
@@ -48,6 +50,15 @@ def schedule_calls(schedule: Sequence[int], tgt_len: int, src_len: int) -> list[
         calls.append(Call(t0, t1, past + t1, call_kind(index, rows)))
         t0 = t1
     return calls
+
+
+def call_rows(x: np.ndarray | None, call: Call) -> np.ndarray | None:
+    """A (B|1, H|1, T|1, S) case input (the mask, the score bias) as ``call`` sees it: query rows
+    [t0, t1) and keys [0, L_c) (an axis of length 1 broadcasts and stays); a view, no copy."""
+    if x is None:
+        return None
+    rows = slice(call.t0, call.t1) if x.shape[2] > 1 else slice(None)
+    return x[:, :, rows, :call.cache]
 
 
 def call_label(index: int, call: Call, of: int) -> str:

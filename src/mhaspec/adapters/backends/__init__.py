@@ -33,7 +33,7 @@ from typing import Any
 from mhaspec.protocol.contract import Deviation
 from mhaspec.spec import Case
 from mhaspec.spec.case import Inputs
-from mhaspec.spec.schedule import Call
+from mhaspec.spec.schedule import Call, call_rows
 
 _FIELDS = ("reason", "case", "dtype", "stage", "rows", "within")
 
@@ -71,14 +71,10 @@ def call_view(case: Case, call: Call) -> Case:
     S − T + t0), so an adapter's code for masks and biases makes a call's unchanged.  Arrays are read-only
     views of the case's (no copy)."""
     t0, t1, length = call.t0, call.t1, call.cache
-
-    def rows_keys(x: Any) -> Any:  # (B|1, H|1, T|1, S) -> (B|1, H|1, n_c|1, L_c)
-        return None if x is None else x[:, :, slice(t0, t1) if x.shape[2] > 1 else slice(None), :length]
-
     ins, cfg = case.inputs, case.config
     if cfg.rope is not None:
         cfg = cfg.model_copy(update={"rope": cfg.rope.model_copy(update={"query_offset": cfg.rope.query_offset + t0})})
     inputs = Inputs(query=ins.query[:, t0:t1], key=ins.key[:, :length], value=ins.value[:, :length],
-                    mask=rows_keys(ins.mask), bias=rows_keys(ins.bias))
+                    mask=call_rows(ins.mask, call), bias=call_rows(ins.bias, call))
     return case.model_copy(update={"config": cfg, "tgt_len": t1 - t0, "src_len": length, "self_attention": False,
                                    "inputs": inputs, "d_output": None, "schedule": None})
