@@ -13,15 +13,25 @@ from __future__ import annotations
 from typing import Any
 
 import mhaspec
+from mhaspec.spec import CATALOG
 
 _REPORTS: dict[tuple[int, str, bool], tuple[Any, Any]] = {}
 
+#: The catalog's cases without a schedule: those an implementation without ``decode(case)`` is judged on
+#: (a schedule case is ``unsupported`` there; the decode zoo proves the schedule cases: test_decode_proofs).
+WITHOUT_SCHEDULE = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is None]
+
+
+def judged_cases(adapter: Any) -> list[str]:
+    """The catalog cases ``adapter`` is judged on: every case with ``decode``, else :data:`WITHOUT_SCHEDULE`."""
+    return CATALOG.ids() if callable(getattr(adapter, "decode", None)) else WITHOUT_SCHEDULE
+
 
 def report_of(adapter: Any, precision: str = "standard", backward: bool = False) -> Any:
-    """``mhaspec.check(adapter, timeout=None, precision=..., backward=..., isolate=False)``, run once
-    per session."""
+    """``mhaspec.check(adapter, cases=judged_cases(adapter), timeout=None, precision=..., backward=...,
+    isolate=False)``, run once per session."""
     key = (id(adapter), precision, backward)
     if key not in _REPORTS:  # the adapter is kept with its report: its id is never reused
-        _REPORTS[key] = (adapter, mhaspec.check(adapter, timeout=None, precision=precision, backward=backward,
-                                                isolate=False))
+        _REPORTS[key] = (adapter, mhaspec.check(adapter, cases=judged_cases(adapter), timeout=None,
+                                                precision=precision, backward=backward, isolate=False))
     return _REPORTS[key][1]
