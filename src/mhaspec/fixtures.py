@@ -364,8 +364,7 @@ def _check_header(header: dict[str, Any], path: Path, spec: CaseSpec, data_size:
     names = set(header) - {"__metadata__"}
     missing, extra = sorted(set(shapes) - names), sorted(names - set(shapes))
     if missing or extra:
-        hint = FORWARD_ONLY_HINT if not extra and "grad.d_output" in missing and variants_used(spec) else ""
-        raise FixtureError(f"{path}: tensors do not match case {spec.id}: missing {missing}, unexpected {extra}{hint}")
+        raise FixtureError(f"{path}: tensors do not match case {spec.id}: missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
         info = header[name]
         if not isinstance(info, dict):

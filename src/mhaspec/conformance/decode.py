@@ -55,7 +55,7 @@ def _input_keys(name: str, x: np.ndarray, cache: int) -> np.ndarray:
     return x
 
 
-def call_rows(golden: GoldenCase, b: int, t0: int, t1: int, last: dict[Any, GoldenCase] | None = None) -> GoldenCase:
+def golden_rows(golden: GoldenCase, b: int, t0: int, t1: int, last: dict[Any, GoldenCase] | None = None) -> GoldenCase:
     """Batch entry b's golden rows [t0, t1), every key (:func:`block_case`).
 
     A case made one block of rows at a time (fixtures.RowBlocks) computes the blocks of ``block_rows``
@@ -84,7 +84,7 @@ def call_view(golden: GoldenCase, b: int, call: Call, last: dict[Any, GoldenCase
     case's), of which these are the last rows.  ``rows``: only the call's rows [r0, r1) (a large call is
     judged in blocks of rows, :func:`row_chunks`), with ``row_offset`` r0."""
     r0, r1 = rows or (call.t0, call.t1)
-    rows = call_rows(golden, b, r0, r1, last)
+    rows = golden_rows(golden, b, r0, r1, last)
     error = rows.reference_error
     return dataclasses.replace(
         rows,
@@ -184,7 +184,7 @@ def judge_call(golden: GoldenCase, call: Call, returned: Mapping[str, Any],
                judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
                last: dict[Any, GoldenCase] | None = None) -> list[StageResult]:
     """One call's stage results: each batch entry's view (block by block of rows, :func:`row_chunks`)
-    judged by ``judge``, merged in pipeline order (``last``: :func:`call_rows`'s).  The key side (the
+    judged by ``judge``, merged in pipeline order (``last``: :func:`golden_rows`'s).  The key side (the
     cache) is judged in the first block of each batch entry, its bounds shared by the others."""
     arrays, failed = _shape_failures(returned, expected_shapes(golden, call), call)
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
