@@ -322,3 +322,20 @@ def test_a_long_call_is_judged_in_blocks_of_rows_with_the_same_verdicts(monkeypa
                 assert next(s for s in blocked[1] if s.stage == "output").worst_index[1] == 7  # case row 7
     finally:
         session.close()
+
+
+def test_a_bias_shared_by_the_batch_reaches_every_batch_entry_s_calls(tmp_path):
+    """Found by `mhaspec fuzz --serving`: the view of batch entry b >= 1 cut a (1, H|1, T, S) bias to no
+    entry at all, and judging the call raised."""
+    from mhaspec.reference.onthefly import OnTheFlyGolden
+    from mhaspec.spec.case import input_rows
+
+    bias = np.arange(2 * 3 * 4, dtype=np.float64).reshape(1, 2, 3, 4)
+    assert np.array_equal(input_rows("bias", bias, 1, 1, 3), bias[:, :, 1:3])
+    spec = {"id": "shared_bias_decode", "config": {"d_model": 8, "num_heads": 2, "causal": True,
+            "causal_alignment": "bottom_right"}, "batch": 2, "tgt_len": 3, "src_len": 5, "seed": 1,
+            "inputs": "distinct", "bias": {"per_batch": False, "per_head": True}, "schedule": [2, 1]}
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps([spec]))
+    report = mhaspec.check("numpy", dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
+    assert [r.verdict for r in report.results] == ["pass"], report.results[0].message

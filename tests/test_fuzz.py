@@ -102,3 +102,32 @@ def test_variant_bugs_are_found_and_shrunk_to_the_variant_they_need(bug, variant
     path.write_text(outcome.catalog_json())
     report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
     assert [r.first_failing_stage for r in report.results] == [outcome.results[0].first_failing_stage]
+
+
+def test_fuzz_serving_draws_schedules_and_numpy_passes():
+    judged = []
+    outcome = fuzz("numpy", examples=40, seed=0, dtypes=["float32"], serving=True,
+                   progress=lambda spec, _: judged.append(spec))
+    assert not outcome.found and outcome.examples == 40
+    assert all(spec.schedule is not None and sum(spec.schedule) == spec.tgt_len for spec in judged)
+    assert any(len(spec.schedule) > 2 for spec in judged) and any(1 in spec.schedule[1:] for spec in judged)
+
+
+@pytest.mark.parametrize("bug, stage", [("offset_ignored", None), ("appended_twice", "k_proj"),
+                                        ("rope_restart", "q_rot"), ("window_from_call_start", None)])
+def test_decode_bugs_are_found_and_shrunk_to_a_short_schedule(bug, stage, tmp_path):
+    from .decode_zoo import KILL_LIST
+
+    adapter = KILL_LIST[bug]
+    outcome = fuzz(adapter, examples=150, seed=0, dtypes=["float32"], serving=True)
+    assert outcome.found, bug
+    spec, result = outcome.spec, outcome.results[0]
+    assert spec.schedule is not None and spec.batch == 1 and spec.tgt_len <= 2 and len(spec.schedule) <= 2, spec
+    assert result.message.startswith(f"call {len(spec.schedule) if bug != 'offset_ignored' else 1} of"), result.message
+    if stage is not None:
+        assert result.first_failing_stage == stage, result
+    path = tmp_path / "case.json"
+    path.write_text(outcome.catalog_json())
+    assert json.loads(path.read_text())[0]["schedule"] == list(spec.schedule)
+    report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
+    assert [r.first_failing_stage for r in report.results] == [result.first_failing_stage]

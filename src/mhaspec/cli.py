@@ -110,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         help="judge an adapter on random configurations (hypothesis); shrink a failure to a minimal case",
         description="Draw random MHA configurations (sizes including 1, T != S and T = S, head sizes 1-256, "
         "GQA/MQA, kdim/vdim, bias, causal in both alignments, masks with fully masked rows, self-/cross-attention "
-        "with key = value or distinct), compute each with the fast float64 reference and judge it like a catalog "
-        "case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
+        "with key = value or distinct, the attention variants, schedules of calls against a KV cache), compute "
+        "each with the fast float64 reference and judge it like a catalog case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
         "and print it as catalog JSON that `mhaspec run ADAPTER --catalog FILE.json` reproduces. Needs the "
         "extra `fuzz` (hypothesis).",
         epilog="exit codes: 0 nothing found, 1 a non-conformance found (printed), 2 bad usage or bad input",
@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="largest query/key length T, S (default 24); head sizes go up to 256")
     fz.add_argument("--dtype", action="append", metavar="DTYPE",
                     help="dtypes to judge each case in; repeat or comma-separate (default: all four)")
+    fz.add_argument("--serving", action="store_true",
+                    help="every case has a schedule (prefill, decode steps, chunks against the adapter's KV cache), "
+                    "judged call by call through its decode(case) (docs/serving.md); a failure shrinks to fewer calls")
     fz.add_argument("--device", help="device for adapters that take one")
     fz.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                     help="per-case timeout for the adapter (default 300; 0 = none)")
@@ -312,7 +315,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for item in args.dtype for d in item.split(",") if d.strip()] if args.dtype else None
     start = time.perf_counter()
     outcome = fuzz(args.adapter, examples=args.examples, seed=args.seed, dtypes=dtypes, max_len=args.max_size,
-                   timeout=args.timeout or None, device=args.device)
+                   timeout=args.timeout or None, device=args.device, serving=args.serving)
     took = time.perf_counter() - start
     judged = f"{outcome.examples} case(s) judged, {outcome.rejected} refused by supports(), seed {args.seed}, {took:.1f} s"
     if not outcome.found:

@@ -8,7 +8,10 @@ memory tensor (key = value) or three distinct inputs, custom scales; and the
 attention variants of docs/spec.md §2a that are judged (windows of 0 to S + 1
 keys, softcap, standard and custom ALiBi, an additive bias input, sinks, RoPE in
 both styles with partial rotary_dim and position offsets), each off unless drawn
-on, so that a shrunk case keeps only the variants its failure needs.  Each is
+on, so that a shrunk case keeps only the variants its failure needs; and the serving
+layouts of docs/serving.md: a schedule of calls against the adapter's KV cache (judged
+through ``decode(case)``; an adapter without it reports such a case unsupported, which is
+then not an example), shrunk towards fewer calls.  Each is
 computed by the fast reference (:mod:`mhaspec.reference.onthefly`) and judged
 through the same :class:`~mhaspec.conformance.Session` as ``mhaspec run``.
 
@@ -44,8 +47,10 @@ def _hypothesis() -> Any:
 
 
 def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_head_dim: int = 256,
-               max_features: int = 512) -> Any:
+               max_features: int = 512, serving: bool = False) -> Any:
     """A hypothesis strategy of valid :class:`CaseSpec` (id ``fuzz``).
+
+    ``serving``: every case has a schedule (docs/serving.md), so causal aligned bottom-right with S >= T.
 
     Shrinks towards one batch entry, T = S = 1, one head, head_dim 1, no bias,
     no mask, self-attention, seed 0.  ``max_features`` caps H·D_k and every
@@ -71,7 +76,9 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
         config["bias"] = draw(st.booleans())
         if draw(st.booleans()):
             config["scale"] = draw(st.sampled_from([0.125, 0.5, 1.0, 0.3, 2.0]))
-        if draw(st.booleans()):
+        if serving:
+            config.update(causal=True, causal_alignment="bottom_right")
+        elif draw(st.booleans()):
             config.update(causal=True, causal_alignment=draw(st.sampled_from(["top_left", "bottom_right"])))
 
         inputs = draw(st.sampled_from(["self", "distinct", "shared_kv"]))
@@ -79,7 +86,7 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
         if inputs == "self":
             S = T
         else:
-            S = T if draw(st.booleans()) else draw(st.integers(1, max_len))
+            S = T if draw(st.booleans()) else draw(st.integers(T if serving else 1, max_len + (T if serving else 0)))
             features = st.integers(1, min(64, max_features))
             if inputs == "shared_kv":
                 if draw(st.booleans()):
@@ -104,10 +111,11 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
         if judged("bias") and draw(st.booleans()):
             bias = BiasSpec(per_batch=draw(st.booleans()), per_head=draw(st.booleans()),
                             exponent=draw(st.sampled_from([4, 2, 6])))
+        layout = draw_serving(draw, st, config, T, S, always=serving)
         return CaseSpec(
             id="fuzz", description="found by mhaspec fuzz", config=MHAConfig(**config),
             batch=batch, tgt_len=T, src_len=S, inputs=inputs, mask=mask,
-            seed=draw(st.integers(0, 1000)), weight_shift=draw(st.integers(-1, 1)), bias=bias,
+            seed=draw(st.integers(0, 1000)), weight_shift=draw(st.integers(-1, 1)), bias=bias, **layout,
         )
 
     return draw_spec()
@@ -147,6 +155,25 @@ def draw_variants(draw: Callable[[Any], Any], st: Any, H: int, D_k: int, S: int)
     return out
 
 
+def draw_schedule(draw: Callable[[Any], Any], st: Any, T: int) -> tuple[int, ...]:
+    """Rows per call of ``decode(case)`` summing to T (docs/serving.md): the cut points between calls are
+    drawn, so a shrink merges calls (towards one prefill of T rows) and moves cuts; single-row decode
+    steps after a prefill and chunks of several rows both arise."""
+    cuts = sorted(draw(st.lists(st.integers(1, T - 1), unique=True, max_size=min(T - 1, 12)))) if T > 1 else []
+    bounds = [0, *cuts, T]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def draw_serving(draw: Callable[[Any], Any], st: Any, config: dict[str, Any], T: int, S: int,
+                 always: bool = False) -> dict[str, Any]:
+    """The serving layout of the case (docs/serving.md), off unless a boolean says on (or ``always``): a
+    schedule where the case allows one (causal aligned bottom-right, S >= T)."""
+    allowed = config.get("causal") and config.get("causal_alignment") == "bottom_right" and S >= T
+    if allowed and (always or draw(st.booleans())):
+        return {"schedule": draw_schedule(draw, st, T)}
+    return {}
+
+
 @dataclass
 class FuzzOutcome:
     """What a fuzz run found: nothing (``spec`` None), or a shrunk failing case and its verdicts."""
@@ -184,13 +211,15 @@ def fuzz(
     dtypes: Iterable[str] | str | None = None,
     max_len: int = 24,
     timeout: float | None = None,
+    serving: bool = False,
     progress: Callable[[CaseSpec, list[Any]], None] | None = None,
     **options: Any,
 ) -> FuzzOutcome:
     """Judge ``examples`` random cases; on a find, shrink it and return it (deterministic per ``seed``).
 
     ``adapter`` is anything :class:`~mhaspec.conformance.Session` takes; one session (one
-    worker process) judges every example.
+    worker process) judges every example.  ``serving``: every case has a schedule, judged call by call
+    through the adapter's ``decode(case)`` (docs/serving.md).
     """
     hypothesis = _hypothesis()
     from .conformance import Session
@@ -230,7 +259,7 @@ def fuzz(
         suppress_health_check=list(hypothesis.HealthCheck), verbosity=hypothesis.Verbosity.quiet,
     )
     @hypothesis.seed(seed)
-    @hypothesis.given(case_specs(max_len=max_len))
+    @hypothesis.given(case_specs(max_len=max_len, serving=serving))
     def check(spec: CaseSpec) -> None:
         if refused(spec):
             outcome.rejected += 1
