@@ -66,6 +66,9 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "keras.layers.MultiHeadAttention with return_attention_scores=True"),
         BuiltinAdapter("keras-dpa", "mhaspec.adapters.keras_dpa:KerasDPAAdapter", "keras",
                        "keras.ops.dot_product_attention between keras.ops projections (TensorFlow backend)"),
+        BuiltinAdapter("keras-hub-cached", "mhaspec.adapters.keras_hub_cached:KerasHubCachedAdapter", "keras_hub",
+                       "keras_hub.layers.CachedMultiHeadAttention: decode through its cache, keras-hub's causal mask",
+                       requires=("keras",)),
         BuiltinAdapter("tensorflow", "mhaspec.adapters.tf_ops:TensorFlowMHAAdapter", "tensorflow",
                        "MHA written with plain TensorFlow ops, every stage"),
         BuiltinAdapter("jax", "mhaspec.adapters.jax_numpy:JaxMHAAdapter", "jax",
@@ -198,6 +201,7 @@ def load_adapter(ref: Any, **options: Any) -> Any:
 EXTRA_OF_MODULE = {
     "torch": "torch",
     "tensorflow": "tensorflow", "keras": "tensorflow",
+    "keras_hub": "serving", "transformers": "serving",
     "jax": "jax", "jaxlib": "jax", "flax": "jax",
     "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "onnx_ir": "onnx",
     "numpy": "bf16", "ml_dtypes": "bf16",
