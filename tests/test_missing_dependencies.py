@@ -70,7 +70,7 @@ def test_every_builtin_adapters_modules_map_to_an_extra_that_exists(name):
         hint = missing_hint([module], builtin)
         extra = hint.split("mhaspec[")[1].split("]")[0]
         assert extra in extras, (module, hint)
-        distribution = {"tensorflow": "tensorflow-cpu"}.get(module, module)
+        distribution = {"tensorflow": "tensorflow-cpu", "keras_hub": "keras-hub"}.get(module, module)
         if module != "numpy":  # numpy is a core dependency; bf16 is ml_dtypes for its bfloat16
             assert any(req.split("=")[0].split(">")[0].split("<")[0].split("[")[0] == distribution
                        for req in extras[extra]), (module, extra, extras[extra])

@@ -96,7 +96,7 @@ class KerasHubCachedAdapter:
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         with self._lock:
-            return layer_run(cached_layer(case), case)
+            return layer_run(cached_layer(case), case, causal_in_mask=True)  # the layer has no use_causal_mask
 
     def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
         """Each call of the schedule through the layer's cache (the module docstring)."""

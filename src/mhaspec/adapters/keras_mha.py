@@ -251,17 +251,19 @@ def tapped_layer(config: MHAConfig, dtype: str) -> tuple[Any, dict[str, Any]]:
     return layer, taps
 
 
-def layer_run(layer: Any, case: Case, return_attention_scores: bool = False) -> dict[str, np.ndarray]:
+def layer_run(layer: Any, case: Case, return_attention_scores: bool = False, causal_in_mask: bool = False
+              ) -> dict[str, np.ndarray]:
     """One call of a built layer holding the case's weights on the whole case, as production code calls it
-    (:func:`keras_masks`): ``output`` (and ``attn_weights`` with ``return_attention_scores``), and
+    (:func:`keras_masks`; with ``causal_in_mask`` the causal band is in ``attention_mask``, for a layer without
+    ``use_causal_mask``): ``output`` (and ``attn_weights`` with ``return_attention_scores``), and
     ``q_proj``/``k_proj``/``v_proj`` from its own projection sublayers."""
     query, tensors = _layer_inputs(case)
-    attention_mask, use_causal_mask = keras_masks(case)
-    result = layer(
-        query=query, **tensors,
-        attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-        return_attention_scores=return_attention_scores,
-    )
+    if causal_in_mask:
+        masks = {"attention_mask": keep_mask(case, causal=case.config.causal, heads=False)}
+    else:
+        attention_mask, use_causal_mask = keras_masks(case)
+        masks = {"attention_mask": attention_mask, "use_causal_mask": use_causal_mask}
+    result = layer(query=query, **tensors, **masks, return_attention_scores=return_attention_scores)
     out = {"output": result[0] if return_attention_scores else result}
     if return_attention_scores:
         out["attn_weights"] = result[1]  # (B, H, T, S)
