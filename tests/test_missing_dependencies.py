@@ -46,6 +46,7 @@ def _only_missing(monkeypatch, *absent: str) -> None:
 
 def test_the_extras_commands_name_the_extra_and_never_a_cuda_torch():
     assert install_command(["onnx"]) == "pip install 'mhaspec[onnx]'"
+    assert install_command(["serving"]) == f"pip install 'mhaspec[serving]' --extra-index-url {TORCH_CPU_INDEX}"
     assert install_command(["jax", "jax"]) == "pip install 'mhaspec[jax]'"
     # torch from PyTorch's CPU index: pip prefers 2.13.0+cpu there to PyPI's CUDA 2.13.0
     assert install_command(["torch", "onnx"]) == (

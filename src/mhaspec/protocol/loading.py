@@ -211,6 +211,8 @@ EXTRA_OF_MODULE = {
 #: PyTorch's CPU wheel index: with it pip takes torch's CPU build (``2.13.0+cpu``), without it a CUDA
 #: build of several GB on Linux (README, "Pinned versions")
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: the extras that install torch (``serving``: transformers' adapter runs on it)
+TORCH_EXTRAS = frozenset({"torch", "serving"})
 
 
 def _extra(framework: str) -> str:
@@ -221,7 +223,7 @@ def install_command(extras: Iterable[str]) -> str:
     """The pip command that installs mhaspec's ``extras``; torch from its CPU index, never a CUDA build."""
     extras = list(dict.fromkeys(extras))
     command = f"pip install 'mhaspec[{','.join(extras)}]'"
-    return command + (f" --extra-index-url {TORCH_CPU_INDEX}" if "torch" in extras else "")
+    return command + (f" --extra-index-url {TORCH_CPU_INDEX}" if TORCH_EXTRAS & set(extras) else "")
 
 
 def missing_hint(missing: Iterable[str], builtin: BuiltinAdapter | None = None) -> str:
