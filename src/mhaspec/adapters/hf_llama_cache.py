@@ -39,7 +39,11 @@ LLAMA_NAMES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_
 
 def llama_state_dict(case: Case) -> dict[str, torch.Tensor]:
     """Canonical weights -> ``LlamaAttention``'s state_dict (``o_proj`` for the output projection)."""
-    return {LLAMA_NAMES[k.split(".")[0]] + "." + k.split(".")[1]: v for k, v in backend.weights_in(case.weights).items()}
+    out = {}
+    for name, tensor in backend.weights_in(case.weights).items():  # "q_proj.weight", … "out_proj.bias"
+        linear, param = name.split(".")
+        out[f"{LLAMA_NAMES[linear]}.{param}"] = tensor
+    return out
 
 
 def llama_config(case: Case) -> Any:
@@ -59,7 +63,8 @@ def unsupported_reason(case: Case) -> str | None:
     """Why ``LlamaAttention`` with its cache cannot express ``case`` (None: it can)."""
     c = case.config
     if not case.self_attention:
-        return "LlamaAttention is self-attention: one hidden_states for queries, keys and values; the case has distinct inputs"
+        return ("LlamaAttention is self-attention: one hidden_states for queries, keys and values; "
+                "the case has distinct inputs")
     if not c.causal:
         return "LlamaAttention is a decoder's attention, always causal (create_causal_mask); the case is not causal"
     if c.D_k % 2:
@@ -87,7 +92,8 @@ def padding_mask(case: Case) -> torch.Tensor | None:
     mask = case.inputs.mask
     if mask is None:
         return None
-    return torch.from_numpy(np.array(np.broadcast_to(mask.reshape(mask.shape[0], -1), (case.B, case.S)), dtype=np.int64))
+    keep = np.broadcast_to(mask.reshape(mask.shape[0], -1), (case.B, case.S))  # (B|1, 1, 1, S) -> (B, S)
+    return torch.from_numpy(np.array(keep, dtype=np.int64))
 
 
 def position_embeddings(case: Case, rotary: Any, hidden: torch.Tensor, position_ids: torch.Tensor
@@ -122,23 +128,21 @@ class HFLlamaCacheAdapter:
         return config, layer.to(backend.dtype(case.dtype)).eval(), LlamaRotaryEmbedding(config)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
-        """One call on the whole case without a cache, the model's mask and positions."""
-        from transformers import DynamicCache
-
-        return self._calls(case, [(0, case.T)], lambda config: DynamicCache(config=config))[0]
+        """One call on the whole case (into a fresh cache), the model's mask and positions."""
+        return self._calls(case, [(0, case.T)])[0]
 
     def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
         """Each call of the schedule through one ``DynamicCache`` (the module docstring)."""
+        return self._calls(case, [(call.t0, call.t1) for call in case.calls()])
+
+    def _calls(self, case: Case, rows: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
+        """The stages of calls of query rows [t0, t1) each, in order, through one ``DynamicCache``."""
         from transformers import DynamicCache
-
-        return self._calls(case, [(call.t0, call.t1) for call in case.calls()], lambda config: DynamicCache(config=config))
-
-    def _calls(self, case: Case, rows: list[tuple[int, int]], new_cache: Any) -> list[dict[str, np.ndarray]]:
         from transformers.masking_utils import create_causal_mask
 
         config, layer, rotary = self._layer(case)
         hidden_states = backend.array_in(case.inputs.query, case.dtype)  # (B, T, d_model)
-        padding, cache = padding_mask(case), new_cache(config)
+        padding, cache = padding_mask(case), DynamicCache(config=config)
         key_stage = "k_rot" if case.config.rope is not None else "k_proj"
         out = []
         with torch.inference_mode():

@@ -112,7 +112,8 @@ class KerasHubCachedAdapter:
                                  attention_mask=call_mask(case, call), cache=cache, cache_update_index=written)
                 written = call.cache
                 out.append({"q_proj": heads_merged(layer._query_dense(query[:, call.t0:call.t1])),
-                            "output": array_out(y),
-                            "k_proj": heads_merged(cache[:, 0, :written]), "v_proj": heads_merged(cache[:, 1, :written])})
+                            "output": array_out(y),  # (B, n_c, d_out)
+                            "k_proj": heads_merged(cache[:, 0, :written]),  # the written rows (B, L_c, H·D_k)
+                            "v_proj": heads_merged(cache[:, 1, :written])})
             return out
 

@@ -151,13 +151,14 @@ def attention_model(
         attrs["scale"] = float(cfg.scale)  # type: ignore[arg-type]
     core = ["q_proj", "k_proj", "v_proj"] + (["attn_mask"] if mask_shape is not None else [])
     present, present_mode0 = ["", ""], ["", ""]
-    if past_len is not None:  # the op's KV cache: past in, present (past ++ the S new rows) out (onnxruntime
-        core = core + ([] if mask_shape is not None else [""]) + ["past_key", "past_value"]  # refuses a past
-        present, present_mode0 = ["present_key", "present_value"], ["present_key_mode0", "present_value_mode0"]  # without it)
+    if past_len is not None:  # the op's KV cache: past in, present (past ++ the S new rows) out, in both nodes
+        core = core + ([] if mask_shape is not None else [""]) + ["past_key", "past_value"]
+        present = ["present_key", "present_value"]
+        present_mode0 = [f"{name}_mode0" for name in present]  # onnxruntime refuses a past without a present
     nodes.append(helper.make_node("Attention", core, ["concat_mode0", *present_mode0, "scores"],
                                   qk_matmul_output_mode=0, **attrs))  # scores (B, H, T, P + S)
     nodes.append(helper.make_node("Attention", core, ["concat", *present, "attn_weights"],
-                                  qk_matmul_output_mode=3, **attrs))  # attn_weights (B, H, T, P + S), concat (B, T, H·E)
+                                  qk_matmul_output_mode=3, **attrs))  # attn_weights (B, H, T, P + S), concat
 
     # 3. The output projection.
     linear("concat", "w_o", "output")  # (B, T, d_out)
@@ -174,7 +175,8 @@ def attention_model(
         L = past_len + S  # the cache after the call
         shapes.update({s: cfg.stage_shapes(B, T, L)[s] for s in ("scores", "attn_weights")})
         cache = {"key": (B, G, L, cfg.D_k), "value": (B, G, L, cfg.D_v)}
-        inputs += [helper.make_tensor_value_info(f"past_{x}", elem, [B, G, past_len, shape[-1]]) for x, shape in cache.items()]
+        inputs += [helper.make_tensor_value_info(f"past_{x}", elem, [B, G, past_len, shape[-1]])
+                   for x, shape in cache.items()]
     outputs = [helper.make_tensor_value_info(s, elem, list(shapes[s])) for s in GRAPH_STAGES]
     if past_len is not None:
         outputs += [helper.make_tensor_value_info(f"present_{x}", elem, list(shape)) for x, shape in cache.items()]
