@@ -46,6 +46,7 @@ def _only_missing(monkeypatch, *absent: str) -> None:
 
 def test_the_extras_commands_name_the_extra_and_never_a_cuda_torch():
     assert install_command(["onnx"]) == "pip install 'mhaspec[onnx]'"
+    assert install_command(["serving"]) == f"pip install 'mhaspec[serving]' --extra-index-url {TORCH_CPU_INDEX}"
     assert install_command(["jax", "jax"]) == "pip install 'mhaspec[jax]'"
     # torch from PyTorch's CPU index: pip prefers 2.13.0+cpu there to PyPI's CUDA 2.13.0
     assert install_command(["torch", "onnx"]) == (
@@ -70,7 +71,7 @@ def test_every_builtin_adapters_modules_map_to_an_extra_that_exists(name):
         hint = missing_hint([module], builtin)
         extra = hint.split("mhaspec[")[1].split("]")[0]
         assert extra in extras, (module, hint)
-        distribution = {"tensorflow": "tensorflow-cpu"}.get(module, module)
+        distribution = {"tensorflow": "tensorflow-cpu", "keras_hub": "keras-hub"}.get(module, module)
         if module != "numpy":  # numpy is a core dependency; bf16 is ml_dtypes for its bfloat16
             assert any(req.split("=")[0].split(">")[0].split("<")[0].split("[")[0] == distribution
                        for req in extras[extra]), (module, extra, extras[extra])

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PINNED = ("torch", "jax", "jaxlib", "flax", "tensorflow-cpu", "keras", "onnx", "onnxruntime", "onnxscript")
+PINNED = ("torch", "jax", "jaxlib", "flax", "tensorflow-cpu", "keras", "onnx", "onnxruntime", "onnxscript", "keras-hub",
+          "transformers")
 
 
 def _pins() -> dict[str, str]:
@@ -38,7 +39,7 @@ def upgrade_check():
 def test_constraints_pin_exactly_the_frameworks_tox_and_the_extras_install(upgrade_check):
     pins = _pins()
     assert sorted(pins) == sorted(PINNED)
-    # the upgrade route's groups are the same nine, once each
+    # the upgrade route's groups are the same eleven, once each
     grouped = [d for dists, _ in upgrade_check.GROUPS.values() for d in dists]
     assert sorted(grouped) == sorted(PINNED)
     assert upgrade_check.pins() == pins

@@ -48,6 +48,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "jax": (("jax", "jaxlib", "flax"), frozenset({"jax"})),
     "tensorflow": (("tensorflow-cpu", "keras"), frozenset({"tensorflow"})),
     "torch": (("torch", "onnx", "onnxruntime", "onnxscript"), frozenset({"torch", "onnx"})),
+    "serving": (("keras-hub", "transformers"), frozenset({"serving"})),
 }
 #: dependencies of the frameworks that the pins leave to pip: shown when they move
 ALSO_SHOWN = ("numpy", "ml_dtypes", "onnx-ir", "protobuf", "scipy")

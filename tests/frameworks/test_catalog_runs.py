@@ -27,7 +27,8 @@ from mhaspec.conformance.decode import NO_DECODE
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES
 from mhaspec.spec.variants import variants_used
 
-TORCH, JAX, TF, ONNX = pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx
+TORCH, JAX, TF, ONNX, SERVING = (pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx,
+                                 pytest.mark.serving)
 ALL_BACKWARD = set(BACKWARD_STAGES)
 FUSED_HIDES = {"d_scores", "d_attn_weights"}
 #: the weights nn.MultiheadAttention returns are a view made after its last use: no gradient reaches them
@@ -55,6 +56,8 @@ ADAPTERS = {
     "onnx-reference": (("onnx",), ONNX, None),
     "torch-onnx": (("onnx", "onnxscript", "torch"), ONNX, None),
     "torch-onnx-legacy": (("onnx", "torch"), ONNX, None),
+    "keras-hub-cached": (("keras_hub",), SERVING, None),
+    "hf-llama-cache": (("transformers", "torch"), SERVING, None),
 }
 
 #: What the adapters' docs state about the whole catalog: adapter -> {dtype: the one verdict of every case}.
@@ -83,7 +86,13 @@ UNDECLARED = {"torch-sdpa": {"softcap"}}
 #: The adapters with ``decode(case)`` (docs/serving.md): they pass every schedule case in every dtype; every
 #: other adapter leaves them unsupported, "the adapter has no decode(case) method" (or a variant it does not
 #: declare).  With ``--backward`` a schedule case is judged forward only, and the run says so in one warning.
-DECODERS = {"torch", "torch-sdpa", "jax"}
+DECODERS = {"torch", "torch-sdpa", "jax", "onnxruntime", "onnx-reference", "keras-hub-cached", "hf-llama-cache"}
+#: the decoders whose schedule cases are not all `pass`: the ONNX Attention op declares no variant (RoPE, window:
+#: unsupported), onnxruntime has no bfloat16 kernel and its float64 scale deviation shows in every call, the
+#: reference's bfloat16 softmax in decode_with_past (tests/frameworks/test_onnx.py); the serving layers' limits and
+#: float64 deviations (tests/frameworks/test_serving.py)
+DECODE_VERDICTS = dict.fromkeys(["onnxruntime", "onnx-reference", "keras-hub-cached", "hf-llama-cache"],
+                                {PASS, KNOWN_DEVIATION, UNSUPPORTED})
 SCHEDULE_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is not None]
 SCHEDULE_WARNING = (f"--backward: {len(SCHEDULE_CASES) * len(DTYPES)} case×dtype have a schedule, judged forward only "
                     "(decode(case), docs/serving.md); their backward stages were not judged")
@@ -132,7 +141,9 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     for r in results:
         if r["case"] in SCHEDULE_CASES:  # judged call by call, or refused without decode()
             if name in DECODERS:
-                assert r["verdict"] == PASS and {c["verdict"] for c in r["calls"]} == {PASS}, (r["case"], r["dtype"])
+                assert r["verdict"] in DECODE_VERDICTS.get(name, {PASS}), (r["case"], r["dtype"], r["message"])
+                if r["verdict"] == PASS:
+                    assert {c["verdict"] for c in r["calls"]} == {PASS}, (r["case"], r["dtype"])
             else:
                 assert r["verdict"] == UNSUPPORTED, (name, r["case"], r["dtype"], r["verdict"])
                 assert r["message"] == NO_DECODE or "does not declare the variant" in r["message"], r["message"]

@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 import mhaspec  # noqa: E402
 from mhaspec.adapters import onnx_attention  # noqa: E402
 from mhaspec.adapters.backends.onnx import array_in, keep_mask, ort_session, replace_initializers  # noqa: E402
-from mhaspec.spec import STAGES, MHAConfig  # noqa: E402
+from mhaspec.spec import CATALOG, STAGES, MHAConfig  # noqa: E402
 
 pytestmark = pytest.mark.onnx
 
@@ -382,11 +382,21 @@ class FloatSoftmaxReference(onnx_attention.OnnxReferenceAdapter):
                 node.attribute.append(helper.make_attribute("softmax_precision", TensorProto.FLOAT))
         return dict(zip(onnx_attention.GRAPH_STAGES, ReferenceEvaluator(model).run(list(onnx_attention.GRAPH_STAGES), feed)))
 
+    def decode(self, case):
+        def run(model, names, feed):
+            for node in model.graph.node:
+                if node.op_type == "Attention":
+                    node.attribute.append(helper.make_attribute("softmax_precision", TensorProto.FLOAT))
+            return ReferenceEvaluator(model).run(names, feed)
+
+        return onnx_attention.decode_calls(case, run)
+
 
 def test_reference_evaluator_softmax_in_bfloat16_is_the_declared_cause() -> None:
-    # The declared bfloat16 attn_weights deviations (rows of 128 and 129 keys): the op's default softmax
-    # precision is the input type. Asking for a float32 softmax removes them; undeclared, they fail.
-    long_rows = ["long_sequence", "tile_crossing"]
+    # The declared bfloat16 attn_weights deviations (rows of 128 and 129 keys, and a decode step through the
+    # op's cache): the op's default softmax precision is the input type. Asking for a float32 softmax removes
+    # them; undeclared, they fail.
+    long_rows = ["long_sequence", "tile_crossing", "decode_with_past"]
     native = mhaspec.check(onnx_attention.OnnxReferenceAdapter(), dtypes=["bfloat16"], cases=long_rows)
     bare = type("Bare", (onnx_attention.OnnxReferenceAdapter,), {"known_deviations": []})()
     failed = mhaspec.check(bare, dtypes=["bfloat16"], cases=long_rows)
@@ -480,3 +490,90 @@ def test_torch_onnx_float64_scale_deviation_does_not_hide_a_bug(torch_onnx) -> N
     unbounded = DropsOutputBias()
     unbounded.known_deviations = [dataclasses.replace(d, within=None) for d in DropsOutputBias.known_deviations]
     assert {r.verdict for r in mhaspec.check(unbounded, dtypes=["float64"], cases=cases).results} == {KNOWN_DEVIATION}
+
+
+# -- decode(case): the op's own KV cache, past_key/past_value in, present_key/present_value out ---------------
+
+
+def causal_pattern(run, past: int, rows: int) -> np.ndarray:
+    """Which keys each of ``rows`` query rows sees through one Attention node with ``is_causal=1`` and a
+    ``past_key`` of ``past`` rows (none when 0), (rows, past + rows) bool: read from its mode-3 weights."""
+    B, H, D = 1, 1, 4
+    names, shapes = ["q", "k", "v"], {"q": rows, "k": rows, "v": rows}
+    if past:
+        names += ["", "past_k", "past_v"]
+        shapes.update(past_k=past, past_v=past)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, H, L, D]) for n, L in shapes.items()]
+    present = ["present_k", "present_v"] if past else ["", ""]
+    outputs = [helper.make_tensor_value_info("w", TensorProto.FLOAT, [B, H, rows, past + rows])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, H, past + rows, D]) for n in present if n]
+    node = helper.make_node("Attention", names, ["y", *present, "w"], is_causal=1, qk_matmul_output_mode=3)
+    model = helper.make_model(helper.make_graph([node], "causal", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 23)])
+    onnx.checker.check_model(model)
+    rng = np.random.default_rng(0)
+    feed = {n: rng.standard_normal((B, H, L, D)).astype(np.float32) for n, L in shapes.items()}
+    return run(model, feed)[0][0, 0] > 0
+
+
+RUNNERS = {
+    "onnxruntime": lambda model, feed: ort_session(model).run(["w"], feed),
+    "onnx-reference": lambda model, feed: ReferenceEvaluator(model).run(["w"], feed),
+}
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNERS))
+@pytest.mark.parametrize(("past", "rows"), [(0, 3), (5, 3), (5, 1), (2, 6)])
+def test_is_causal_with_a_past_is_offset_by_the_past_length(runner: str, past: int, rows: int) -> None:
+    # Opset 23's text: with is_causal, query i attends key j iff j <= i + past_sequence_length. Measured on
+    # onnxruntime and the reference evaluator alike: with a past of L_c − n_c keys (every call after the first)
+    # that is the bottom-right diagonal; without a past (call 0) it is top-left, whatever keys the call brings.
+    i, j = np.arange(rows)[:, None], np.arange(past + rows)[None, :]
+    np.testing.assert_array_equal(causal_pattern(RUNNERS[runner], past, rows), j <= i + past)
+
+
+def test_call_masks_use_the_ops_offset_after_the_first_call() -> None:
+    case = golden_case("decode_with_past")  # T = 6, S = 10: a past of 4 keys, calls of 2, 1, 1, 1, 1 rows
+    calls = case.calls()
+    mask, is_causal = onnx_attention.call_mask(case, calls[0])  # no past in the op's cache: the band is the mask
+    assert is_causal is False and mask.shape == (1, 1, 2, 6)
+    np.testing.assert_array_equal(mask[0, 0], np.arange(6)[None, :] <= np.arange(2)[:, None] + 4)
+    for call in calls[1:]:
+        assert onnx_attention.call_mask(case, call) == (None, True), call
+    chunked = golden_case("decode_chunked_prefill")  # T = S, key padding: call 0 is the op's top-left is_causal
+    for call in chunked.calls():
+        mask, is_causal = onnx_attention.call_mask(chunked, call)
+        assert is_causal is True and mask.shape == (chunked.batch, 1, call.rows, call.cache), call
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "onnx-reference"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_calls_are_the_full_pass_rows(name: str, dtype: str) -> None:
+    from tests.frameworks.helpers import assert_decode_matches_run, decode_specs
+
+    adapter = {"onnxruntime": onnx_attention.OnnxRuntimeAdapter, "onnx-reference": onnx_attention.OnnxReferenceAdapter}[name]()
+    for spec in decode_specs(frozenset()):  # plain, key padding, a random mask with rows that see no key
+        assert_decode_matches_run(adapter, spec.case(dtype), {"float32": 1e-5, "float16": 2e-3}[dtype])
+
+
+def test_decode_cache_is_the_ops_present_key_and_value() -> None:
+    case = golden_case("decode_with_past", "float32")
+    calls = onnx_attention.OnnxRuntimeAdapter().decode(case)
+    full = onnx_attention.OnnxRuntimeAdapter().run(
+        case.model_copy(update={"schedule": None}))  # the same rows in one pass: k_proj, v_proj (B, S, ·)
+    for call, got in zip(case.calls(), calls):
+        for stage in ("k_proj", "v_proj"):
+            np.testing.assert_allclose(got[stage], full[stage][:, :call.cache], rtol=0, atol=1e-6)
+    assert len({got["k_proj"].shape[1] for got in calls}) == len(calls)  # grows call by call
+
+
+def test_onnx_decode_conforms_call_by_call() -> None:
+    cases = [c for c in CATALOG.ids() if CATALOG[c].schedule is not None]
+    for name, verdicts in {"onnxruntime": {"float64": "known deviation", "float32": "pass", "float16": "pass"},
+                           "onnx-reference": {"float64": "pass", "float32": "pass", "float16": "pass"}}.items():
+        report = check_here(name, cases=cases, dtypes=sorted(verdicts))
+        for r in report.results:
+            if r.verdict != "unsupported":
+                assert r.verdict == verdicts[r.dtype], (name, r.case, r.dtype, str(report))
+        assert {r.case for r in report.results if r.verdict != "unsupported"} == {
+            "decode_prefill_steps", "decode_chunked_prefill", "decode_with_past"}, name  # rope, window: undeclared

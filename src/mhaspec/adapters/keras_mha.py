@@ -133,12 +133,13 @@ def get_layer_weights(layer: Any, config: MHAConfig) -> dict[str, np.ndarray]:
     return keras_to_canonical(params, config)
 
 
-def make_layer(config: MHAConfig, dtype: str = "float32") -> Any:
+def make_layer(config: MHAConfig, dtype: str = "float32", mha: Any = None) -> Any:
     """A built Keras layer for ``config`` computing in ``dtype`` (the layer's dtype policy):
-    ``MultiHeadAttention`` when H_kv = H, else ``GroupQueryAttention``."""
+    ``MultiHeadAttention`` (or the subclass ``mha``, e.g. keras-hub's ``CachedMultiHeadAttention``)
+    when H_kv = H, else ``GroupQueryAttention``."""
     c = config
     if c.H_kv == c.H:
-        layer = keras.layers.MultiHeadAttention(
+        layer = (mha or keras.layers.MultiHeadAttention)(
             num_heads=c.H, key_dim=c.D_k, value_dim=c.D_v, output_shape=c.d_out, use_bias=c.bias, dtype=dtype,
         )
     else:
@@ -250,6 +251,32 @@ def tapped_layer(config: MHAConfig, dtype: str) -> tuple[Any, dict[str, Any]]:
     return layer, taps
 
 
+def layer_run(layer: Any, case: Case, return_attention_scores: bool = False, causal_in_mask: bool = False
+              ) -> dict[str, np.ndarray]:
+    """One call of a built layer holding the case's weights on the whole case, as production code calls it
+    (:func:`keras_masks`; with ``causal_in_mask`` the causal band is in ``attention_mask``, for a layer without
+    ``use_causal_mask``): ``output`` (and ``attn_weights`` with ``return_attention_scores``), and
+    ``q_proj``/``k_proj``/``v_proj`` from its own projection sublayers."""
+    query, tensors = _layer_inputs(case)
+    if causal_in_mask:
+        masks = {"attention_mask": keep_mask(case, causal=case.config.causal, heads=False)}
+    else:
+        attention_mask, use_causal_mask = keras_masks(case)
+        masks = {"attention_mask": attention_mask, "use_causal_mask": use_causal_mask}
+    result = layer(query=query, **tensors, **masks, return_attention_scores=return_attention_scores)
+    out = {"output": result[0] if return_attention_scores else result}
+    if return_attention_scores:
+        out["attn_weights"] = result[1]  # (B, H, T, S)
+    # the layer's own projection sublayers: (B, L, heads, D) -> (B, L, heads·D).
+    # MultiHeadAttention exposes them as query_dense …; GroupQueryAttention only as _query_dense ….
+    key = tensors.get("key", tensors["value"])
+    for stage, sub, inp in (("q_proj", "query_dense", query), ("k_proj", "key_dense", key),
+                            ("v_proj", "value_dense", tensors["value"])):
+        y = getattr(layer, "_" + sub)(inp)
+        out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
+    return {stage: array_out(t) for stage, t in out.items()}
+
+
 class KerasMHAAdapter:
     """``keras.layers.MultiHeadAttention`` / ``GroupQueryAttention``, default (fused) path."""
 
@@ -273,24 +300,7 @@ class KerasMHAAdapter:
                 layer = self._layers[(cfg, dt)] = make_layer(cfg, dt)
             set_layer_weights(layer, case.weights, cfg)
 
-            query, tensors = _layer_inputs(case)
-            attention_mask, use_causal_mask = keras_masks(case)
-            result = layer(
-                query=query, **tensors,
-                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-                return_attention_scores=self.return_attention_scores,
-            )
-            out = {"output": result[0] if self.return_attention_scores else result}
-            if self.return_attention_scores:
-                out["attn_weights"] = result[1]  # (B, H, T, S)
-            # the layer's own projection sublayers: (B, L, heads, D) -> (B, L, heads·D).
-            # MultiHeadAttention exposes them as query_dense …; GroupQueryAttention only as _query_dense ….
-            key = tensors.get("key", tensors["value"])
-            for stage, sub, inp in (("q_proj", "query_dense", query), ("k_proj", "key_dense", key),
-                                    ("v_proj", "value_dense", tensors["value"])):
-                y = getattr(layer, "_" + sub)(inp)
-                out[stage] = tf.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
-            return {stage: array_out(t) for stage, t in out.items()}
+            return layer_run(layer, case, self.return_attention_scores)
 
     def backward(self, case: Case) -> dict[str, np.ndarray]:
         """The backward stages by ``tf.GradientTape`` around one call of a fresh layer.

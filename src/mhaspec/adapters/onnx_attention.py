@@ -28,6 +28,16 @@ sees keys j <= i, the spec's top-left.  A bottom-right causal case with T != S
 gets the causal mask ANDed into the boolean mask instead.  The ``scale``
 attribute is given only for a non-default scale; it is a 32-bit float.
 
+Decode (docs/serving.md): :func:`decode_calls` runs one graph per call of the case's schedule with the
+op's own KV cache, the inputs ``past_key (B, H_kv, L_(c−1), D_k)`` / ``past_value (B, H_kv, L_(c−1), D_v)``
+and the outputs ``present_key`` / ``present_value (B, H_kv, L_c, ·)``, read back as the next call's past.
+With a past, ``is_causal`` is offset-aligned by the past length (opset 23's text and
+``onnx.reference``'s ``_apply_causal``: query i attends key j iff j <= i + past_sequence_length, measured
+alike on onnxruntime 1.32: tests/frameworks/test_onnx.py), which is the case's bottom-right diagonal for
+every call after the first (past = L_c − n_c).  Call 0 has no past (the op's cache starts empty), so when
+the case has S − T > 0 keys before its first row the op's offset would be 0, the top-left diagonal: that
+call gets the causal band in ``attn_mask`` instead (:func:`call_mask`).
+
 Weights: initializers named ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o``, each
 the canonical array as it is (``MatMul`` computes ``x @ W``), in the case's
 dtype: :func:`canonical_to_initializers`, :func:`initializers_to_canonical`.
@@ -36,7 +46,7 @@ dtype: :func:`canonical_to_initializers`, :func:`initializers_to_canonical`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,8 +54,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..spec import Case, MHAConfig, Weights
-from .backends import declared
-from .backends.onnx import ORT_NO_BFLOAT16, input_feed, keep_mask, ort_session, weights_in, weights_out
+from ..spec.schedule import Call
+from .backends import call_view, declared
+from .backends.onnx import ORT_NO_BFLOAT16, array_in, input_feed, keep_mask, ort_session, weights_in, weights_out
 from .backends.onnx import dtype as elem_type
 
 #: The first opset with the standard Attention operator.
@@ -103,12 +114,16 @@ def attention_model(
     mask_shape: tuple[int, ...] | None = None,
     is_causal: bool = False,
     opset: int = ATTENTION_OPSET,
+    past_len: int | None = None,
 ) -> onnx.ModelProto:
     """The MHA graph for ``config`` in ``dtype`` with ``weights`` as initializers (checked by onnx.checker).
 
     Inputs ``query (B, T, d_model)``, ``key (B, S, kdim)``, ``value (B, S, vdim)``
     and, with ``mask_shape``, ``attn_mask`` (bool, True = take part); outputs
-    :data:`GRAPH_STAGES` in their canonical shapes.
+    :data:`GRAPH_STAGES` in their canonical shapes.  With ``past_len`` P (a decode call): inputs
+    ``past_key (B, H_kv, P, D_k)``, ``past_value (B, H_kv, P, D_v)`` and outputs ``present_key``,
+    ``present_value`` (B, H_kv, P + S, ·) besides; ``scores``/``attn_weights`` are (B, H, T, P + S) and the mask
+    ``(B|1, 1, T, P + S)``; ``k_proj``/``v_proj`` are the S new rows.
     """
     cfg, elem = config, elem_type(dtype)
     B, T, S, H, G = batch, tgt_len, src_len, cfg.H, cfg.H_kv
@@ -135,10 +150,15 @@ def attention_model(
     if not default_scale(cfg):
         attrs["scale"] = float(cfg.scale)  # type: ignore[arg-type]
     core = ["q_proj", "k_proj", "v_proj"] + (["attn_mask"] if mask_shape is not None else [])
-    nodes.append(helper.make_node("Attention", core, ["concat_mode0", "", "", "scores"],
-                                  qk_matmul_output_mode=0, **attrs))  # scores (B, H, T, S)
-    nodes.append(helper.make_node("Attention", core, ["concat", "", "", "attn_weights"],
-                                  qk_matmul_output_mode=3, **attrs))  # attn_weights (B, H, T, S), concat (B, T, H·E)
+    present, present_mode0 = ["", ""], ["", ""]
+    if past_len is not None:  # the op's KV cache: past in, present (past ++ the S new rows) out, in both nodes
+        core = core + ([] if mask_shape is not None else [""]) + ["past_key", "past_value"]
+        present = ["present_key", "present_value"]
+        present_mode0 = [f"{name}_mode0" for name in present]  # onnxruntime refuses a past without a present
+    nodes.append(helper.make_node("Attention", core, ["concat_mode0", *present_mode0, "scores"],
+                                  qk_matmul_output_mode=0, **attrs))  # scores (B, H, T, P + S)
+    nodes.append(helper.make_node("Attention", core, ["concat", *present, "attn_weights"],
+                                  qk_matmul_output_mode=3, **attrs))  # attn_weights (B, H, T, P + S), concat
 
     # 3. The output projection.
     linear("concat", "w_o", "output")  # (B, T, d_out)
@@ -151,7 +171,15 @@ def attention_model(
     if mask_shape is not None:
         inputs.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL, list(mask_shape)))
     shapes = cfg.stage_shapes(B, T, S)
+    if past_len is not None:
+        L = past_len + S  # the cache after the call
+        shapes.update({s: cfg.stage_shapes(B, T, L)[s] for s in ("scores", "attn_weights")})
+        cache = {"key": (B, G, L, cfg.D_k), "value": (B, G, L, cfg.D_v)}
+        inputs += [helper.make_tensor_value_info(f"past_{x}", elem, [B, G, past_len, shape[-1]])
+                   for x, shape in cache.items()]
     outputs = [helper.make_tensor_value_info(s, elem, list(shapes[s])) for s in GRAPH_STAGES]
+    if past_len is not None:
+        outputs += [helper.make_tensor_value_info(f"present_{x}", elem, list(shape)) for x, shape in cache.items()]
     graph = helper.make_graph(nodes, "mhaspec_attention", inputs, outputs, initializer=inits)
     opsets = [helper.make_opsetid("", opset)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="mhaspec",
@@ -168,6 +196,60 @@ def case_model(case: Case, opset: int = ATTENTION_OPSET) -> tuple[onnx.ModelProt
         mask_shape=None if mask is None else mask.shape, is_causal=is_causal, opset=opset,
     )
     return model, input_feed(case, attn_mask=mask)
+
+
+def call_mask(case: Case, call: Call) -> tuple[np.ndarray | None, bool]:
+    """(boolean attn_mask ``(B|1, 1, n_c, L_c)`` or None, is_causal) for one call of ``case``'s schedule run with
+    the op's cache.  After the first call the past is L_c − n_c keys, so the op's offset-aligned ``is_causal``
+    is the case's bottom-right diagonal and the mask is the case's own on the call's rows and keys; the first
+    call has no past, so with keys before its first row (L_0 > n_0) the band goes into the mask."""
+    view = call_view(case, call)
+    if call.t0 > 0 or call.cache == call.rows:
+        return keep_mask(view), True
+    return keep_mask(view, causal=True), False
+
+
+def heads_first(x: np.ndarray, heads: int) -> np.ndarray:
+    """A projection's rows (B, L, H_kv·D) -> the op's cache layout (B, H_kv, L, D) (exact)."""
+    B, L, _ = x.shape
+    return np.ascontiguousarray(x.reshape(B, L, heads, -1).transpose(0, 2, 1, 3))
+
+
+def heads_last(x: np.ndarray) -> np.ndarray:
+    """The op's cache (B, H_kv, L, D) -> a projection's rows (B, L, H_kv·D) (exact)."""
+    B, G, L, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, G * D)
+
+
+Run = Callable[[onnx.ModelProto, Sequence[str], Mapping[str, np.ndarray]], list[np.ndarray]]
+
+
+def decode_calls(case: Case, run: Run, opset: int = ATTENTION_OPSET) -> list[dict[str, np.ndarray]]:
+    """The stages of each call of ``case``'s schedule (docs/serving.md) through the op's own KV cache: call c
+    feeds query rows [t0, t1) and the key/value rows it appends, [L_(c−1), L_c), with the cache so far as
+    ``past_key``/``past_value`` (none in call 0), and keeps ``present_key``/``present_value`` (call 0: its
+    ``k_proj``/``v_proj`` in the cache layout) as the next past.  ``run(model, outputs, feed)`` runs one graph.
+    Per call: q_proj, scores, attn_weights, concat, output and the whole cache as k_proj, v_proj."""
+    cfg, past, out = case.config, None, []
+    query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype))
+    for call in case.calls():
+        mask, is_causal = call_mask(case, call)
+        new = slice(0 if past is None else past[0].shape[2], call.cache)  # the key rows this call appends
+        model = attention_model(cfg, case.dtype, case.weights, batch=case.batch, tgt_len=call.rows,
+                                src_len=new.stop - new.start, mask_shape=None if mask is None else mask.shape,
+                                is_causal=is_causal, opset=opset, past_len=None if past is None else new.start)
+        feed = {"query": query[:, call.t0:call.t1], "key": key[:, new], "value": value[:, new]}
+        feed.update({} if mask is None else {"attn_mask": mask})
+        feed.update({} if past is None else {"past_key": past[0], "past_value": past[1]})
+        names = list(GRAPH_STAGES) + ([] if past is None else ["present_key", "present_value"])
+        stages = dict(zip(names, run(model, names, feed)))
+        if past is None:
+            past = heads_first(stages["k_proj"], cfg.H_kv), heads_first(stages["v_proj"], cfg.H_kv)
+        else:
+            past = stages.pop("present_key"), stages.pop("present_value")
+        stages["k_proj"], stages["v_proj"] = heads_last(past[0]), heads_last(past[1])  # (B, L_c, H_kv·D)
+        out.append(stages)
+    return out
 
 
 def _scale_limit(case: Case) -> bool | str:
@@ -201,6 +283,11 @@ class OnnxRuntimeAdapter:
         results = ort_session(model, self.threads).run(list(GRAPH_STAGES), feed)
         return dict(zip(GRAPH_STAGES, results))
 
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """Each call of the schedule through the op's past_key/past_value cache (:func:`decode_calls`)."""
+        return decode_calls(case, lambda model, names, feed: ort_session(model, self.threads).run(names, feed),
+                            self.opset)
+
 
 class OnnxReferenceAdapter:
     """The ``onnx-reference`` adapter: the same graph run by ``onnx.reference.ReferenceEvaluator``."""
@@ -225,3 +312,9 @@ class OnnxReferenceAdapter:
         model, feed = case_model(case, self.opset)
         results = ReferenceEvaluator(model).run(list(GRAPH_STAGES), feed)
         return dict(zip(GRAPH_STAGES, results))
+
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """Each call of the schedule through the op's past_key/past_value cache (:func:`decode_calls`)."""
+        from onnx.reference import ReferenceEvaluator
+
+        return decode_calls(case, lambda model, names, feed: ReferenceEvaluator(model).run(names, feed), self.opset)

@@ -66,6 +66,10 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "keras.layers.MultiHeadAttention with return_attention_scores=True"),
         BuiltinAdapter("keras-dpa", "mhaspec.adapters.keras_dpa:KerasDPAAdapter", "keras",
                        "keras.ops.dot_product_attention between keras.ops projections (TensorFlow backend)"),
+        BuiltinAdapter("keras-hub-cached", "mhaspec.adapters.keras_hub_cached:KerasHubCachedAdapter", "keras_hub",
+                       "keras_hub.layers.CachedMultiHeadAttention: decode through its cache, keras-hub's causal mask"),
+        BuiltinAdapter("hf-llama-cache", "mhaspec.adapters.hf_llama_cache:HFLlamaCacheAdapter", "transformers",
+                       "transformers' LlamaAttention (SDPA) with DynamicCache, the mask create_causal_mask builds per call"),
         BuiltinAdapter("tensorflow", "mhaspec.adapters.tf_ops:TensorFlowMHAAdapter", "tensorflow",
                        "MHA written with plain TensorFlow ops, every stage"),
         BuiltinAdapter("jax", "mhaspec.adapters.jax_numpy:JaxMHAAdapter", "jax",
@@ -198,6 +202,7 @@ def load_adapter(ref: Any, **options: Any) -> Any:
 EXTRA_OF_MODULE = {
     "torch": "torch",
     "tensorflow": "tensorflow", "keras": "tensorflow",
+    "keras_hub": "serving", "transformers": "serving",
     "jax": "jax", "jaxlib": "jax", "flax": "jax",
     "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "onnx_ir": "onnx",
     "numpy": "bf16", "ml_dtypes": "bf16",
@@ -206,6 +211,8 @@ EXTRA_OF_MODULE = {
 #: PyTorch's CPU wheel index: with it pip takes torch's CPU build (``2.13.0+cpu``), without it a CUDA
 #: build of several GB on Linux (README, "Pinned versions")
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: the extras that install torch (``serving``: transformers' adapter runs on it)
+TORCH_EXTRAS = frozenset({"torch", "serving"})
 
 
 def _extra(framework: str) -> str:
@@ -216,7 +223,7 @@ def install_command(extras: Iterable[str]) -> str:
     """The pip command that installs mhaspec's ``extras``; torch from its CPU index, never a CUDA build."""
     extras = list(dict.fromkeys(extras))
     command = f"pip install 'mhaspec[{','.join(extras)}]'"
-    return command + (f" --extra-index-url {TORCH_CPU_INDEX}" if "torch" in extras else "")
+    return command + (f" --extra-index-url {TORCH_CPU_INDEX}" if TORCH_EXTRAS & set(extras) else "")
 
 
 def missing_hint(missing: Iterable[str], builtin: BuiltinAdapter | None = None) -> str:
