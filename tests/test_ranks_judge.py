@@ -19,6 +19,7 @@ from mhaspec.conformance.compare import FAIL, PASS, round_to_bfloat16
 from mhaspec.conformance.report import ERROR, UNSUPPORTED
 from mhaspec.fixtures import GoldenSet
 from mhaspec.protocol.contract import describe_adapter
+from mhaspec.protocol.loading import load_adapter
 from mhaspec.protocol.ranks import RankReply
 from mhaspec.reference.ranks import rank_stages
 from mhaspec.spec.ranks import Layout, ring_stage
@@ -76,6 +77,7 @@ class FakeLauncher:
         self.closed = False
 
     def start(self, adapter: Any, world: int) -> dict[str, Any]:
+        adapter = load_adapter(adapter) if isinstance(adapter, str) else adapter  # (a name, as a real launcher gets)
         self.layout = adapter.layout(world)
         return {"name": adapter.name, "layout": self.layout.as_dict(), "collectives": self.promised}
 
@@ -155,11 +157,13 @@ def test_each_bug_fails_at_its_rank_step_and_stage(monkeypatch: pytest.MonkeyPat
         assert res.first_failing_stage == stage, (res.dtype, res.message)
         failing = next(r for r in res.ranks if r.verdict == FAIL)
         assert (failing.rank, failing.first_failing_stage) == (rank, stage)
-        assert res.message.startswith(f"rank {rank} of {layout.world} (tp {tp}, cp {cp}): ")
+        label = f"rank {rank} of {layout.world} (tp {tp}, cp {cp})"
         if stage.startswith("ring_"):
-            assert failing.step == 1 and f"step 2 of {layout.cp}: {stage} fails" in res.message
+            assert failing.step == 1
+            assert res.message.startswith(f"{label}, step 2 of {layout.cp}: {stage} fails — ")
         else:
-            assert failing.step is None and f": {stage} fails" in res.message
+            assert failing.step is None and res.message.startswith(f"{label}: {stage} fails — ")
+        assert res.stage(stage).message.startswith(label)
 
 
 def test_a_crashed_rank_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,7 +195,7 @@ def test_cases_a_layout_cannot_shard_are_unsupported_with_the_reason(monkeypatch
     assert res.message == "layout tp 4: H = 6 heads do not split over tp = 4 ranks"
 
 
-def test_the_json_report_carries_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_the_json_report_and_the_matrix_carry_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     report = _run(monkeypatch, Layout(cp=2), "bloom_alibi", ["float32"], FakeLauncher("lse merged by addition"))
     path = tmp_path / "report.json"
     report.write_json(path)
@@ -200,6 +204,14 @@ def test_the_json_report_carries_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_
     assert [r["rank"] for r in res["ranks"]] == [0, 1]
     assert res["ranks"][0]["first_failing_stage"] == "ring_lse[1]" and res["ranks"][0]["step"] == 1
     assert data["adapter"]["layout"]["cp"] == 2 and data["adapter"]["layout"]["world"] == 2
+
+    from mhaspec.conformance import matrix
+
+    m = matrix.build([path])
+    (row,) = m.rows
+    assert row.framework == "world 2: cp 2 (ring, contiguous)"
+    hover = matrix.hover_text(m, row.key, "bloom_alibi", "float32")
+    assert "rank 0 (tp 0, cp 0): fail at ring_lse[1] (step 2)" in hover
 
 
 def test_a_distributed_adapter_says_so() -> None:
@@ -223,3 +235,41 @@ def test_a_world_below_one_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, cap
 
 FAKE_TP2 = FakeRanks(Layout(tp=2))
 
+
+
+PLUGIN = '''
+from mhaspec.conformance import ranks
+from mhaspec.spec.ranks import Layout
+from tests.test_ranks_judge import FakeLauncher, FakeRanks
+
+ranks.launcher_for = lambda name: FakeLauncher("bias on every rank", promised={"all_reduce": 1},
+                                               issued={"all_reduce": 1})
+ADAPTER = FakeRanks(Layout(tp=2))
+'''
+
+
+def test_the_pytest_plugin_gives_each_rank_stage_a_test(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    (tmp_path / "fake_ranks.py").write_text(PLUGIN)
+    root = Path(__file__).resolve().parents[1]
+    junit = tmp_path / "junit.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), str(tmp_path)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "fake_ranks", "--pyargs", "mhaspec.conformance",
+         "--mha-adapter=fake_ranks:ADAPTER", "--mha-no-isolate", "--mha-world=2", "--mha-dtype=float32",
+         "-k", "bloom_alibi", f"--junitxml={junit}", "-q"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    outcomes = {}
+    for tc in ET.parse(junit).getroot().iter("testcase"):
+        kinds = {child.tag for child in tc}
+        outcomes[tc.get("name").split("[", 1)[1].rstrip("]")] = (
+            "fail" if kinds & {"failure", "error"} else "skip" if "skipped" in kinds else "pass")
+    assert outcomes["bloom_alibi-float32-output"] == "fail", done.stdout[-2000:]
+    assert outcomes["bloom_alibi-float32-o_partial"] == "pass"
+    assert outcomes["bloom_alibi-float32-concat"] == "pass"
+    assert outcomes["bloom_alibi-float32-collectives"] == "pass"
+    assert "rank 0 of 2 (tp 0, cp 0): " in done.stdout

@@ -94,6 +94,12 @@ def rank_label(layout: Layout, rank: int) -> str:
     return f"rank {rank} of {layout.world} (tp {tp}, cp {cp})"
 
 
+def where(layout: Layout, rank: int, stage: str) -> str:
+    """``rank 1 of 4 (tp 1, cp 0)``, with ``, step 2 of 4`` for ring stage ``ring_out[1]`` / ``ring_lse[1]``."""
+    k = step_of(stage)
+    return rank_label(layout, rank) + ("" if k is None else f", step {k + 1} of {layout.cp}")
+
+
 def step_of(stage: str) -> int | None:
     """The ring step k of ``ring_out[k]`` / ``ring_lse[k]``; None for any other stage."""
     parsed = parse_ring_stage(stage)
@@ -443,6 +449,34 @@ def judge_ranks(golden: GoldenCase, layout: Layout, replies: Sequence[RankReply]
         deciding = max(results, key=lambda r: -1.0 if r.worst_ratio is None else r.worst_ratio)
     else:
         deciding = next(r for r in results if r.verdict == verdict)
+    stages = [dataclasses.replace(st, message=f"{where(layout, deciding.rank, st.stage)}: {st.message}")
+              if st.message else st for st in deciding.stages]
     label = rank_label(layout, deciding.rank)
-    stages = [dataclasses.replace(st, message=f"{label}: {st.message}") if st.message else st for st in deciding.stages]
-    return verdict, stages, results, "" if verdict == PASS else f"{label}: {deciding.message}"
+    joined = f"{label}, {deciding.message}" if deciding.step is not None else f"{label}: {deciding.message}"
+    return verdict, stages, results, "" if verdict == PASS else joined
+
+
+#: The pytest plugin's test of a layout's promised collectives (not a stage: every rank's counts).
+COLLECTIVES = "collectives"
+
+
+def plugin_stages(layout: Layout, collectives: bool) -> list[str]:
+    """The pytest plugin's tests of a case × dtype for ``layout``: the rank stages of the spec's stages
+    (:func:`rank_stage_names`), then :data:`COLLECTIVES` where the adapter promises collectives."""
+    from ..spec import STAGES
+
+    return list(rank_stage_names(layout, tuple(STAGES))) + ([COLLECTIVES] if collectives else [])
+
+
+def stage_over_ranks(result: Any, stage: str) -> tuple[str, StageResult | None]:
+    """(rank label, result) of ``stage`` over the ranks of ``result`` (a :class:`CaseResult` of a sharded run):
+    the first rank where it fails, else a known deviation, else uninformative, else the first rank that
+    judged it; ("", None) when no rank returned it."""
+    found = [(r, st) for r in result.ranks for st in r.stages if st.stage == stage and st.verdict != NOT_EXPOSED]
+    for verdict in (FAIL, KNOWN_DEVIATION, UNINFORMATIVE, PASS):
+        for r, st in found:
+            if st.verdict == verdict:
+                label = f"rank {r.rank} of {r.world} (tp {r.tp}, cp {r.cp})"
+                k = step_of(stage)
+                return label + ("" if k is None else f", step {k + 1}"), dataclasses.replace(st)
+    return "", None
