@@ -310,10 +310,19 @@ def contract_problem(returned: Any, expected: Mapping[str, np.ndarray], label: s
     return ""
 
 
+def _whole(golden: GoldenCase) -> GoldenCase:
+    """``golden`` as a plain :class:`GoldenCase`: a case made one block of rows at a time
+    (fixtures.RowBlocks) would give its own blocks, not a view's; its stages are computed whole when read."""
+    if not hasattr(golden, "block"):
+        return golden
+    return GoldenCase(**{f.name: getattr(golden, f.name) for f in dataclasses.fields(GoldenCase)})
+
+
 def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[str, Any], judge: Judge,
                dtype: str, precision: str) -> list[StageResult]:
     """Rank ``rank``'s stage results, in :func:`rank_stage_names` order (already through
     :func:`contract_problem`): each stage judged against its view (module docstring)."""
+    golden = _whole(golden)
     cfg = golden.spec.config
     T, S = golden.visible.shape[2:]
     expected = rank_stages(golden.stages, golden.visible, golden.weights, cfg, layout, rank)
