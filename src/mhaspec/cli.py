@@ -29,7 +29,9 @@ RUN_EPILOG = (
     "crashed, exited, hung, no output), a broken fixture, or nothing judged informatively; 130 interrupted. "
     "The adapter runs in a worker process (restarted after a crash); --report is written even when the "
     "run is cut short, marked \"partial\". Adapters that rebuild the same things every run (torch-onnx's "
-    "exports) keep them in $MHASPEC_CACHE_DIR (default ~/.cache/mhaspec; off: no cache)."
+    "exports) keep them in $MHASPEC_CACHE_DIR (default ~/.cache/mhaspec; off: no cache). A distributed "
+    "adapter (run_rank: numpy-tp, torch-ring, jax-ring, …) runs on --world N ranks and each rank's stages are "
+    "judged; a failure names the rank, the ring step and the stage (docs/distributed.md)."
 )
 
 
@@ -87,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backward", action="store_true",
                      help="also judge the backward stages (d_concat … d_b_o) from the adapter's backward(case); "
                           "see docs/backward.md")
+    run.add_argument("--world", type=int, default=None, metavar="N",
+                     help="a distributed adapter (run_rank, e.g. numpy-tp, torch-ring): run it on N ranks on this "
+                     "machine and judge every rank's own stages (default 2; docs/distributed.md); an error for any "
+                     "other adapter")
     run.add_argument("-v", "--verbose", action="store_true", help="list every failing stage of every case (default: grouped by first failing stage) "
                      "and the stages the adapter does not expose")
 
@@ -270,11 +276,14 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision, backward=args.backward,
-                          isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
+                          isolate=not args.no_isolate, world=args.world,
+                          **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
         header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder),
                                       session.environment, adapter_dtypes=session.dtypes)
+        if session.layout is not None:
+            header += f"\nranks: world {session.layout.world} · {session.layout.describe()} (docs/distributed.md)"
         print(header + "\n\n" + Report.column_titles(width), flush=True)
 
         def progress(result):  # stream rows as they are judged: framework adapters can take a while
