@@ -245,6 +245,7 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
         "has_supports": getattr(adapter, "supports", None) is not None,
         "has_backward": callable(getattr(adapter, "backward", None)),
         "has_decode": callable(getattr(adapter, "decode", None)),
+        "packed": getattr(adapter, "packed", False) is True,  # run(case) computes a packed case (docs/serving.md)
     }
 
 
