@@ -267,13 +267,7 @@ def packed_forward(case: Case) -> dict[str, np.ndarray]:
         k = rows["k_rot"] = rope(k, cfg.H_kv, rope_cos_sin(cfg, k_pos, dt), cfg)
     attended, _ = attend(case, q, k, v, packing.packed_allowed(case), packing.packed_bias(case),
                          packing.packed_distance(case))  # (1, H, N, N) …
-    rows.update(concat=attended["concat"], output=attended["output"])
-    out = {name: packing.unpack_rows(case, x) for name, x in rows.items()}
-    out.update(scores=packing.unpack_pairs(case, attended["scores"]),
-               attn_weights=packing.unpack_pairs(case, attended["attn_weights"]),
-               lse=packing.unpack_heads(case, attended["lse"]),
-               head_outputs=packing.unpack_heads(case, attended["head_outputs"]))
-    return out
+    return packing.unpack(case, {**rows, **attended})
 
 
 class NumpyMHA:

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mhaspec.spec import Case, masks
+from mhaspec.spec import REGISTRY, Case, masks
 from mhaspec.spec.packed import sequence_calls
 from mhaspec.spec.schedule import call_rows
-from mhaspec.spec.variant_ops import alibi_distance, rope_positions
+from mhaspec.spec.variant_ops import alibi, alibi_distance, rope_positions
 
 
 def _lengths(case: Case) -> tuple[int, ...]:
@@ -102,6 +102,16 @@ def packed_bias(case: Case) -> np.ndarray | None:
     return block_diagonal(case, [_entry(bias, b, n) for b, _, n in _blocks(case)], 0.0)
 
 
+def packed_score_bias(case: Case) -> np.ndarray | None:
+    """(1, H|1, N, N) float64: each sequence's additive bias plus its ALiBi term −slope_h·|i − j| on its block
+    (0 elsewhere), or None when the case has neither."""
+    bias = packed_bias(case)
+    if case.config.alibi_slopes is None:
+        return bias
+    term = block_diagonal(case, [alibi(case.config, n, n, n)[None] for _, _, n in _blocks(case)], 0.0)  # (1, H, N, N)
+    return term if bias is None else bias + term
+
+
 def packed_distance(case: Case) -> np.ndarray | None:
     """(N, N) int64: ALiBi's |i − j| within each sequence (0 across sequences), or None without ALiBi."""
     if case.config.alibi_slopes is None:
@@ -113,3 +123,18 @@ def packed_positions(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """((N,) query positions, (N,) key positions) for RoPE: each sequence's own, restarting at its start."""
     pairs = [rope_positions(case.config, n, n) for _, _, n in _blocks(case)]
     return np.concatenate([q for q, _ in pairs]), np.concatenate([k for _, k in pairs])
+
+
+def unpack(case: Case, stages: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every stage of the packed (1, N) call back in the padded layout (B, T, ·) (NaN at padding), by its
+    axes: (B, T|S, ·) rows, (B, H, T, S) each sequence's block, (B, H, T, ·) rows of each head."""
+    out = {}
+    for name, x in stages.items():
+        axes = REGISTRY[name].axes
+        if axes[1] in ("T", "S"):
+            out[name] = unpack_rows(case, x)
+        elif axes[2:4] == ("T", "S"):
+            out[name] = unpack_pairs(case, x)
+        else:
+            out[name] = unpack_heads(case, x)
+    return out
