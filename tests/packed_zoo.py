@@ -21,7 +21,7 @@ import numpy as np
 
 from mhaspec.spec import Case
 
-from .decode_zoo import DT, rotate
+from .decode_zoo import DT, DecodeImpl, changed, expected_places, proof_goldens, proof_results, rotate
 
 #: the kill list: name -> what the bug does
 BUGS = {
@@ -39,9 +39,8 @@ BUGS = {
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, dt: type, acc: type) -> np.ndarray:
-    """x @ w + b, operands in ``dt``, summed in ``acc``, rounded to ``dt``."""
-    y = x.astype(dt).astype(acc) @ w.astype(dt).astype(acc)
-    return (y if b is None else y + b.astype(dt).astype(acc)).astype(dt)
+    """x @ w + b, operands in ``dt``, summed in ``acc`` (decode_zoo's), rounded to ``dt``."""
+    return DecodeImpl._linear(x, w, b, dt, acc).astype(dt)
 
 
 @dataclass(frozen=True)
@@ -133,15 +132,8 @@ class PackedImpl:
         K = np.repeat(k.reshape(X, n, G, cfg.D_k), H // G, axis=2).astype(acc)
         V = np.repeat(v.reshape(X, n, G, cfg.D_v), H // G, axis=2).astype(acc)
         s = (np.einsum("XiHD,XjHD->XHij", Q, K) * acc(dt(cfg.scale))).astype(dt)  # (X, H, n, n)
-        logits = np.where(allowed, s.astype(acc), -np.inf)
-        peak = logits.max(axis=-1, keepdims=True)
-        peak = np.where(np.isfinite(peak), peak, 0)
-        e = np.exp(logits - peak)
-        total = e.sum(axis=-1, keepdims=True)
-        p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-        with np.errstate(divide="ignore"):
-            lse = (peak + np.log(total))[..., 0]
-        o = np.einsum("XHij,XjHE->XHiE", p, V).astype(dt)
+        p, o, lse = DecodeImpl._softmax(np.where(allowed, s.astype(acc), -np.inf), V, acc)  # decode_zoo's softmax, P·V
+        o = o.astype(dt)
         concat = o.transpose(0, 2, 1, 3).reshape(X, n, H * cfg.D_v)
         return {**out, "scores": s, "attn_weights": p.astype(dt), "lse": lse.astype(dt), "head_outputs": o,
                 "concat": concat, "output": _linear(concat, w.w_o, w.b_o, dt, acc)}
@@ -196,8 +188,6 @@ def first_changed_sequence(impl, case: Case, golden: dict[str, np.ndarray], visi
     where visible), or None where its float64 result is unchanged."""
     from mhaspec.spec.stages import forward_stages
 
-    from .zoo import CHANGED
-
     out = impl.run(case)
     for b, n in enumerate(case.seq_lens):
         for stage in forward_stages(case.config):
@@ -205,14 +195,7 @@ def first_changed_sequence(impl, case: Case, golden: dict[str, np.ndarray], visi
                 continue
             got = sequence_part(stage, np.asarray(out[stage], dtype=np.float64), b, n)
             want = sequence_part(stage, np.asarray(golden[stage], dtype=np.float64), b, n)
-            if stage == "scores":
-                seen = visible[b : b + 1, :, :n, :n]
-                got, want = np.where(seen, got, 0.0), np.where(seen, want, 0.0)
-            finite = np.isfinite(want)
-            if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
-                return b, stage
-            diff = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
-            if diff > CHANGED * (float(np.max(np.abs(want[finite]), initial=0.0)) + 1e-300):
+            if changed(stage, got, want, visible[b : b + 1, :, :n, :n]):
                 return b, stage
     return None
 
@@ -245,39 +228,18 @@ def proof_spec(name: str):
 
 
 def packed_goldens() -> list[tuple[Any, list[str]]]:
-    """[(golden set, case ids)]: the built-in catalog's packed cases (their fixtures), and :data:`PROOF_CASES`
-    computed on the fly by the fast reference."""
-    from mhaspec.fixtures import GoldenSet
-    from mhaspec.reference.onthefly import OnTheFlyGolden
-    from mhaspec.spec import CATALOG, Catalog
-
-    own = Catalog([proof_spec(name) for name in PROOF_CASES])
-    return [(GoldenSet(), [cid for cid in CATALOG.ids() if CATALOG[cid].seq_lens is not None]),
-            (OnTheFlyGolden(own, "tests/packed_zoo.py"), own.ids())]
-
-
-_REPORTS: dict[int, tuple[Any, list[Any]]] = {}
+    """The built-in catalog's packed cases and :data:`PROOF_CASES` (tests.decode_zoo.proof_goldens)."""
+    return proof_goldens(lambda spec: spec.seq_lens is not None, [proof_spec(name) for name in PROOF_CASES],
+                         "tests/packed_zoo.py")
 
 
 def packed_results(impl) -> list[Any]:
     """``impl``'s case results on every packed case in every dtype (in this process), once per session."""
-    import mhaspec
-
-    if id(impl) not in _REPORTS:  # the implementation is kept with its results: its id is never reused
-        results = [r for golden, ids in packed_goldens()
-                   for r in mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False).results]
-        _REPORTS[id(impl)] = (impl, results)
-    return _REPORTS[id(impl)][1]
+    return proof_results(impl, packed_goldens())
 
 
 def expected_sequences(impl) -> dict[str, tuple[int, str]]:
     """case id -> (0-based sequence, stage) where ``impl`` must first be caught (cases it does not change are
     left out)."""
-    out = {}
-    for golden, ids in packed_goldens():
-        for case_id in ids:
-            g = golden.load(case_id)
-            where = first_changed_sequence(impl, g.case("float64"), g.stages, g.visible)
-            if where is not None:
-                out[case_id] = where
-    return out
+    return expected_places(packed_goldens(),
+                           lambda g: first_changed_sequence(impl, g.case("float64"), g.stages, g.visible))

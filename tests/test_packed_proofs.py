@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from mhaspec.conformance import FAIL, PASS
+from mhaspec.conformance import PASS
 from mhaspec.spec import DTYPES
 
-from .decode_zoo import first_failing_call
+from .decode_zoo import misplaced
 from .packed_zoo import CORRECT, KILL_LIST, expected_sequences, packed_goldens, packed_results
 
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
@@ -44,16 +44,5 @@ def test_a_kill_list_bug_is_caught_at_its_sequence_and_stage_in_every_dtype(name
     impl = KILL_LIST[name]
     expected = expected_sequences(impl)
     assert expected, f"{name} changes no packed case in float64"
-    by = {(r.case, r.dtype): r for r in packed_results(impl)}
-    wrong = []
-    for (case, dtype), result in sorted(by.items()):
-        if case in expected:
-            got = (result.verdict, first_failing_call(result), result.first_failing_stage)
-            want = (FAIL, expected[case], expected[case][1])
-            if result.verdict == FAIL and not result.message.startswith(f"sequence {expected[case][0] + 1} of "):
-                wrong.append(f"{case} {dtype}: the verdict does not lead with the sequence: {result.message!r}")
-        else:  # the bug changes nothing here: nothing to catch
-            got, want = result.verdict, PASS
-        if got != want:
-            wrong.append(f"{case} {dtype}: got {got}, expected {want}")
+    wrong = misplaced(expected, packed_results(impl), "sequence")
     assert not wrong, f"{name}:\n" + "\n".join(wrong)
