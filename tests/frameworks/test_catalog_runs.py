@@ -90,7 +90,7 @@ SCHEDULE_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].sched
 #: The adapters that declare ``packed = True`` (docs/serving.md): they pass every packed case (``seq_lens``) in every
 #: dtype; every other adapter leaves them unsupported (packed.NOT_PACKED, or a variant it does not declare).  Like a
 #: schedule case, a packed case is judged forward only with ``--backward``.
-PACKERS = {"torch-sdpa"}
+PACKERS = {"torch-sdpa", "jax"}
 PACKED_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].seq_lens is not None]
 
 

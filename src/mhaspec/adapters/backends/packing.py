@@ -102,13 +102,20 @@ def packed_bias(case: Case) -> np.ndarray | None:
     return block_diagonal(case, [_entry(bias, b, n) for b, _, n in _blocks(case)], 0.0)
 
 
-def packed_score_bias(case: Case) -> np.ndarray | None:
-    """(1, H|1, N, N) float64: each sequence's additive bias plus its ALiBi term −slope_h·|i − j| on its block
-    (0 elsewhere), or None when the case has neither."""
-    bias = packed_bias(case)
+def packed_alibi(case: Case) -> np.ndarray | None:
+    """(1, H, N, N) float64: ALiBi's term −slope_h·|i − j| within each sequence on its block (0 elsewhere), or
+    None without ALiBi."""
     if case.config.alibi_slopes is None:
+        return None
+    return block_diagonal(case, [alibi(case.config, n, n, n)[None] for _, _, n in _blocks(case)], 0.0)
+
+
+def packed_score_bias(case: Case) -> np.ndarray | None:
+    """(1, H|1, N, N) float64: each sequence's additive bias plus its ALiBi term on its block (0 elsewhere), or
+    None when the case has neither."""
+    bias, term = packed_bias(case), packed_alibi(case)
+    if term is None:
         return bias
-    term = block_diagonal(case, [alibi(case.config, n, n, n)[None] for _, _, n in _blocks(case)], 0.0)  # (1, H, N, N)
     return term if bias is None else bias + term
 
 
