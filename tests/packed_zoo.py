@@ -243,3 +243,35 @@ def expected_sequences(impl) -> dict[str, tuple[int, str]]:
     left out)."""
     return expected_places(packed_goldens(),
                            lambda g: first_changed_sequence(impl, g.case("float64"), g.stages, g.visible))
+
+
+# -- every variant with packing: the built-in packed paths (tests/test_packed_contract.py, tests/frameworks) -----
+
+#: packed cases of every variant (docs/spec.md §2a), computed on the fly: window + ALiBi, bias + sinks, a key-padding
+#: mask + interleaved RoPE with offsets on shared key/value, softcap (each with a sequence of length 1 or 2)
+VARIANT_CASES: dict[str, dict[str, Any]] = {
+    "packed_window_alibi": dict(config=dict(d_model=16, num_heads=4, causal=True, window_left=3, alibi_slopes="standard"),
+                                T=10, seq_lens=(10, 6, 1)),
+    "packed_bias_sinks": dict(config=dict(d_model=16, num_heads=4, sinks=True), T=9, seq_lens=(5, 9), inputs="distinct",
+                              bias={"per_batch": True, "per_head": True}),
+    "packed_mask_rope": dict(config=dict(d_model=16, num_heads=2, rope={"style": "interleaved", "query_offset": 3,
+                                                                         "key_offset": 3}),
+                             T=8, seq_lens=(8, 3, 7), inputs="shared_kv",
+                             mask={"kind": "key_padding", "lengths": (6, 3, 2)}),
+    "packed_softcap": dict(config=dict(d_model=16, num_heads=4, causal=True, softcap=2.0), T=7, seq_lens=(7, 2)),
+}
+
+
+def variant_results(adapter) -> list[Any]:
+    """``adapter``'s results on :data:`VARIANT_CASES` in every dtype (its own process), golden on the fly."""
+    import mhaspec
+    from mhaspec.reference.onthefly import OnTheFlyGolden
+    from mhaspec.spec import Catalog, CaseSpec, MHAConfig
+
+    specs = []
+    for seed, (name, fields) in enumerate(sorted(VARIANT_CASES.items())):
+        extra = {k: fields[k] for k in ("bias", "mask") if k in fields}
+        specs.append(CaseSpec(id=name, config=MHAConfig(**fields["config"]), batch=len(fields["seq_lens"]),
+                              tgt_len=fields["T"], src_len=fields["T"], inputs=fields.get("inputs", "self"),
+                              seed=70 + seed, seq_lens=fields["seq_lens"], **extra))
+    return mhaspec.check(adapter, golden=OnTheFlyGolden(Catalog(specs), "tests/packed_zoo.py")).results

@@ -210,3 +210,12 @@ def test_every_stage_is_cut_to_the_sequence_on_its_row_and_key_axes():
 
     report = mhaspec.check(Garbage(), cases=PACKED, dtypes=["float32"], isolate=False)
     assert all(r.verdict == PASS for r in report.results), [(r.case, r.message) for r in report.results]
+
+
+def test_the_numpy_packed_path_passes_every_variant_in_every_dtype():
+    from .packed_zoo import VARIANT_CASES, variant_results
+
+    results = variant_results("numpy")
+    assert len(results) == len(VARIANT_CASES) * 4
+    assert all(r.verdict == PASS for r in results), [(r.case, r.dtype, r.message) for r in results if r.verdict != PASS]
+    assert all(c.kind == "sequence" and c.verdict == PASS for r in results for c in r.calls)
