@@ -219,3 +219,21 @@ def test_the_numpy_packed_path_passes_every_variant_in_every_dtype():
     assert len(results) == len(VARIANT_CASES) * 4
     assert all(r.verdict == PASS for r in results), [(r.case, r.dtype, r.message) for r in results if r.verdict != PASS]
     assert all(c.kind == "sequence" and c.verdict == PASS for r in results for c in r.calls)
+
+
+def test_show_says_a_case_is_packed():
+    from mhaspec.show import describe
+
+    text = describe(CATALOG["packed_causal"].case())
+    assert "packed: seq_lens [1, 7, 16, 11], cu_seqlens [0, 1, 8, 24, 35]" in text, text
+
+
+def test_the_matrix_names_the_failing_sequence(tmp_path):
+
+    report = mhaspec.check(KILL_LIST["rope_continues"], cases=["packed_gqa_rope"], dtypes=["float32"],
+                           timeout=None, isolate=False)
+    path = tmp_path / "r.json"
+    report.write_json(path)
+    assert main(["matrix", str(path), "--out", str(tmp_path / "m")]) == 0
+    html = "".join(p.read_text() for p in (tmp_path / "m").glob("*.html"))
+    assert "sequence 2 of 3 (length 5)" in html
