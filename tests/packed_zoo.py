@@ -90,7 +90,7 @@ class PackedImpl:
 
     def _padded(self, case: Case) -> dict[str, np.ndarray]:
         """Each entry in the padded (B, T) layout, its padding rows zeroed; keys >= l_b masked (unless a bug)."""
-        B, T = case.batch, case.tgt_len
+        T = case.tgt_len
         valid = np.arange(T)[None, :] < np.asarray(case.seq_lens)[:, None]  # (B, T)
 
         def zeroed(x: np.ndarray) -> np.ndarray:
