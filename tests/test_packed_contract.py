@@ -237,3 +237,14 @@ def test_the_matrix_names_the_failing_sequence(tmp_path):
     assert main(["matrix", str(path), "--out", str(tmp_path / "m")]) == 0
     html = "".join(p.read_text() for p in (tmp_path / "m").glob("*.html"))
     assert "sequence 2 of 3 (length 5)" in html
+
+
+def test_an_exec_program_is_never_sent_a_packed_case():
+    from mhaspec.protocol.transports.program import Program
+
+    from .test_exec import program
+
+    report = mhaspec.check(program(), dtypes=["float32"], cases=["packed_causal", "self_basic"])
+    verdicts = {r.case: (r.verdict, r.message) for r in report.results}
+    assert verdicts["packed_causal"] == (UNSUPPORTED, Program.packed_refusal)
+    assert verdicts["self_basic"][0] == PASS
