@@ -1,54 +1,75 @@
-"""Figures of the two-sided proof of per-call decode judging (tests/test_decode_proofs.py), per dtype:
-how many (bug, case) pairs of the kill list are caught (of those whose float64 result the bug changes),
-how many at the expected call and stage, and the smallest margin (tolerance / error) of the correct
-decodes over every judged call.
+"""Figures of the two-sided proofs of per-call decode judging (tests/test_decode_proofs.py) and of
+per-sequence packed judging (tests/test_packed_proofs.py), per dtype: how many (bug, case) pairs of each
+kill list are caught (of those whose float64 result the bug changes), how many at the expected call (or
+sequence) and stage, and the smallest margin (tolerance / error) of the correct implementations over every
+judged call (sequence).
 
-    PYTHONPATH=src python benchmarks/decode_figures.py
+    PYTHONPATH=src python benchmarks/decode_figures.py [decode|packed]
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhaspec.conformance import FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
-from tests.decode_zoo import CORRECT, KILL_LIST, decode_results, expected_calls, first_failing_call  # noqa: E402
+from tests import decode_zoo, packed_zoo  # noqa: E402
+from tests.decode_zoo import first_failing_call  # noqa: E402
 
 
-def main() -> None:
+def figures(what: str, kill_list: Mapping[str, Any], correct: Mapping[str, Any], results: Callable[[Any], list[Any]],
+            expected: Callable[[Any], dict[str, tuple[int, str]]]) -> None:
+    """Print one proof's figures: ``what`` names its unit ("call", "sequence")."""
     caught = {dt: [0, 0, 0] for dt in DTYPES}  # caught, at the expected call and stage, pairs
-    for name, impl in KILL_LIST.items():
-        expected = expected_calls(impl)
-        for r in decode_results(impl):
-            if r.case not in expected:
+    for impl in kill_list.values():
+        where = expected(impl)
+        for r in results(impl):
+            if r.case not in where:
                 continue
             counts = caught[r.dtype]
             counts[2] += 1
             if r.verdict == FAIL:
                 counts[0] += 1
-                counts[1] += first_failing_call(r) == expected[r.case]
+                counts[1] += first_failing_call(r) == where[r.case]
     worst = {dt: (0.0, "") for dt in DTYPES}
-    for name, impl in CORRECT.items():
-        for r in decode_results(impl):
+    for name, impl in correct.items():
+        for r in results(impl):
             for call in r.calls:
                 if (call.worst_ratio or 0.0) > worst[r.dtype][0]:
-                    worst[r.dtype] = (call.worst_ratio, f"{name} on {r.case}, call {call.call} of {call.of}")
-    print(f"kill list: {len(KILL_LIST)} bugs; correct decodes: {len(CORRECT)}")
-    print(f"{'dtype':10} {'caught':>8} {'at call+stage':>14}  smallest margin of the correct decodes")
+                    worst[r.dtype] = (call.worst_ratio, f"{name} on {r.case}, {what} {call.call} of {call.of}")
+    print(f"kill list: {len(kill_list)} bugs; correct implementations: {len(correct)}")
+    print(f"{'dtype':10} {'caught':>8} {'at ' + what + '+stage':>18}  smallest margin of the correct implementations")
     for dt in DTYPES:
         n, at, pairs = caught[dt]
-        ratio, where = worst[dt]
-        margin = f"{1 / ratio:.3g}x ({where})" if ratio else "-"
-        print(f"{dt:10} {n:>3}/{pairs:<4} {at:>6}/{pairs:<7}  {margin}")
-    print("\nsmallest margin per correct decode (tolerance / error over every call):")
+        ratio, place = worst[dt]
+        margin = f"{1 / ratio:.3g}x ({place})" if ratio else "-"
+        print(f"{dt:10} {n:>3}/{pairs:<4} {at:>10}/{pairs:<7}  {margin}")
+    print(f"\nwhere each bug must first be caught ({what}, stage; float64 run against the golden):")
+    for name, impl in kill_list.items():
+        where = expected(impl)
+        print(f"  {name}: {len(where)} case(s): " + ", ".join(f"{c} {what} {k + 1} {st}" for c, (k, st) in where.items()))
+    print(f"\nsmallest margin per correct implementation (tolerance / error over every {what}):")
     print(f"{'':16}" + "".join(f"{dt:>10}" for dt in DTYPES))
-    for name, impl in CORRECT.items():
-        row = {dt: max((c.worst_ratio or 0.0) for r in decode_results(impl) if r.dtype == dt for c in r.calls)
+    for name, impl in correct.items():
+        row = {dt: max((c.worst_ratio or 0.0) for r in results(impl) if r.dtype == dt for c in r.calls)
                for dt in DTYPES}
         print(f"{name:16}" + "".join(f"{(1 / x if x else float('inf')):>9.3g}x" for x in row.values()))
+
+
+def main() -> None:
+    which = sys.argv[1:] or ["decode", "packed"]
+    if "decode" in which:
+        print("== decode schedules (tests/decode_zoo.py) ==")
+        figures("call", decode_zoo.KILL_LIST, decode_zoo.CORRECT, decode_zoo.decode_results, decode_zoo.expected_calls)
+    if "packed" in which:
+        print("\n== packed sequences (tests/packed_zoo.py) ==")
+        figures("sequence", packed_zoo.KILL_LIST, packed_zoo.CORRECT, packed_zoo.packed_results,
+                packed_zoo.expected_sequences)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ D_k, D_v; P = S − T the past (keys in the cache before the first call).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,8 +258,6 @@ def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible:
     scores only where visible), or None where its float64 result is unchanged."""
     from mhaspec.spec.stages import forward_stages
 
-    from .zoo import CHANGED
-
     outs = impl.decode_calls(case, calls)
     for c, (out, (t0, t1, cache_len, _)) in enumerate(zip(outs, calls)):
         for stage in forward_stages(case.config):
@@ -266,18 +265,25 @@ def first_changed_call(impl, case: Case, golden: dict[str, np.ndarray], visible:
                 continue
             got = np.asarray(out[stage], dtype=np.float64)
             want = call_view(stage, np.asarray(golden[stage], dtype=np.float64), t0, t1, cache_len)
-            if got.shape != want.shape:
-                return c, stage
-            if stage == "scores":
-                seen = visible[:, :, t0:t1, :cache_len]
-                got, want = np.where(seen, got, 0.0), np.where(seen, want, 0.0)
-            finite = np.isfinite(want)
-            if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
-                return c, stage
-            diff = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
-            if diff > CHANGED * (float(np.max(np.abs(want[finite]), initial=0.0)) + 1e-300):
+            if changed(stage, got, want, visible[:, :, t0:t1, :cache_len]):
                 return c, stage
     return None
+
+
+def changed(stage: str, got: np.ndarray, want: np.ndarray, seen: np.ndarray) -> bool:
+    """Whether a float64 stage ``got`` differs from the golden's ``want``: another shape, other non-finite
+    values, or more than tests.zoo.CHANGED of the stage's magnitude (scores only where ``seen``)."""
+    from .zoo import CHANGED
+
+    if got.shape != want.shape:
+        return True
+    if stage == "scores":
+        got, want = np.where(seen, got, 0.0), np.where(seen, want, 0.0)
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
+        return True
+    diff = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
+    return diff > CHANGED * (float(np.max(np.abs(want[finite]), initial=0.0)) + 1e-300)
 
 
 # -- the schedule cases the proofs judge (tests/test_decode_proofs.py, benchmarks/decode_figures.py) -
@@ -304,44 +310,84 @@ def proof_spec(name: str):
     return spec.model_copy(update={"schedule": schedule})
 
 
-def decode_goldens() -> list[tuple[Any, list[str]]]:
-    """[(golden set, case ids)]: the built-in catalog's schedule cases (their fixtures), and
-    :data:`PROOF_CASES` computed on the fly by the fast reference."""
+def proof_goldens(catalog_cases: Callable[[Any], bool], own: list[Any], source: str) -> list[tuple[Any, list[str]]]:
+    """[(golden set, case ids)]: the built-in catalog's cases that ``catalog_cases`` keeps (their fixtures), and
+    the specs ``own`` computed on the fly by the fast reference (named ``source``)."""
     from mhaspec.fixtures import GoldenSet
     from mhaspec.reference.onthefly import OnTheFlyGolden
     from mhaspec.spec import CATALOG, Catalog
 
-    own = Catalog([proof_spec(name) for name in PROOF_CASES])
-    return [(GoldenSet(), [cid for cid in CATALOG.ids() if CATALOG[cid].schedule is not None]),
-            (OnTheFlyGolden(own, "tests/decode_zoo.py"), own.ids())]
+    catalog = Catalog(own)
+    return [(GoldenSet(), [cid for cid in CATALOG.ids() if catalog_cases(CATALOG[cid])]),
+            (OnTheFlyGolden(catalog, source), catalog.ids())]
+
+
+def decode_goldens() -> list[tuple[Any, list[str]]]:
+    """The built-in catalog's schedule cases and :data:`PROOF_CASES` (:func:`proof_goldens`)."""
+    return proof_goldens(lambda spec: spec.schedule is not None, [proof_spec(name) for name in PROOF_CASES],
+                         "tests/decode_zoo.py")
 
 
 _REPORTS: dict[int, tuple[Any, list[Any]]] = {}
 
 
-def decode_results(impl) -> list[Any]:
-    """``impl``'s case results on every schedule case in every dtype (in this process), once per session."""
+def proof_results(impl, goldens: list[tuple[Any, list[str]]]) -> list[Any]:
+    """``impl``'s case results on every case of ``goldens`` in every dtype (in this process), once per session."""
     import mhaspec
 
     if id(impl) not in _REPORTS:  # the implementation is kept with its results: its id is never reused
-        results = [r for golden, ids in decode_goldens()
+        results = [r for golden, ids in goldens
                    for r in mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False).results]
         _REPORTS[id(impl)] = (impl, results)
     return _REPORTS[id(impl)][1]
 
 
-def expected_calls(impl) -> dict[str, tuple[int, str]]:
-    """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
-    differs from the golden (cases it does not change are left out)."""
+def decode_results(impl) -> list[Any]:
+    """``impl``'s case results on every schedule case in every dtype (in this process), once per session."""
+    return proof_results(impl, decode_goldens())
+
+
+def expected_places(goldens: list[tuple[Any, list[str]]], first_changed: Callable[[Any], tuple[int, str] | None]
+                    ) -> dict[str, tuple[int, str]]:
+    """case id -> ``first_changed(golden case)`` where not None: where an implementation must first be caught."""
     out = {}
-    for golden, ids in decode_goldens():
+    for golden, ids in goldens:
         for case_id in ids:
-            g = golden.load(case_id)
-            case = g.case("float64")
-            where = first_changed_call(impl, case, g.stages, g.visible, case.calls())
+            where = first_changed(golden.load(case_id))
             if where is not None:
                 out[case_id] = where
     return out
+
+
+def expected_calls(impl) -> dict[str, tuple[int, str]]:
+    """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
+    differs from the golden (cases it does not change are left out)."""
+    def first(g: Any) -> tuple[int, str] | None:
+        case = g.case("float64")
+        return first_changed_call(impl, case, g.stages, g.visible, case.calls())
+
+    return expected_places(decode_goldens(), first)
+
+
+def misplaced(expected: dict[str, tuple[int, str]], results: list[Any], unit: str = "call") -> list[str]:
+    """Where a kill-list bug's results are not as ``expected`` (:func:`expected_places`): a case it changes that
+    does not fail first at that (0-based) call or sequence and stage, with a message led by it (``unit`` k of …),
+    or a case it does not change that does not pass."""
+    from mhaspec.conformance import FAIL, PASS
+
+    wrong = []
+    for result in sorted(results, key=lambda r: (r.case, r.dtype)):
+        case, dtype = result.case, result.dtype
+        if case in expected:
+            got = (result.verdict, first_failing_call(result), result.first_failing_stage)
+            want = (FAIL, expected[case], expected[case][1])
+            if result.verdict == FAIL and not result.message.startswith(f"{unit} {expected[case][0] + 1} of "):
+                wrong.append(f"{case} {dtype}: the verdict does not lead with the {unit}: {result.message!r}")
+        else:  # the bug changes nothing here: nothing to catch
+            got, want = result.verdict, PASS
+        if got != want:
+            wrong.append(f"{case} {dtype}: got {got}, expected {want}")
+    return wrong
 
 
 def first_failing_call(result) -> tuple[int, str] | None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from mhaspec.conformance import FAIL, PASS
+from mhaspec.conformance import PASS
 from mhaspec.spec import DTYPES
 
-from .decode_zoo import CORRECT, KILL_LIST, decode_goldens, decode_results, expected_calls, first_failing_call
+from .decode_zoo import CORRECT, KILL_LIST, decode_goldens, decode_results, expected_calls, misplaced
 
 pytestmark = pytest.mark.proofs  # tox's proofs env (the two-sided proofs, per dtype)
 
@@ -44,14 +44,5 @@ def test_a_kill_list_bug_is_caught_at_its_call_and_stage_in_every_dtype(name):
     impl = KILL_LIST[name]
     expected = expected_calls(impl)
     assert expected, f"{name} changes no schedule case in float64"
-    by = {(r.case, r.dtype): r for r in decode_results(impl)}
-    wrong = []
-    for (case, dtype), result in sorted(by.items()):
-        if case in expected:
-            got = (result.verdict, first_failing_call(result), result.first_failing_stage)
-            want = (FAIL, expected[case], expected[case][1])
-        else:  # the bug changes nothing here: nothing to catch
-            got, want = result.verdict, PASS
-        if got != want:
-            wrong.append(f"{case} {dtype}: got {got}, expected {want}")
+    wrong = misplaced(expected, decode_results(impl))
     assert not wrong, f"{name}:\n" + "\n".join(wrong)

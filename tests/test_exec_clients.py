@@ -71,9 +71,10 @@ def _name(argv: list[str], *args: str) -> str:
 
 
 def _variant(case_id: str) -> bool:
-    """Whether the catalog case uses an attention variant (docs/spec.md §2a) or has a schedule (never sent to
-    an exec client: decode is not in mhaspec-wire/1 yet, docs/serving.md)."""
-    return bool(variants_used(CATALOG[case_id])) or CATALOG[case_id].schedule is not None
+    """Whether the catalog case uses an attention variant (docs/spec.md §2a), has a schedule or seq_lens (never
+    sent to an exec client: decode and packed cases are not in mhaspec-wire/1 yet, docs/serving.md)."""
+    spec = CATALOG[case_id]
+    return bool(variants_used(spec)) or spec.schedule is not None or spec.seq_lens is not None
 
 
 def _reports() -> Path | None:

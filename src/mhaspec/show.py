@@ -54,6 +54,9 @@ def describe(case: Case, values: bool = False) -> str:
              + ("self-attention (query, key and value are one tensor)" if case.self_attention
                 else "key and value are one tensor" if case.key_is_value else "distinct query, key and value"),
              "  config: " + ", ".join(f"{k}={v}" for k, v in c.model_dump(mode="json").items())]
+    if case.seq_lens is not None:
+        lines.append(f"  packed: seq_lens {list(case.seq_lens)}, cu_seqlens {case.cu_seqlens().tolist()}; the padding rows "
+                     "(>= l_b) of query, key and value are NaN (docs/serving.md)")
     arrays: list[tuple[str, np.ndarray | None]] = [
         (f"inputs.{n}", getattr(case.inputs, n)) for n in ("query", "key", "value", "mask")]
     arrays += [(f"weights.{n}", getattr(case.weights, n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")]

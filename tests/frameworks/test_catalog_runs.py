@@ -24,6 +24,7 @@ from mhaspec.cli import main
 from mhaspec.conformance import KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNSUPPORTED
 from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.conformance.decode import NO_DECODE
+from mhaspec.conformance.packed import NOT_PACKED
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES
 from mhaspec.spec.variants import variants_used
 
@@ -94,8 +95,19 @@ DECODERS = {"torch", "torch-sdpa", "jax", "onnxruntime", "onnx-reference", "kera
 DECODE_VERDICTS = dict.fromkeys(["onnxruntime", "onnx-reference", "keras-hub-cached", "hf-llama-cache"],
                                 {PASS, KNOWN_DEVIATION, UNSUPPORTED})
 SCHEDULE_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is not None]
-SCHEDULE_WARNING = (f"--backward: {len(SCHEDULE_CASES) * len(DTYPES)} case×dtype have a schedule, judged forward only "
-                    "(decode(case), docs/serving.md); their backward stages were not judged")
+
+#: The adapters that declare ``packed = True`` (docs/serving.md): they pass every packed case (``seq_lens``) in every
+#: dtype; every other adapter leaves them unsupported (packed.NOT_PACKED, or a variant it does not declare).  Like a
+#: schedule case, a packed case is judged forward only with ``--backward``.
+PACKERS = {"torch-sdpa", "jax"}
+PACKED_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].seq_lens is not None]
+
+
+def forward_only_warning(name: str) -> list[str]:
+    """The one ``--backward`` warning of adapter ``name``'s run: its schedule and packed case×dtype, forward only."""
+    count = len(DTYPES) * (len(SCHEDULE_CASES) * (name in DECODERS) + len(PACKED_CASES) * (name in PACKERS))
+    return [f"--backward: {count} case×dtype have a schedule or seq_lens, judged forward only (docs/serving.md); "
+            "their backward stages were not judged"] if count else []
 
 
 #: Single verdicts worth keeping in sight: adapter -> [(case, dtype, verdict)].  The reference
@@ -128,14 +140,13 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     assert report["ok"] and not report["partial"] and report["backward"] == (exposed is not None), out
     # a declared deviation that no longer occurs, or a "--backward: …" note of what could not be judged (every
     # catalog case has its backward golden, the variant cases too), but the schedule cases' (forward only)
-    schedule_warning = [SCHEDULE_WARNING] if exposed is not None and name in DECODERS else []
-    assert report["warnings"] == schedule_warning, report["warnings"]
+    assert report["warnings"] == (forward_only_warning(name) if exposed is not None else []), report["warnings"]
     results = report["results"]
     assert sorted((r["case"], r["dtype"]) for r in results) == sorted((c, d) for c in CATALOG.ids() for d in DTYPES)
 
     for dtype, verdict in EVERY_CASE.get(name, {}).items():  # (the spec-1.1 cases: the variants' on their own)
         other = [(r["case"], r["verdict"]) for r in results if r["dtype"] == dtype and r["verdict"] != verdict
-                 and not variants_used(CATALOG[r["case"]]) and r["case"] not in SCHEDULE_CASES]
+                 and not variants_used(CATALOG[r["case"]]) and r["case"] not in SCHEDULE_CASES + PACKED_CASES]
         assert not other, f"{name} [{dtype}]: every case should be {verdict!r}, not {other}"
     verdict_of = {(r["case"], r["dtype"]): r["verdict"] for r in results}
     for r in results:
@@ -147,13 +158,20 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
             else:
                 assert r["verdict"] == UNSUPPORTED, (name, r["case"], r["dtype"], r["verdict"])
                 assert r["message"] == NO_DECODE or "does not declare the variant" in r["message"], r["message"]
+        if r["case"] in PACKED_CASES:  # judged sequence by sequence, or refused without packed = True
+            if name in PACKERS:
+                assert r["verdict"] == PASS and {c["kind"] for c in r["calls"]} == {"sequence"}, (r["case"], r["dtype"])
+            else:
+                assert r["verdict"] == UNSUPPORTED, (name, r["case"], r["dtype"], r["verdict"])
+                assert r["message"] == NOT_PACKED or "does not declare the variant" in r["message"], r["message"]
     for case_id, dtype, verdict in SOME_CASES.get(name, []):
         assert verdict_of[case_id, dtype] == verdict, (case_id, dtype)
 
     if name in VARIANT_CASES:
         for case_id in CATALOG.ids():
             used = set(variants_used(CATALOG[case_id]))
-            undeclared = used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and name not in DECODERS)
+            undeclared = (used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and name not in DECODERS)
+                          or (case_id in PACKED_CASES and name not in PACKERS))
             want = UNSUPPORTED if undeclared else VARIANT_CASES[name]
             wrong = [(d, verdict_of[case_id, d]) for d in DTYPES if used and verdict_of[case_id, d] != want]
             assert not wrong, f"{name} {case_id}: every dtype should be {want!r}, not {wrong}"

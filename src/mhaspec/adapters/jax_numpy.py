@@ -33,7 +33,7 @@ import numpy as np
 
 from ..spec import Case, masks
 from ..spec.variants import VARIANTS, RopeSpec
-from .backends import call_view
+from .backends import call_view, packing
 from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
                            keep_mask, linear, pad_keys, projections, rope, score_bias, softcap, softmax_with_lse,
                            tap_shapes, tapping, tree_in, uses_variants, vjp_stages)
@@ -177,6 +177,43 @@ def call_stages(stages: dict[str, np.ndarray], length: int) -> dict[str, np.ndar
     return {name: x[cut[name]] if name in cut else x for name, x in stages.items()}
 
 
+# -- a packed case (docs/serving.md): every sequence in one (1, N) call ----------------------------------------
+
+#: :func:`packed_mha`'s static arguments: one program per N = Σ l_b and case structure.
+PACKED_STATIC = DECODE_STATIC
+
+
+def packed_mha(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array, bias: jax.Array | None,
+    alibi: jax.Array | None, q_shift: jax.Array, k_shift: jax.Array, weights: dict[str, Any],
+    *, heads: int, kv_heads: int, scale: float, cap: float | None, rope_spec: RopeSpec | None, dtype: str,
+) -> dict[str, jax.Array]:
+    """Every stage of a packed call: query (1, N, d_model), key (1, N, kdim), value (1, N, vdim) the valid rows
+    of every sequence, concatenated; ``mask`` (1, H, N, N) the block-diagonal rule of cu_seqlens (each block the
+    sequence's causal, window and mask rule); ``bias`` (1, H|1, N, N) and ``alibi`` (1, H, N, N) on the blocks;
+    ``q_shift``, ``k_shift`` (N,) int32: RoPE turns packed row l at position shift[l] + l (shift = the offset
+    minus the sequence's first packed row: positions restart at each sequence)."""
+    w, tap = weights, tapping(None)
+    q, k, v = projections(query, key, value, w, dtype, tap)  # (1, N, H·D), (1, N, G·D), (1, N, G·E)
+    stages = {"q_proj": q, "k_proj": k, "v_proj": v}
+    if rope_spec is not None:
+        q = stages["q_rot"] = rope(q, heads, q_shift, rope_spec, dtype)  # type: ignore[arg-type]
+        k = stages["k_rot"] = rope(k, kv_heads, k_shift, rope_spec, dtype)  # type: ignore[arg-type]
+    return {**stages, **attend(q, k, v, mask, bias, alibi, w, tap, heads=heads, kv_heads=kv_heads, scale=scale,
+                               causal_shift=None, cap=cap, dtype=dtype)}
+
+
+def packed_arrays_in(case: Case) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array, jax.Array]:
+    """:func:`packed_mha`'s mask, bias, ALiBi term (in the accumulator) and RoPE shifts for a packed case
+    (:mod:`.backends.packing`; call inside :func:`~.backends.jax.computing_in`)."""
+    term = packing.packed_alibi(case)
+    rows = np.arange(int(case.cu_seqlens()[-1]))
+    q_pos, k_pos = packing.packed_positions(case) if case.config.rope is not None else (rows, rows)
+    return (array_in(packing.packed_allowed(case)), array_in(packing.packed_bias(case), case.dtype),
+            None if term is None else jax.device_put(term.astype(accumulator(case.dtype))),
+            jax.device_put((q_pos - rows).astype(np.int32)), jax.device_put((k_pos - rows).astype(np.int32)))
+
+
 class JaxMHAAdapter(CompilingAdapter):
     """The ``jax`` adapter: :func:`mha` under ``jax.jit``, every stage, every variant.
 
@@ -186,9 +223,12 @@ class JaxMHAAdapter(CompilingAdapter):
     name = "jax"
     framework = "jax"
     variants = frozenset(VARIANTS)
+    packed = True  # run(case) of a packed case: packed_mha over the packed rows
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         dtype = case.dtype
+        if case.seq_lens is not None:
+            return self._packed(case)
         with computing_in(dtype, self.device):
             stages = compiled(mha, STATIC, self.fast)(
                 *case.inputs_as(lambda x: array_in(x, dtype)), *arrays_in(case), tree_in(case.weights.as_dict(), dtype),
@@ -197,6 +237,20 @@ class JaxMHAAdapter(CompilingAdapter):
             if not uses_variants(case):  # a spec-1.1 case's fixture has no lse to compare
                 del stages["lse"]
             return array_out(stages)
+
+    def _packed(self, case: Case) -> dict[str, np.ndarray]:
+        """A packed case (docs/serving.md): :func:`packed_mha` over one (1, N = Σ l_b) batch of the valid rows
+        (the NaN padding never read), its stages back in the padded layout (B, T, ·)."""
+        dtype = case.dtype
+        with computing_in(dtype, self.device):
+            stages = compiled(packed_mha, PACKED_STATIC, self.fast)(
+                *case.inputs_as(lambda x: array_in(packing.pack(case, x), dtype)), *packed_arrays_in(case),
+                tree_in(case.weights.as_dict(), dtype), **{k: v for k, v in static_arguments(case).items()
+                                                           if k in PACKED_STATIC},
+            )
+            if not uses_variants(case):  # a spec-1.1-like case's fixture has no lse to compare
+                del stages["lse"]
+            return packing.unpack(case, array_out(stages))
 
     def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
         """Every stage of each call of the case's schedule (docs/serving.md): :func:`decode_step` under

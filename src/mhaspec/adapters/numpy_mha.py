@@ -40,6 +40,7 @@ from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
 from ..spec.variants import VARIANTS, alibi_slope_values
 from .backends import numpy as backend
+from .backends import packing
 
 
 # -- the attention variants (docs/spec.md §2a), in the dtype under test ---------------------------
@@ -247,12 +248,35 @@ def decode_calls(case: Case, calls: Sequence[Call]) -> list[dict[str, np.ndarray
     return [decode_call(case, cache, call) for call in calls]
 
 
+# -- a packed case (docs/serving.md): every sequence in one (1, N) call ------------------------------
+
+def packed_forward(case: Case) -> dict[str, np.ndarray]:
+    """A packed case's stages: the valid rows of every entry concatenated into one (1, N = Σ l_b) batch,
+    projected, turned by RoPE at each sequence's own positions, attending with the block-diagonal rule of
+    ``case.cu_seqlens()``, then unpacked to the padded layout (B, T, ·) (padding: NaN).  No padding row is
+    read: the NaN the case holds there never reaches a valid row."""
+    cfg, w = case.config, case.weights
+    dt, acc = precision(case.dtype)
+    q = project(packing.pack(case, case.inputs.query), w.w_q, w.b_q, dt, acc)  # (1, N, H·D_k)
+    k = project(packing.pack(case, case.inputs.key), w.w_k, w.b_k, dt, acc)  # (1, N, H_kv·D_k)
+    v = project(packing.pack(case, case.inputs.value), w.w_v, w.b_v, dt, acc)  # (1, N, H_kv·D_v)
+    rows = {"q_proj": q, "k_proj": k, "v_proj": v}
+    if cfg.rope is not None:
+        q_pos, k_pos = packing.packed_positions(case)  # (N,) each: restarting at every sequence's start
+        q = rows["q_rot"] = rope(q, cfg.H, rope_cos_sin(cfg, q_pos, dt), cfg)
+        k = rows["k_rot"] = rope(k, cfg.H_kv, rope_cos_sin(cfg, k_pos, dt), cfg)
+    attended, _ = attend(case, q, k, v, packing.packed_allowed(case), packing.packed_bias(case),
+                         packing.packed_distance(case))  # (1, H, N, N) …
+    return packing.unpack(case, {**rows, **attended})
+
+
 class NumpyMHA:
     """The numpy adapter (built-in name ``numpy``)."""
 
     name = "numpy"
     framework = "numpy"
     variants = frozenset(VARIANTS)
+    packed = True  # run(case) of a packed case: packed_forward
 
     def supports(self, case: Case) -> bool | str:
         if case.dtype == "bfloat16":
@@ -263,6 +287,8 @@ class NumpyMHA:
         return True
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
+        if case.seq_lens is not None:
+            return packed_forward(case)
         return self._forward(case)[0]
 
     def _forward(self, case: Case) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from ..spec import Case, Weights
 from ..spec.variants import VARIANTS
+from .backends import packing
 from .backends import torch as backend
 
 
@@ -75,15 +76,17 @@ class SDPAMultiHeadAttention(backend.FusedAttentionModule):
         is_causal: bool = False,
         cache: backend.KVCache | None = None,
         q_start: int = 0,
+        positions: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> dict[str, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim); attn_mask and
         is_causal as ``F.scaled_dot_product_attention`` takes them (a float mask with sinks).
         With a ``cache`` (:class:`~.backends.torch.KVCache`): key and value are the rows appended to it,
         query's first row is row ``q_start`` of the sequence, and SDPA reads the whole cache (S = its length
-        after the append; the mask is then (B|1, H|1, T, S) for those keys).
+        after the append; the mask is then (B|1, H|1, T, S) for those keys).  ``positions``: RoPE's (a packed
+        call's, each sequence's own).
         Returns the stages it sees: q_proj, k_proj, v_proj, (q_rot, k_rot,) head_outputs, concat, output."""
         cfg = self.config
-        stages, Q, K, V = self.project(query, key, value, cache, q_start)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        stages, Q, K, V = self.project(query, key, value, cache, q_start, positions)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
         if self.sink_logits is not None:
             K, V, attn_mask = with_sink_column(K, V, attn_mask, self.sink_logits, Q.shape[2])  # S + 1 keys
         head_outputs = F.scaled_dot_product_attention(
@@ -126,6 +129,7 @@ class TorchSDPAAdapter:
     framework = "torch"
     #: every variant but softcap, which SDPA cannot express (module docstring)
     variants = frozenset(VARIANTS) - {"softcap"}
+    packed = True  # run(case) of a packed case: one SDPA call over the packed rows (_packed)
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = backend.check_device(device)
@@ -139,11 +143,15 @@ class TorchSDPAAdapter:
         return backend.loaded_module(SDPAMultiHeadAttention, canonical_to_state_dict(case.weights), case, self.device,
                                      config=case.config)
 
+    @staticmethod
+    def _additive(case: Case) -> bool:
+        """Whether SDPA's ``attn_mask`` is a float mask: with a bias input, ALiBi or sinks."""
+        cfg = case.config
+        return case.inputs.bias is not None or cfg.alibi_slopes is not None or cfg.sinks
+
     def _masks(self, case: Case) -> dict[str, Any]:
         """SDPA's ``attn_mask`` and ``is_causal`` for the case's masking, bias and ALiBi."""
-        cfg = case.config
-        additive = case.inputs.bias is not None or cfg.alibi_slopes is not None or cfg.sinks
-        if additive:  # float: bias − slope·distance where visible, −inf where not
+        if self._additive(case):  # float: bias − slope·distance where visible, −inf where not
             mask = backend.additive_mask(case, backend.dtype(case.dtype), self.device)  # (B|1, H|1, T, S)
             return {"attn_mask": mask, "is_causal": False}
         if backend.top_left_causal_only(case):  # SDPA's is_causal is top-left and excludes attn_mask
@@ -159,7 +167,22 @@ class TorchSDPAAdapter:
         return call
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
+        if case.seq_lens is not None:
+            return self._packed(case)
         return backend.inference(case, self.device, self._call(self._module(case), self._masks(case)))
+
+    def _packed(self, case: Case) -> dict[str, np.ndarray]:
+        """A packed case (docs/serving.md): SDPA over one (1, N = Σ l_b) batch of the valid rows with the
+        block-diagonal (+ causal, window, mask) ``attn_mask`` of ``case.cu_seqlens()``, RoPE at each sequence's
+        own positions; the stages back in the padded layout."""
+        module = self._module(case)
+        masks = {"attn_mask": backend.packed_masks(case, self._additive(case), self.device), "is_causal": False}
+        positions = packing.packed_positions(case) if case.config.rope is not None else None
+
+        def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+            return module(query=query, key=key, value=value, positions=positions, **masks)
+
+        return backend.packed_inference(case, self.device, call)
 
     def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
         """The stages of each call of the case's schedule (docs/serving.md) against a hand-written

@@ -88,7 +88,7 @@ def call_view(golden: GoldenCase, b: int, call: Call, last: dict[Any, GoldenCase
     error = rows.reference_error
     return dataclasses.replace(
         rows,
-        spec=rows.spec.model_copy(update={"src_len": call.cache, "schedule": None}),
+        spec=rows.spec.model_copy(update={"src_len": call.cache, "schedule": None, "seq_lens": None}),
         inputs={k: _input_keys(k, v, call.cache) for k, v in rows.inputs.items()},
         stages={k: _first_keys(k, v, call.cache) for k, v in rows.stages.items()},
         visible=rows.visible[..., : call.cache],
@@ -147,9 +147,10 @@ def _shape_failures(returned: Mapping[str, Any], expected: Mapping[str, tuple[in
             arrays[stage] = array
             continue
         axes = ", ".join(REGISTRY[stage].axes).replace("T", "n_c").replace("S", "L_c")
+        where = (f"the sequence's l_b = {call.rows} rows and keys of the padded layout" if call.kind == "sequence" else
+                 f"n_c = {call.rows} rows, cache L_c = {call.cache} keys after the call")
         failed[stage] = StageResult(stage, FAIL, message=(
-            f"shape {array.shape}, expected ({axes}) = {expected[stage]} (n_c = {call.rows} rows, cache "
-            f"L_c = {call.cache} keys after the call)"), failed_check="golden")
+            f"shape {array.shape}, expected ({axes}) = {expected[stage]} ({where})"), failed_check="golden")
     return arrays, failed
 
 
@@ -182,14 +183,15 @@ def row_chunks(golden: GoldenCase, call: Call, max_elements: int | None = None) 
 
 def judge_call(golden: GoldenCase, call: Call, returned: Mapping[str, Any],
                judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
-               last: dict[Any, GoldenCase] | None = None) -> list[StageResult]:
+               last: dict[Any, GoldenCase] | None = None, entries: Sequence[int] | None = None) -> list[StageResult]:
     """One call's stage results: each batch entry's view (block by block of rows, :func:`row_chunks`)
     judged by ``judge``, merged in pipeline order (``last``: :func:`golden_rows`'s).  The key side (the
-    cache) is judged in the first block of each batch entry, its bounds shared by the others."""
+    cache) is judged in the first block of each batch entry, its bounds shared by the others.  ``entries``:
+    the batch entries judged (default every one; a packed case's sequence: its own, conformance/packed.py)."""
     arrays, failed = _shape_failures(returned, expected_shapes(golden, call), call)
     per_stage: dict[str, list[tuple[tuple[int, int, int], StageResult]]] = {}
     chunks = row_chunks(golden, call)
-    for b in range(golden.spec.batch):
+    for b in range(golden.spec.batch) if entries is None else entries:
         memo: dict[Any, Any] = {}  # what the blocks of this batch entry share (judging.memoised)
         for r0, r1 in chunks:
             view = call_view(golden, b, call, last, (r0, r1))
@@ -240,7 +242,8 @@ def _over_calls(results: Sequence[CallResult]) -> list[StageResult]:
 
 
 def judge_calls(golden: GoldenCase, calls: Sequence[Call], returned: Sequence[Mapping[str, Any]],
-                judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]]
+                judge: Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]],
+                entries: Sequence[Sequence[int]] | None = None,
                 ) -> tuple[str, list[StageResult], list[CallResult], str]:
     """(the case's verdict, its stages, the per-call results, its message) for what ``decode(case)``
     returned (already through :func:`contract_error`).
@@ -248,17 +251,20 @@ def judge_calls(golden: GoldenCase, calls: Sequence[Call], returned: Sequence[Ma
     The case's verdict and stages are those of its first call with the worst verdict (the first failing
     call, else the first known deviation, else the first uninformative one), each message led by the call
     (``call 3 of 7 (decode, cache 8): …``).  A case whose calls all pass has every call's stages merged,
-    with the second opinion on the sums of all calls (which may still fail it, naming no call)."""
+    with the second opinion on the sums of all calls (which may still fail it, naming no call).  ``entries``:
+    the batch entries each call judges (default every one; a packed case: sequence b, entry b only)."""
     last: dict[Any, GoldenCase] = {}  # the golden's last block of rows (a case made one block at a time)
-    results = [_call_result(c, call, len(calls), judge_call(golden, call, mapping, judge, last))
+    results = [_call_result(c, call, len(calls),
+                            judge_call(golden, call, mapping, judge, last, None if entries is None else entries[c]))
                for c, (call, mapping) in enumerate(zip(calls, returned))]
     verdict = next((v for v in (FAIL, KNOWN_DEVIATION, UNINFORMATIVE) if any(r.verdict == v for r in results)), PASS)
     if verdict == PASS:
         stages = _over_calls(results)
         verdict = verdict_of(stages)
         failing = next((st for st in stages if st.verdict == FAIL), None)
+        noun = "sequence" if calls and calls[0].kind == "sequence" else "call"
         return verdict, stages, results, "" if failing is None else \
-            f"every call within its tolerances; over all {len(calls)} calls: {failing.stage} fails — {failing.message}"
+            f"every {noun} within its tolerances; over all {len(calls)} {noun}s: {failing.stage} fails — {failing.message}"
     deciding = next(r for r in results if r.verdict == verdict)
     label = call_label(deciding.call - 1, calls[deciding.call - 1], len(calls))
     stages = [dataclasses.replace(st, message=f"{label}: {st.message}") if st.message else st for st in deciding.stages]

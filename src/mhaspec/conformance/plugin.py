@@ -132,7 +132,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
             stages = plugin_stages(session.layout, session.promises_collectives)
         golden = session.golden.load(case_id) if session.backward else None
-        if golden is not None and golden.spec.schedule is None:  # a schedule case is judged forward only
+        if golden is not None and golden.spec.schedule is None and golden.spec.seq_lens is None:  # (forward only)
             from .backward import case_backward_stages
 
             stages += case_backward_stages(golden)

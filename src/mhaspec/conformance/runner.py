@@ -23,7 +23,7 @@ from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import ROW_AXIS, judge_in_blocks
-from . import decode, ranks
+from . import decode, packed, ranks
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
@@ -122,7 +122,8 @@ class Session:
         self._has_supports = bool(info["has_supports"])
         self._has_backward = bool(info.get("has_backward"))
         self._has_decode = bool(info.get("has_decode"))
-        self._schedule_backward = 0  # case×dtype with a schedule judged with --backward: forward only (docs/serving.md)
+        self._packed = bool(info.get("packed"))  # the adapter computes a packed case (seq_lens, docs/serving.md)
+        self._schedule_backward = 0  # case×dtype with a schedule or seq_lens judged with --backward: forward only (docs/serving.md)
         self._timeouts = 0
         #: (golden, dtype, forward bounds) of the last case judged in one block (see _judge_backward)
         self._forward_bounds: tuple[GoldenCase, str, dict[str, Any]] | None = None
@@ -208,6 +209,8 @@ class Session:
             return  # never sent: reported unsupported when its turn comes
         if golden.spec.schedule is not None and self._decode_refusal():
             return  # never sent: reported unsupported when its turn comes
+        if golden.spec.seq_lens is not None and self._packed_refusal():
+            return  # never sent: reported unsupported when its turn comes
         self._worker.prefetch(golden.case(key[1]), with_supports=self._has_supports)
 
     def result(self, case_id: str, dtype: str) -> CaseResult:
@@ -238,6 +241,9 @@ class Session:
             return self._judge_ranks(golden, dtype)
         if scheduled and self._decode_refusal():
             return CaseResult(case_id, dtype, UNSUPPORTED, message=self._decode_refusal())
+        packed = golden.spec.seq_lens is not None  # judged sequence by sequence (conformance/packed.py)
+        if packed and self._packed_refusal():
+            return CaseResult(case_id, dtype, UNSUPPORTED, message=self._packed_refusal())
         case = golden.case(dtype)
         if self._has_supports:
             try:
@@ -277,6 +283,8 @@ class Session:
             return CaseResult(case_id, dtype, ERROR, adapter_s=adapter_s,
                               message=f"run() did not return the required stage {STAGE.output!r}")
 
+        if packed:
+            return self._judge_sequences(golden, dtype, returned, adapter_s, t0)
         # large cases are judged in blocks of query rows (memory-bounded); small ones in one block
         stages = judge_in_blocks(golden, returned, lambda g, r: self.judge_stages(g, dtype, r))
         for st in stages:  # the second opinion, on the whole case's sums (blocks merged)
@@ -336,6 +344,20 @@ class Session:
             return CaseResult(golden.id, dtype, ERROR, message=error, adapter_s=adapter_s)
         verdict, stages, results, message = decode.judge_calls(
             golden, calls, returned, lambda view, mapping: self.judge_stages(view, dtype, mapping))
+        self._schedule_backward += self.backward
+        return CaseResult(golden.id, dtype, verdict, stages, message=message, adapter_s=adapter_s,
+                          harness_s=time.perf_counter() - t0, calls=results)
+
+    def _packed_refusal(self) -> str | None:
+        """Why a packed case is not judged with this adapter (None: it is, through run(case))."""
+        return self._worker.packed_refusal or (None if self._packed else packed.NOT_PACKED)
+
+    def _judge_sequences(self, golden: GoldenCase, dtype: str, returned: Mapping[str, Any], adapter_s: float,
+                         t0: float) -> CaseResult:
+        """A packed case: what ``run(case)`` returned, judged sequence by sequence (conformance/packed.py);
+        forward only, like a schedule (``--backward``: a warning)."""
+        verdict, stages, results, message = packed.judge_sequences(
+            golden, returned, lambda view, mapping: self.judge_stages(view, dtype, mapping))
         self._schedule_backward += self.backward
         return CaseResult(golden.id, dtype, verdict, stages, message=message, adapter_s=adapter_s,
                           harness_s=time.perf_counter() - t0, calls=results)
@@ -540,8 +562,8 @@ class Session:
             warnings.append(f"--backward: {ranks.FORWARD_ONLY} (adapter {self.name}): no backward stage was judged")
         elif self.backward:
             if self._schedule_backward:
-                warnings.append(f"--backward: {self._schedule_backward} case×dtype have a schedule, judged forward "
-                                "only (decode(case), docs/serving.md); their backward stages were not judged")
+                warnings.append(f"--backward: {self._schedule_backward} case×dtype have a schedule or seq_lens, judged "
+                                "forward only (docs/serving.md); their backward stages were not judged")
             if self._no_backward_golden:
                 warnings.append(f"--backward: {self._no_backward_golden} case×dtype have no backward golden "
                                 f"({CATALOG_FORWARD_ONLY}); their backward stages were not judged")

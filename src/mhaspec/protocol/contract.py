@@ -248,6 +248,7 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
         "has_decode": callable(getattr(adapter, "decode", None)),
         # a distributed adapter (run_rank, docs/distributed.md): the launcher that runs its ranks
         **({"distributed": {"launcher": str(getattr(adapter, "launcher", ""))}} if is_distributed(adapter) else {}),
+        "packed": getattr(adapter, "packed", False) is True,  # run(case) computes a packed case (docs/serving.md)
     }
 
 

@@ -184,7 +184,8 @@ def failure(reply: str, error: str) -> dict[str, Any]:
 
 #: What ``ready`` may leave out, and what it then means (a Python worker always sends every key).
 READY_DEFAULTS: dict[str, Any] = {"deviations": [], "framework": None, "framework_version": None,
-                                  "has_supports": False, "has_backward": False, "has_decode": False, "variants": []}
+                                  "has_supports": False, "has_backward": False, "has_decode": False, "packed": False,
+                                  "variants": []}
 
 
 def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,7 +207,7 @@ def check_ready(header: Mapping[str, Any]) -> dict[str, Any]:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise Malformed(f"a 'ready' whose variants {unknown} are not among {', '.join(VARIANTS)}")
-    for key in ("has_supports", "has_backward", "has_decode"):
+    for key in ("has_supports", "has_backward", "has_decode", "packed"):
         if not isinstance(info[key], bool):
             raise Malformed(f"a 'ready' whose {key} is not true or false ({info[key]!r})")
     for key in ("framework", "framework_version"):
@@ -278,6 +279,8 @@ def case_message(case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
                if name not in ("config", "inputs", "weights", "d_output")}
     if case.schedule is None:  # mhaspec-wire/1 has no schedule (docs/serving.md): a case without one is unchanged
         del scalars["schedule"]
+    if case.seq_lens is None:  # nor seq_lens (docs/serving.md): an exec client is never sent a packed case
+        del scalars["seq_lens"]
     arrays: dict[str, np.ndarray] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}

@@ -47,6 +47,7 @@ log and power are assumed within :data:`ELEMENTARY_ULPS` ulps (tests/test_fast_r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -354,7 +355,7 @@ class FastRows:
     those rows of :meth:`whole`, and a block holds O(H · rows · S) memory."""
 
     def __init__(self, config: MHAConfig, inputs: dict[str, np.ndarray | None],
-                 weights: dict[str, np.ndarray]) -> None:
+                 weights: dict[str, np.ndarray], seq_lens: Sequence[int] | None = None) -> None:
         query, key, value = inputs["query"], inputs["key"], inputs["value"]
         assert query is not None and key is not None and value is not None
         (B, T, _), S = query.shape, key.shape[1]
@@ -395,8 +396,8 @@ class FastRows:
         self.stage_names = forward_stages(config)
         self.exact = {"q_proj": exact_q, "k_proj": exact_k, "v_proj": exact_v, "scores": self.exact_s}
         self.exact.update({s: False for s in self.stage_names if s not in self.exact})
-        self.visible = visibility(config, inputs.get("mask"), B, T, S)
-        self.everything_visible = (not config.causal and inputs.get("mask") is None
+        self.visible = visibility(config, inputs.get("mask"), B, T, S, seq_lens)
+        self.everything_visible = (not config.causal and inputs.get("mask") is None and seq_lens is None
                                    and config.window_left is None and config.window_right is None)
         keys = S + (self.sinks is not None)  # terms of a softmax denominator: the keys and the sink
         self.rel_round = gamma(4 * EXP_ULPS + 2) + sum_bound(keys)  # exp (both references), divisions; the row sum
@@ -607,8 +608,9 @@ class FastRows:
 
 
 def forward_fast(
-    config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray]
+    config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray],
+    seq_lens: Sequence[int] | None = None,
 ) -> FastForward:
     """Every stage of docs/spec.md §2 in float64 BLAS, with the bound of its own error
-    (:meth:`FastRows.whole`)."""
-    return FastRows(config, inputs, weights).whole()
+    (:meth:`FastRows.whole`); ``seq_lens``: a packed case's lengths."""
+    return FastRows(config, inputs, weights, seq_lens).whole()

@@ -34,8 +34,8 @@ def case_tensors(spec: CaseSpec) -> dict[str, np.ndarray]:
     ``k_rot`` with RoPE), ``d_output`` and every backward stage it has (a variant's gradients with it)."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
-    stages = forward(spec.config, inputs, weights)
-    visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len)
+    stages = forward(spec.config, inputs, weights, spec.seq_lens)
+    visible = visibility(spec.config, inputs.get("mask"), spec.batch, spec.tgt_len, spec.src_len, spec.seq_lens)
     tensors = {f"input.{k}": v for k, v in inputs.items()}
     tensors.update({f"weight.{k}": v for k, v in weights.items()})
     tensors["visible"] = visible

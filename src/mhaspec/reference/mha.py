@@ -26,6 +26,7 @@ Numerical choices, each for byte-identical fixtures on every machine:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from decimal import Context, Decimal
 
 import numpy as np
@@ -111,11 +112,13 @@ def output_projection(c: np.ndarray, w_o: np.ndarray, b_o: np.ndarray | None) ->
 
 
 def forward(
-    config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray]
+    config: MHAConfig, inputs: dict[str, np.ndarray | None], weights: dict[str, np.ndarray],
+    seq_lens: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Every stage of docs/spec.md §2, by name, in float64; with the variants of §2a, in their order
     (projections → RoPE → scale·QKᵀ → softcap → + bias / ALiBi → mask → softmax with sinks → P·V →
-    concat → W^O), plus ``q_rot`` and ``k_rot`` with rope and ``lse`` always."""
+    concat → W^O), plus ``q_rot`` and ``k_rot`` with rope and ``lse`` always; ``seq_lens``: a packed case's
+    lengths (keys ≥ l_b invisible to entry b, :func:`visibility`)."""
     from . import variants  # beside this module; imported here as it imports _exp from here
 
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
@@ -141,7 +144,7 @@ def forward(
     bias, slopes = inputs.get("bias"), variants.alibi_slopes(config)
     if bias is not None or slopes is not None:
         s = variants.add_bias(s, bias, slopes, variants.alibi_distance(config, T, S))
-    visible = visibility(config, inputs.get("mask"), B, T, S)
+    visible = visibility(config, inputs.get("mask"), B, T, S, seq_lens)
     sinks = weights.get("sink_logits") if config.sinks else None
     p = softmax(s, visible) if sinks is None else variants.softmax_with_sinks(s, visible, sinks)
     o = weighted_sum(p, V)

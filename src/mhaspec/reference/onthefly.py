@@ -37,7 +37,7 @@ def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:
     """The golden case of ``spec``, computed now by the fast reference."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
-    fast = forward_fast(spec.config, inputs, weights)
+    fast = forward_fast(spec.config, inputs, weights, spec.seq_lens)
     return GoldenCase(spec, inputs, weights, fast.stages, fast.visible, Path(source), reference_error=fast.error)
 
 
@@ -47,7 +47,7 @@ def row_blocks(spec: CaseSpec, source: Path | str = "<catalog>") -> RowBlocks:
     (:meth:`FastRows.rows`, the same numbers as :func:`golden_case`'s)."""
     inputs = spec.make_inputs()
     weights = spec.make_weights()
-    fast = FastRows(spec.config, inputs, weights)
+    fast = FastRows(spec.config, inputs, weights, spec.seq_lens)
     cfg = spec.config
     whole: list[FastForward] = []
 

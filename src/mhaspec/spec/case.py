@@ -13,6 +13,7 @@ from .backward import make_d_output
 from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
 from .masks import visibility
+from .packed import cu_seqlens, nan_padded, seq_lens_problem
 from .schedule import Call, schedule_calls, schedule_problem
 from .variants import CASE_VARIANT_DEFAULTS, BiasSpec, drop_off_variants
 
@@ -76,12 +77,16 @@ class CaseSpec(BaseModel):
         "summing to tgt_len; needs config.causal with causal_alignment bottom_right and S >= T (S - T keys are in "
         "the cache before the first call)"
     )
+    seq_lens: tuple[int, ...] | None = Field(
+        None, description="a packed case (docs/serving.md): batch entry b is one sequence of its first l_b rows and "
+        "keys, 1 <= l_b <= T; needs T == S and no schedule"
+    )
 
     @model_serializer(mode="wrap")
     def _dump_variants_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         # A spec-1.1 case dumps exactly the fields it had, so manifests keep their bytes; a case without a
         # schedule dumps none.
-        return drop_off_variants(handler(self), {**CASE_VARIANT_DEFAULTS, "schedule": None})
+        return drop_off_variants(handler(self), {**CASE_VARIANT_DEFAULTS, "schedule": None, "seq_lens": None})
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CaseSpec:
@@ -115,6 +120,10 @@ class CaseSpec(BaseModel):
                     )
         if self.schedule is not None:
             problem = schedule_problem(self.schedule, self.tgt_len, self.src_len, cfg.causal, cfg.causal_alignment)
+            if problem:
+                raise ValueError(problem)
+        if self.seq_lens is not None:
+            problem = seq_lens_problem(self.seq_lens, self.batch, self.tgt_len, self.src_len, self.schedule)
             if problem:
                 raise ValueError(problem)
         return self
@@ -273,6 +282,16 @@ class Case(BaseModel):
     d_output: np.ndarray | None = None
     #: The case's schedule (docs/serving.md): query rows per call of ``decode(case)``; None: a single pass.
     schedule: tuple[int, ...] | None = None
+    #: A packed case's sequence lengths (docs/serving.md): entry b is one sequence, rows and keys [0, l_b); the
+    #: padding rows ≥ l_b of query, key and value are NaN.  None: every row is the entry's.
+    seq_lens: tuple[int, ...] | None = None
+
+    def cu_seqlens(self) -> np.ndarray:
+        """(B + 1,) int64 cumulative offsets of the packed sequences: sequence b is rows [cu[b], cu[b + 1]) of the
+        valid rows concatenated, (1, Σ l_b) (:func:`mhaspec.spec.packed.cu_seqlens`)."""
+        if self.seq_lens is None:
+            raise ValueError(f"seq_lens: case {self.id!r} is not packed (seq_lens is None)")
+        return cu_seqlens(self.seq_lens)
 
     def calls(self) -> list[Call]:
         """The calls of ``decode(case)``, in order: (t0, t1, cache L_c, kind) each — query rows
@@ -298,7 +317,8 @@ class Case(BaseModel):
         AND the sliding window AND the explicit mask (:func:`mhaspec.spec.masks.visibility`), the visibility the golden
         stages were computed with. A row that is False throughout sees no key. Computed at each
         access (keep it in a variable for repeated use)."""
-        return _readonly(visibility(self.config, self.inputs.mask, self.batch, self.tgt_len, self.src_len))
+        return _readonly(visibility(self.config, self.inputs.mask, self.batch, self.tgt_len, self.src_len,
+                                    self.seq_lens))
 
     def inputs_as(self, convert: Callable[[np.ndarray], _T]) -> tuple[_T, _T, _T]:
         """(query, key, value), each converted by ``convert`` once per distinct tensor.
@@ -325,6 +345,10 @@ class Case(BaseModel):
                 raise ValueError(f"inputs.{name}: expected shape (B, L, F) = {shape}, got {got}")
         if self.schedule is not None:
             problem = schedule_problem(self.schedule, self.tgt_len, self.src_len, cfg.causal, cfg.causal_alignment)
+            if problem:
+                raise ValueError(problem)
+        if self.seq_lens is not None:
+            problem = seq_lens_problem(self.seq_lens, self.batch, self.tgt_len, self.src_len, self.schedule)
             if problem:
                 raise ValueError(problem)
         if self.d_output is not None and self.d_output.shape != (self.batch, self.tgt_len, cfg.d_out):
@@ -377,20 +401,26 @@ class Case(BaseModel):
         key_is_value: bool = False,
         d_output: Any = None,
         schedule: Any = None,
+        seq_lens: Any = None,
     ) -> Case:
         """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``).
 
         ``self_attention`` uses ``query`` as key and value; ``key_is_value``
         uses ``key`` as value (the arrays passed for them are ignored); ``schedule``: rows per call of
-        ``decode(case)`` (docs/serving.md)."""
+        ``decode(case)`` (docs/serving.md); ``seq_lens``: a packed case's lengths, whose padding rows of query, key and
+        value are filled with NaN here."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-        query = _readonly(np.asarray(inputs["query"], dtype=np.float64))
+        def row_input(x: Any) -> np.ndarray:
+            x = np.asarray(x, dtype=np.float64)
+            return _readonly(x if seq_lens is None else nan_padded(x, seq_lens))
+
+        query = row_input(inputs["query"])
         if self_attention:
             key = value = query
         else:
-            key = _readonly(np.asarray(inputs["key"], dtype=np.float64))
-            value = key if key_is_value else _readonly(np.asarray(inputs["value"], dtype=np.float64))
+            key = row_input(inputs["key"])
+            value = key if key_is_value else row_input(inputs["value"])
         mask = inputs.get("mask")
         if mask is not None:
             mask = _readonly(np.asarray(mask))
@@ -410,6 +440,7 @@ class Case(BaseModel):
             weights=Weights(**{k: _readonly(np.asarray(v, dtype=np.float64)) for k, v in weights.items()}),
             d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
             schedule=None if schedule is None else tuple(schedule),
+            seq_lens=None if seq_lens is None else tuple(seq_lens),
         )
 
     @classmethod
@@ -427,4 +458,5 @@ class Case(BaseModel):
             spec.id, spec.config, dtype, inputs, weights,
             self_attention=spec.inputs == "self", key_is_value=spec.inputs == "shared_kv",
             d_output=spec.make_d_output() if d_output is None else d_output, schedule=spec.schedule,
+            seq_lens=spec.seq_lens,
         )

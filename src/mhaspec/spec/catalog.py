@@ -414,6 +414,27 @@ CATALOG = Catalog(
             dict(d_model=16, num_heads=4, num_kv_heads=2, window_left=3, causal=True, causal_alignment="bottom_right"),
             batch=1, tgt_len=10, src_len=10, inputs="self", seed=56, schedule=(4, 1, 1, 1, 1, 1, 1),
         ),
+        # -- packed sequences: entry b is one sequence of its first l_b rows; NaN padding (docs/serving.md) ----
+        _case(
+            "packed_causal",
+            "4 packed sequences of lengths 1, 7, 16, 11 in T = S = 16, causal self-attention: each sequence "
+            "judged against its own full pass",
+            dict(d_model=16, num_heads=4, causal=True),
+            batch=4, tgt_len=16, src_len=16, inputs="self", seed=57, seq_lens=(1, 7, 16, 11),
+        ),
+        _case(
+            "packed_bidirectional",
+            "3 packed sequences of lengths 9, 4, 2, not causal, distinct query/key/value inputs (kdim 10, vdim 14)",
+            dict(d_model=12, num_heads=3, kdim=10, vdim=14),
+            batch=3, tgt_len=9, src_len=9, seed=58, seq_lens=(9, 4, 2),
+        ),
+        _case(
+            "packed_gqa_rope",
+            "3 packed sequences of lengths 12, 5, 9 with GQA (H=6, H_kv=2) and RoPE half, causal: the positions "
+            "restart at each sequence's start",
+            dict(d_model=24, num_heads=6, num_kv_heads=2, rope=dict(style="half"), causal=True),
+            batch=3, tgt_len=12, src_len=12, inputs="self", seed=59, seq_lens=(12, 5, 9),
+        ),
     ]
 )
 

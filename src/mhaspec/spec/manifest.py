@@ -25,8 +25,9 @@ READABLE_SPEC_VERSIONS = (SPEC_VERSION_WITHOUT_VARIANTS, SPEC_VERSION)
 
 def case_spec_version(spec: CaseSpec) -> str:
     """The spec version a fixture file of ``spec`` records: the first that defines what the case uses
-    (1.1 for a case without a variant or a schedule, so its file keeps the bytes it had in spec 1.1)."""
-    return SPEC_VERSION if variants_used(spec) or spec.schedule is not None else SPEC_VERSION_WITHOUT_VARIANTS
+    (1.1 for a case without a variant, a schedule or seq_lens, so its file keeps the bytes it had in spec 1.1)."""
+    served = spec.schedule is not None or spec.seq_lens is not None
+    return SPEC_VERSION if variants_used(spec) or served else SPEC_VERSION_WITHOUT_VARIANTS
 
 MANIFEST_NAME = "manifest.json"
 

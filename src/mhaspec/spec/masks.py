@@ -8,16 +8,21 @@ A query row i sees key j when every rule of the case allows it (they combine by 
   i + off − window_left ≤ j ≤ i + off + window_right, with off = :func:`alignment_offset`
   (0 top-left, S − T bottom-right: the case's ``causal_alignment``, causal or not); a side that is
   None is unbounded;
-* the explicit **mask** (True = may attend), broadcast to (B, H, T, S).
+* the explicit **mask** (True = may attend), broadcast to (B, H, T, S);
+* a packed case's **sequence lengths** ``seq_lens``: key j ≥ l_b is padding, invisible to every row of
+  entry b (:mod:`mhaspec.spec.packed`).
 
 The reference, the tolerance model and the adapters all take it from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .packed import key_visible
 
 if TYPE_CHECKING:
     from .config import MHAConfig
@@ -60,14 +65,18 @@ def causal_visible(config: MHAConfig, tgt_len: int, src_len: int) -> np.ndarray 
     return None if offset is None else causal_band(tgt_len, src_len, offset)
 
 
-def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: int, src_len: int) -> np.ndarray:
-    """(B, H, T, S) bool: True where query i may attend to key j (causal AND window AND mask)."""
+def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: int, src_len: int,
+               seq_lens: Sequence[int] | None = None) -> np.ndarray:
+    """(B, H, T, S) bool: True where query i may attend to key j (causal AND window AND mask AND, in a packed
+    case, j < l_b)."""
     visible = np.ones((batch, config.H, tgt_len, src_len), dtype=bool)
     for band in (causal_visible(config, tgt_len, src_len), window_visible(config, tgt_len, src_len)):
         if band is not None:
             visible &= band
     if mask is not None:
         visible &= np.broadcast_to(mask, visible.shape)
+    if seq_lens is not None:
+        visible &= key_visible(seq_lens, src_len)
     return visible
 
 

@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-CallKind = Literal["prefill", "decode", "chunk"]
+CallKind = Literal["prefill", "decode", "chunk", "sequence"]  # sequence: a packed case's (spec/packed.py)
 
 
 class Call(NamedTuple):
@@ -62,7 +62,10 @@ def call_rows(x: np.ndarray | None, call: Call) -> np.ndarray | None:
 
 
 def call_label(index: int, call: Call, of: int) -> str:
-    """How a verdict names call ``index`` (0-based) of ``of``: ``call 7 of 20 (decode, cache 135)`` (1-based)."""
+    """How a verdict names call ``index`` (0-based) of ``of``: ``call 7 of 20 (decode, cache 135)`` (1-based);
+    a packed case's sequence: ``sequence 2 of 4 (length 37)``."""
+    if call.kind == "sequence":
+        return f"sequence {index + 1} of {of} (length {call.cache})"
     return f"call {index + 1} of {of} ({call.kind}, cache {call.cache})"
 
 

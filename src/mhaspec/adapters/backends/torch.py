@@ -19,7 +19,7 @@ import torch
 
 from ...spec import Case, Weights, masks, variant_ops
 from ...spec.stages import BACKWARD_STAGES, STAGE
-from . import call_view
+from . import call_view, packing
 from .numpy import sum_to_shape
 from .numpy import weights_in as canonical
 
@@ -262,13 +262,16 @@ def rope(x: torch.Tensor, heads: int, positions: torch.Tensor, config: Any) -> t
     return torch.cat((turned, passing), dim=-1).reshape(B, L, F)
 
 
-def rope_qk(config: Any, q: torch.Tensor, k: torch.Tensor, q_start: int = 0, k_start: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qk(config: Any, q: torch.Tensor, k: torch.Tensor, q_start: int = 0, k_start: int = 0,
+            positions: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot (B, T, H·D_k), k_rot (B, S, H_kv·D_k)): q_proj and k_proj turned at the case's positions
     (query_offset + q_start + i, key_offset + k_start + j: :func:`mhaspec.spec.variant_ops.rope_positions`;
-    the starts are a call's first query row and the cache length before it, 0 in a whole pass)."""
-    q_pos, k_pos = variant_ops.rope_positions(config, q.shape[1], k.shape[1], row_offset=q_start)
-    q_pos, k_pos = (torch.from_numpy(p).to(q.device) for p in (q_pos, k_pos + k_start))
+    the starts are a call's first query row and the cache length before it, 0 in a whole pass), or at
+    ``positions`` (T,), (S,) (a packed call's: :func:`mhaspec.adapters.backends.packing.packed_positions`)."""
+    if positions is None:
+        q_pos, k_pos = variant_ops.rope_positions(config, q.shape[1], k.shape[1], row_offset=q_start)
+        positions = q_pos, k_pos + k_start
+    q_pos, k_pos = (torch.from_numpy(p).to(q.device) for p in positions)
     return rope(q, config.H, q_pos, config), rope(k, config.H_kv, k_pos, config)
 
 
@@ -305,6 +308,35 @@ def additive_mask(case: Case, dtype: torch.dtype, device: torch.device | str) ->
     return torch.where(allowed, zero if bias is None else bias, float("-inf"))
 
 
+def packed_masks(case: Case, additive: bool, device: torch.device | str) -> torch.Tensor:
+    """A packed case's (1, H, N, N) ``attn_mask`` for its one (1, N) call: the block-diagonal rule of
+    ``case.cu_seqlens()`` (:func:`mhaspec.adapters.backends.packing.packed_allowed`) as a bool mask (True =
+    take part), or ``additive``: each sequence's bias and ALiBi term (summed in float64, rounded once) where
+    visible, −inf elsewhere, in the case's dtype."""
+    allowed = torch.from_numpy(packing.packed_allowed(case)).to(device)
+    if not additive:
+        return allowed
+    dt, bias = dtype(case.dtype), packing.packed_score_bias(case)
+    zero = torch.zeros((), dtype=dt, device=device)
+    return torch.where(allowed, zero if bias is None else torch.from_numpy(bias).to(device=device, dtype=dt), float("-inf"))
+
+
+def packed_inference(case: Case, device: torch.device | str, call: StagesCall) -> dict[str, np.ndarray]:
+    """A packed case's forward stages: ``call(query, key, value)`` under ``inference_mode`` on the valid rows of
+    every entry in one (1, N) batch, N = Σ l_b (the padding rows, NaN, are never read), back as NumPy in the
+    padded layout (B, T, ·) (:func:`mhaspec.adapters.backends.packing.unpack`)."""
+    index = torch.from_numpy(packing.packed_rows(case)).to(device)
+
+    def packed(x: np.ndarray) -> torch.Tensor:  # (B, T, F) -> (1, N, F)
+        t = array_in(x, case.dtype, device)
+        return t.reshape(-1, t.shape[-1]).index_select(0, index)[None]
+
+    query, key, value = case.inputs_as(packed)
+    with torch.inference_mode():
+        stages = call(query, key, value)
+    return packing.unpack(case, {name: array_out(t) for name, t in stages.items()})
+
+
 class FusedAttentionModule(torch.nn.Module):
     """The parts of a module built around one fused attention call (SDPA, FlexAttention): four
     ``nn.Linear`` (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: W^Q, W^K, W^V, W^O) and, with
@@ -324,11 +356,13 @@ class FusedAttentionModule(torch.nn.Module):
         self.sink_logits = torch.nn.Parameter(torch.empty(cfg.H, **factory)) if cfg.sinks else None  # (H,)
 
     def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: KVCache | None = None,
-                q_start: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+                q_start: int = 0, positions: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj,
         v_proj, and q_rot, k_rot with RoPE; Q (B, H, T, D_k), K (B, H_kv, S, D_k), V (B, H_kv, S, D_v))
-        (:func:`project`; with a ``cache``, the key-side stages, K and V are the whole cache's)."""
-        stages, q, k, v = project(self, self.config, query, key, value, cache, q_start)
+        (:func:`project`; with a ``cache``, the key-side stages, K and V are the whole cache's; ``positions``:
+        RoPE's, :func:`rope_qk`)."""
+        stages, q, k, v = project(self, self.config, query, key, value, cache, q_start, positions)
         return stages, *split_heads(self.config, q, k, v)
 
     def merge(self, head_outputs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -368,7 +402,7 @@ class KVCache:
 
 
 def project(module: torch.nn.Module, config: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            cache: KVCache | None = None, q_start: int = 0
+            cache: KVCache | None = None, q_start: int = 0, positions: tuple[np.ndarray, np.ndarray] | None = None
             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """``module``'s four projections' first three (``q_proj``, ``k_proj``, ``v_proj``) and RoPE: query
     (B, T, d_model), key (B, S, kdim), value (B, S, vdim) -> (the stages q_proj, k_proj, v_proj, with RoPE
@@ -382,7 +416,8 @@ def project(module: torch.nn.Module, config: Any, query: torch.Tensor, key: torc
     stages["k_proj"] = module.k_proj(key)  # (B, S, G·D)
     stages["v_proj"] = module.v_proj(value)  # (B, S, G·E)
     if config.rope is not None:
-        q, stages["k_rot"] = rope_qk(config, q, stages["k_proj"], q_start, 0 if cache is None else cache.length)
+        q, stages["k_rot"] = rope_qk(config, q, stages["k_proj"], q_start, 0 if cache is None else cache.length,
+                                     positions)
         stages["q_rot"] = q
     if cache is not None:
         stages.update(cache.append(stages))  # (B, L, ·)

@@ -79,6 +79,8 @@ class Transport(abc.ABC):
 
     #: Why this transport never asks ``decode`` (None: it asks it of an adapter that has it).
     decode_refusal: str | None = None
+    #: Why this transport never sends a packed case (``seq_lens``, docs/serving.md; None: it does).
+    packed_refusal: str | None = None
 
     def prefetch(self, case: Case, with_supports: bool) -> None:
         """Send ``case`` ahead so that it computes while the runner judges the previous one (optional)."""

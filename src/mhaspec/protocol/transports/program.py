@@ -77,6 +77,8 @@ class Program(ProcessTransport):
 
     #: A case with a schedule is never sent to a program (docs/serving.md).
     decode_refusal = "decode is not in mhaspec-wire/1 yet: an exec: adapter is not judged on a case with a schedule (docs/serving.md)"
+    #: Nor a packed case: seq_lens is not in mhaspec-wire/1.
+    packed_refusal = "seq_lens is not in mhaspec-wire/1 yet: an exec: adapter is not judged on a packed case (docs/serving.md)"
 
     def __init__(self, adapter: str, load_timeout: float = LOAD_TIMEOUT) -> None:
         self.argv = command(adapter)
