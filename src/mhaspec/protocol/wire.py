@@ -276,8 +276,9 @@ def case_message(case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
     """(the ``case`` object of a request, the payload) for ``case``."""
     scalars = {name: getattr(case, name) for name in type(case).model_fields
                if name not in ("config", "inputs", "weights", "d_output")}
-    if case.schedule is None:  # mhaspec-wire/1 has no schedule (docs/serving.md): a case without one is unchanged
-        del scalars["schedule"]
+    for name in ("schedule", "page_size", "block_table", "num_pages"):
+        if scalars[name] is None:  # mhaspec-wire/1 has no schedule (docs/serving.md): a case without one is unchanged
+            del scalars[name]
     arrays: dict[str, np.ndarray] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
