@@ -319,22 +319,23 @@ def decode_goldens() -> list[tuple[Any, list[str]]]:
 _REPORTS: dict[int, tuple[Any, list[Any]]] = {}
 
 
-def decode_results(impl) -> list[Any]:
-    """``impl``'s case results on every schedule case in every dtype (in this process), once per session."""
+def decode_results(impl, goldens=decode_goldens) -> list[Any]:
+    """``impl``'s case results on every schedule case of ``goldens()`` (default :func:`decode_goldens`) in
+    every dtype (in this process), once per session."""
     import mhaspec
 
     if id(impl) not in _REPORTS:  # the implementation is kept with its results: its id is never reused
-        results = [r for golden, ids in decode_goldens()
+        results = [r for golden, ids in goldens()
                    for r in mhaspec.check(impl, cases=ids, golden=golden, timeout=None, isolate=False).results]
         _REPORTS[id(impl)] = (impl, results)
     return _REPORTS[id(impl)][1]
 
 
-def expected_calls(impl) -> dict[str, tuple[int, str]]:
-    """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
-    differs from the golden (cases it does not change are left out)."""
+def expected_calls(impl, goldens=decode_goldens) -> dict[str, tuple[int, str]]:
+    """case id -> (0-based call, stage) where ``impl`` must first be caught on the cases of ``goldens()``:
+    where its float64 run first differs from the golden (cases it does not change are left out)."""
     out = {}
-    for golden, ids in decode_goldens():
+    for golden, ids in goldens():
         for case_id in ids:
             g = golden.load(case_id)
             case = g.case("float64")
