@@ -115,7 +115,8 @@ def resolved_paging(fields: dict, seed: int, batch: int, src_len: int) -> dict:
     out = dict(fields)
     if out.get("num_pages") is None:
         out["num_pages"] = default_num_pages(batch, src_len, page_size)
-    if out.get("block_table") is None:
+    too_small = not isinstance(out["num_pages"], int) or out["num_pages"] < batch * pages_per_entry(src_len, page_size)
+    if out.get("block_table") is None and not too_small:  # (a pool too small: paging_problem says so)
         out["block_table"] = draw_block_table(seed, batch, src_len, page_size, out["num_pages"])
     return out
 
