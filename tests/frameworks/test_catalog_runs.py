@@ -25,6 +25,7 @@ from mhaspec.conformance import KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNSUPPORTED
 from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.conformance.decode import NO_DECODE
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES
+from mhaspec.spec.paging import not_paged
 from mhaspec.spec.variants import variants_used
 
 TORCH, JAX, TF, ONNX = pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx
@@ -84,9 +85,27 @@ UNDECLARED = {"torch-sdpa": {"softcap"}}
 #: other adapter leaves them unsupported, "the adapter has no decode(case) method" (or a variant it does not
 #: declare).  With ``--backward`` a schedule case is judged forward only, and the run says so in one warning.
 DECODERS = {"torch", "torch-sdpa", "jax"}
+#: The adapters with a paged cache (docs/serving.md "Paged caches"): they pass every paged case; the other
+#: decoders refuse it in ``supports`` (torch-flex decodes paged cases only, through Flex's PagedAttention).
+PAGED_DECODERS = {"torch", "torch-sdpa", "torch-flex"}
 SCHEDULE_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is not None]
-SCHEDULE_WARNING = (f"--backward: {len(SCHEDULE_CASES) * len(DTYPES)} case×dtype have a schedule, judged forward only "
-                    "(decode(case), docs/serving.md); their backward stages were not judged")
+PAGED_CASES = [case_id for case_id in SCHEDULE_CASES if CATALOG[case_id].page_size is not None]
+
+
+def decodes(name: str, case_id: str) -> bool:
+    """Whether adapter ``name`` judges schedule case ``case_id`` (else: unsupported, with the reason)."""
+    return name in (PAGED_DECODERS if case_id in PAGED_CASES else DECODERS - {"torch-flex"})
+
+
+#: Why a schedule case is unsupported: no decode(), an undeclared variant, no paged cache, torch-flex's
+#: decode of paged cases only
+REFUSALS = (NO_DECODE, "does not declare the variant", not_paged(CATALOG[PAGED_CASES[0]].case()),
+            "torch-flex decodes a paged case only")
+def schedule_warning(name: str) -> str:
+    """The one warning of a ``--backward`` run of ``name``: its judged schedule cases, forward only."""
+    judged = sum(decodes(name, case_id) for case_id in SCHEDULE_CASES)
+    return (f"--backward: {judged * len(DTYPES)} case×dtype have a schedule, judged forward only "
+            "(decode(case), docs/serving.md); their backward stages were not judged")
 
 
 #: Single verdicts worth keeping in sight: adapter -> [(case, dtype, verdict)].  The reference
@@ -119,8 +138,8 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     assert report["ok"] and not report["partial"] and report["backward"] == (exposed is not None), out
     # a declared deviation that no longer occurs, or a "--backward: …" note of what could not be judged (every
     # catalog case has its backward golden, the variant cases too), but the schedule cases' (forward only)
-    schedule_warning = [SCHEDULE_WARNING] if exposed is not None and name in DECODERS else []
-    assert report["warnings"] == schedule_warning, report["warnings"]
+    warned = [schedule_warning(name)] if exposed is not None and name in DECODERS else []
+    assert report["warnings"] == warned, report["warnings"]
     results = report["results"]
     assert sorted((r["case"], r["dtype"]) for r in results) == sorted((c, d) for c in CATALOG.ids() for d in DTYPES)
 
@@ -131,18 +150,18 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     verdict_of = {(r["case"], r["dtype"]): r["verdict"] for r in results}
     for r in results:
         if r["case"] in SCHEDULE_CASES:  # judged call by call, or refused without decode()
-            if name in DECODERS:
+            if decodes(name, r["case"]):
                 assert r["verdict"] == PASS and {c["verdict"] for c in r["calls"]} == {PASS}, (r["case"], r["dtype"])
             else:
                 assert r["verdict"] == UNSUPPORTED, (name, r["case"], r["dtype"], r["verdict"])
-                assert r["message"] == NO_DECODE or "does not declare the variant" in r["message"], r["message"]
+                assert any(why in r["message"] for why in REFUSALS), r["message"]
     for case_id, dtype, verdict in SOME_CASES.get(name, []):
         assert verdict_of[case_id, dtype] == verdict, (case_id, dtype)
 
     if name in VARIANT_CASES:
         for case_id in CATALOG.ids():
             used = set(variants_used(CATALOG[case_id]))
-            undeclared = used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and name not in DECODERS)
+            undeclared = used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and not decodes(name, case_id))
             want = UNSUPPORTED if undeclared else VARIANT_CASES[name]
             wrong = [(d, verdict_of[case_id, d]) for d in DTYPES if used and verdict_of[case_id, d] != want]
             assert not wrong, f"{name} {case_id}: every dtype should be {want!r}, not {wrong}"
