@@ -96,7 +96,8 @@ class PagedDecodeImpl(DecodeImpl):
                 opened = j % ps == 0  # this call opens the page
                 if not (self.bug == "stale_page" and c > 0 and opened):
                     if self.writes == "pages":
-                        pool[self._page(table, owner, j // ps), j % ps : j % ps + stop - j] = x[b, j - start : stop - start]
+                        page = self._page(table, owner, j // ps)
+                        pool[page, j % ps : j % ps + stop - j] = x[b, j - start : stop - start]
                     else:
                         for k in range(j, stop):
                             pool[self._page(table, owner, k // ps), k % ps] = x[b, k - start]

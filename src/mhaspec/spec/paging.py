@@ -95,7 +95,8 @@ def paging_problem(page_size: int | None, block_table: Sequence[Sequence[int]] |
             return (f"block_table[{b}][{len(row)}]: missing; batch entry {b} needs ⌈S / page_size⌉ = "
                     f"⌈{src_len} / {page_size}⌉ = {n} pages, got {len(row)}")
         if len(row) > n:
-            return f"block_table[{b}][{n}]: one page too many; ⌈S / page_size⌉ = ⌈{src_len} / {page_size}⌉ = {n}"
+            return (f"block_table[{b}][{n}]: one page too many; ⌈S / page_size⌉ = ⌈{src_len} / {page_size}⌉ "
+                    f"= {n}")
         for p, page in enumerate(row):
             where = f"block_table[{b}][{p}]"
             if not 0 <= page < pool:

@@ -442,8 +442,9 @@ DecodeStep = Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, 
 
 def decode(case: Case, device: torch.device | str, step: DecodeStep) -> list[dict[str, np.ndarray]]:
     """The stages of each call of ``case``'s schedule (:meth:`mhaspec.spec.Case.calls`), in order, under
-    ``inference_mode`` against one :class:`KVCache` (a paged case's: :class:`PagedKVCache`): call c gives ``step`` query rows [t0, t1) and key/value
-    rows [L_(c−1), L_c) (call 0: the past too, [0, L_0)) in the case's dtype; back as NumPy."""
+    ``inference_mode`` against one :class:`KVCache` (a paged case's: :class:`PagedKVCache`): call c gives
+    ``step`` query rows [t0, t1) and key/value rows [L_(c−1), L_c) (call 0: the past too, [0, L_0)) in the
+    case's dtype; back as NumPy."""
     query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device))
     cache, out = (KVCache() if case.page_size is None else PagedKVCache(case, device)), []
     with torch.inference_mode():
