@@ -91,6 +91,13 @@ def test_the_paging_travels_to_the_worker_and_an_unpaged_case_sends_none():
     assert not {"page_size", "block_table", "num_pages"} & set(unpaged)
 
 
+def test_mhaspec_show_prints_the_schedule_and_the_table(capsys):
+    assert main(["show", "decode_paged_steps"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: [5, 1, 1, 1, 1, 1, 1] (7 calls of decode(case))" in out, out
+    assert "paged cache: page_size 4, num_pages 9, block_table [[7, 0, 8], [1, 6, 5]]" in out, out
+
+
 def test_page_slots_follow_the_table():
     """Key j of entry b: page block_table[b][j // page_size], slot j % page_size (page_size 4)."""
     pages, slots = page_slots(((7, 0, 8), (1, 6, 5)), 4, slice(3, 9))

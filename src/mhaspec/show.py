@@ -54,6 +54,11 @@ def describe(case: Case, values: bool = False) -> str:
              + ("self-attention (query, key and value are one tensor)" if case.self_attention
                 else "key and value are one tensor" if case.key_is_value else "distinct query, key and value"),
              "  config: " + ", ".join(f"{k}={v}" for k, v in c.model_dump(mode="json").items())]
+    if case.schedule is not None:  # docs/serving.md
+        lines.append(f"  schedule: {list(case.schedule)} ({len(case.schedule)} calls of decode(case))")
+    if case.page_size is not None:
+        table = [list(row) for row in case.block_table or ()]
+        lines.append(f"  paged cache: page_size {case.page_size}, num_pages {case.num_pages}, block_table {table}")
     arrays: list[tuple[str, np.ndarray | None]] = [
         (f"inputs.{n}", getattr(case.inputs, n)) for n in ("query", "key", "value", "mask")]
     arrays += [(f"weights.{n}", getattr(case.weights, n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")]
