@@ -1,10 +1,12 @@
-"""Figures of the two-sided proofs of per-call decode judging (tests/test_decode_proofs.py) and of
-per-sequence packed judging (tests/test_packed_proofs.py), per dtype: how many (bug, case) pairs of each
+"""Figures of the two-sided proofs of per-call decode judging (tests/test_decode_proofs.py), of paged caches
+(tests/test_paged_proofs.py) and of per-sequence packed judging (tests/test_packed_proofs.py), per dtype: how many (bug, case) pairs of each
 kill list are caught (of those whose float64 result the bug changes), how many at the expected call (or
 sequence) and stage, and the smallest margin (tolerance / error) of the correct implementations over every
 judged call (sequence).
 
-    PYTHONPATH=src python benchmarks/decode_figures.py [decode|packed]
+    PYTHONPATH=src python benchmarks/decode_figures.py [decode|paged|packed]…
+
+For the paged caches also what only the pool would show (tests/paged_zoo.py POOL_ONLY) and how it is judged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mhaspec.conformance import FAIL  # noqa: E402
 from mhaspec.spec import DTYPES  # noqa: E402
-from tests import decode_zoo, packed_zoo  # noqa: E402
+from tests import decode_zoo, packed_zoo, paged_zoo  # noqa: E402
 from tests.decode_zoo import first_failing_call  # noqa: E402
 
 
@@ -58,14 +60,30 @@ def figures(what: str, kill_list: Mapping[str, Any], correct: Mapping[str, Any],
     for name, impl in correct.items():
         row = {dt: max((c.worst_ratio or 0.0) for r in results(impl) if r.dtype == dt for c in r.calls)
                for dt in DTYPES}
-        print(f"{name:16}" + "".join(f"{(1 / x if x else float('inf')):>9.3g}x" for x in row.values()))
+        print(f"{name:18}" + "".join(f"{(1 / x if x else float('inf')):>9.3g}x" for x in row.values()))
+    print()
+
+
+def pool_only() -> None:
+    """What only the pool would show: the cases whose float64 result it changes, and the verdicts."""
+    print("\nwhat only the pool would show (no value a call reads changes):")
+    for name, impl in paged_zoo.POOL_ONLY_IMPLS.items():
+        changed = decode_zoo.expected_calls(impl, paged_zoo.paged_goldens)
+        verdicts = sorted({r.verdict for r in decode_zoo.decode_results(impl, paged_zoo.paged_goldens)})
+        print(f"  {name}: float64 results changed on {len(changed)} case(s); verdicts {', '.join(verdicts)}")
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["decode", "packed"]
+    which = sys.argv[1:] or ["decode", "paged", "packed"]
     if "decode" in which:
         print("== decode schedules (tests/decode_zoo.py) ==")
         figures("call", decode_zoo.KILL_LIST, decode_zoo.CORRECT, decode_zoo.decode_results, decode_zoo.expected_calls)
+    if "paged" in which:
+        print("\n== paged caches (tests/paged_zoo.py) ==")
+        figures("call", paged_zoo.PAGED_KILL_LIST, paged_zoo.CORRECT_PAGED,
+                lambda impl: decode_zoo.decode_results(impl, paged_zoo.paged_goldens),
+                lambda impl: decode_zoo.expected_calls(impl, paged_zoo.paged_goldens))
+        pool_only()
     if "packed" in which:
         print("\n== packed sequences (tests/packed_zoo.py) ==")
         figures("sequence", packed_zoo.KILL_LIST, packed_zoo.CORRECT, packed_zoo.packed_results,

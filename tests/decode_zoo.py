@@ -342,9 +342,10 @@ def proof_results(impl, goldens: list[tuple[Any, list[str]]]) -> list[Any]:
     return _REPORTS[id(impl)][1]
 
 
-def decode_results(impl) -> list[Any]:
-    """``impl``'s case results on every schedule case in every dtype (in this process), once per session."""
-    return proof_results(impl, decode_goldens())
+def decode_results(impl, goldens: Callable[[], list[tuple[Any, list[str]]]] = decode_goldens) -> list[Any]:
+    """``impl``'s case results on every schedule case of ``goldens()`` (default :func:`decode_goldens`) in every
+    dtype (in this process), once per session."""
+    return proof_results(impl, goldens())
 
 
 def expected_places(goldens: list[tuple[Any, list[str]]], first_changed: Callable[[Any], tuple[int, str] | None]
@@ -359,14 +360,15 @@ def expected_places(goldens: list[tuple[Any, list[str]]], first_changed: Callabl
     return out
 
 
-def expected_calls(impl) -> dict[str, tuple[int, str]]:
-    """case id -> (0-based call, stage) where ``impl`` must first be caught: where its float64 run first
-    differs from the golden (cases it does not change are left out)."""
+def expected_calls(impl, goldens: Callable[[], list[tuple[Any, list[str]]]] = decode_goldens
+                   ) -> dict[str, tuple[int, str]]:
+    """case id -> (0-based call, stage) where ``impl`` must first be caught on the cases of ``goldens()``: where
+    its float64 run first differs from the golden (cases it does not change are left out)."""
     def first(g: Any) -> tuple[int, str] | None:
         case = g.case("float64")
         return first_changed_call(impl, case, g.stages, g.visible, case.calls())
 
-    return expected_places(decode_goldens(), first)
+    return expected_places(goldens(), first)
 
 
 def misplaced(expected: dict[str, tuple[int, str]], results: list[Any], unit: str = "call") -> list[str]:

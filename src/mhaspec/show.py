@@ -57,6 +57,11 @@ def describe(case: Case, values: bool = False) -> str:
     if case.seq_lens is not None:
         lines.append(f"  packed: seq_lens {list(case.seq_lens)}, cu_seqlens {case.cu_seqlens().tolist()}; the padding rows "
                      "(>= l_b) of query, key and value are NaN (docs/serving.md)")
+    if case.schedule is not None:  # docs/serving.md
+        lines.append(f"  schedule: {list(case.schedule)} ({len(case.schedule)} calls of decode(case))")
+    if case.page_size is not None:
+        table = [list(row) for row in case.block_table or ()]
+        lines.append(f"  paged cache: page_size {case.page_size}, num_pages {case.num_pages}, block_table {table}")
     arrays: list[tuple[str, np.ndarray | None]] = [
         (f"inputs.{n}", getattr(case.inputs, n)) for n in ("query", "key", "value", "mask")]
     arrays += [(f"weights.{n}", getattr(case.weights, n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")]

@@ -26,6 +26,7 @@ from mhaspec.conformance.compare import UNINFORMATIVE
 from mhaspec.conformance.decode import NO_DECODE
 from mhaspec.conformance.packed import NOT_PACKED
 from mhaspec.spec import BACKWARD_STAGES, CATALOG, DTYPES
+from mhaspec.spec.paging import not_paged
 from mhaspec.spec.variants import variants_used
 
 TORCH, JAX, TF, ONNX, SERVING = (pytest.mark.torch, pytest.mark.jax, pytest.mark.tensorflow, pytest.mark.onnx,
@@ -94,7 +95,22 @@ DECODERS = {"torch", "torch-sdpa", "jax", "onnxruntime", "onnx-reference", "kera
 #: float64 deviations (tests/frameworks/test_serving.py)
 DECODE_VERDICTS = dict.fromkeys(["onnxruntime", "onnx-reference", "keras-hub-cached", "hf-llama-cache"],
                                 {PASS, KNOWN_DEVIATION, UNSUPPORTED})
+#: The adapters with a paged cache (docs/serving.md "Paged caches"): they pass every paged case; the other
+#: decoders refuse it in ``supports`` (torch-flex decodes paged cases only, through Flex's PagedAttention).
+PAGED_DECODERS = {"torch", "torch-sdpa", "torch-flex"}
 SCHEDULE_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is not None]
+PAGED_CASES = [case_id for case_id in SCHEDULE_CASES if CATALOG[case_id].page_size is not None]
+
+
+def decodes(name: str, case_id: str) -> bool:
+    """Whether adapter ``name`` judges schedule case ``case_id`` (else: unsupported, with the reason)."""
+    return name in (PAGED_DECODERS if case_id in PAGED_CASES else DECODERS)
+
+
+#: Why a schedule case is unsupported: no decode(), an undeclared variant, no paged cache, torch-flex's
+#: decode of paged cases only
+REFUSALS = (NO_DECODE, "does not declare the variant", not_paged(CATALOG[PAGED_CASES[0]].case()),
+            "torch-flex decodes a paged case only")
 
 #: The adapters that declare ``packed = True`` (docs/serving.md): they pass every packed case (``seq_lens``) in every
 #: dtype; every other adapter leaves them unsupported (packed.NOT_PACKED, or a variant it does not declare).  Like a
@@ -104,10 +120,11 @@ PACKED_CASES = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].seq_len
 
 
 def forward_only_warning(name: str) -> list[str]:
-    """The one ``--backward`` warning of adapter ``name``'s run: its schedule and packed case×dtype, forward only."""
-    count = len(DTYPES) * (len(SCHEDULE_CASES) * (name in DECODERS) + len(PACKED_CASES) * (name in PACKERS))
-    return [f"--backward: {count} case×dtype have a schedule or seq_lens, judged forward only (docs/serving.md); "
-            "their backward stages were not judged"] if count else []
+    """The one ``--backward`` warning of adapter ``name``'s run: its judged schedule and packed case×dtype, forward
+    only."""
+    judged = sum(decodes(name, case_id) for case_id in SCHEDULE_CASES) + len(PACKED_CASES) * (name in PACKERS)
+    return [f"--backward: {judged * len(DTYPES)} case×dtype have a schedule or seq_lens, judged forward only "
+            "(docs/serving.md); their backward stages were not judged"] if judged else []
 
 
 #: Single verdicts worth keeping in sight: adapter -> [(case, dtype, verdict)].  The reference
@@ -151,13 +168,13 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     verdict_of = {(r["case"], r["dtype"]): r["verdict"] for r in results}
     for r in results:
         if r["case"] in SCHEDULE_CASES:  # judged call by call, or refused without decode()
-            if name in DECODERS:
+            if decodes(name, r["case"]):
                 assert r["verdict"] in DECODE_VERDICTS.get(name, {PASS}), (r["case"], r["dtype"], r["message"])
                 if r["verdict"] == PASS:
                     assert {c["verdict"] for c in r["calls"]} == {PASS}, (r["case"], r["dtype"])
             else:
                 assert r["verdict"] == UNSUPPORTED, (name, r["case"], r["dtype"], r["verdict"])
-                assert r["message"] == NO_DECODE or "does not declare the variant" in r["message"], r["message"]
+                assert any(why in r["message"] for why in REFUSALS), r["message"]
         if r["case"] in PACKED_CASES:  # judged sequence by sequence, or refused without packed = True
             if name in PACKERS:
                 assert r["verdict"] == PASS and {c["kind"] for c in r["calls"]} == {"sequence"}, (r["case"], r["dtype"])
@@ -170,7 +187,7 @@ def test_the_whole_catalog_conforms_through_the_cli(name: str, tmp_path: Path, c
     if name in VARIANT_CASES:
         for case_id in CATALOG.ids():
             used = set(variants_used(CATALOG[case_id]))
-            undeclared = (used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and name not in DECODERS)
+            undeclared = (used & UNDECLARED.get(name, set()) or (case_id in SCHEDULE_CASES and not decodes(name, case_id))
                           or (case_id in PACKED_CASES and name not in PACKERS))
             want = UNSUPPORTED if undeclared else VARIANT_CASES[name]
             wrong = [(d, verdict_of[case_id, d]) for d in DTYPES if used and verdict_of[case_id, d] != want]

@@ -491,6 +491,16 @@ def test_decode_calls_are_the_full_pass_rows(name: str, dtype: str, rel: float) 
         assert_decode_matches_run(adapter, case, rel)
 
 
+def test_flex_decodes_the_paged_cases_through_paged_attention_and_refuses_the_others() -> None:
+    report = check_here("torch-flex", pattern="decode_*")
+    assert report.ok and len(report.results) == 4 * len(DECODE_CATALOG), str(report)
+    for result in report.results:
+        if mhaspec.spec.CATALOG[result.case].page_size is None:
+            assert result.verdict == "unsupported" and "decodes a paged case only" in result.message, result
+            continue
+        assert [call.verdict for call in result.calls] == ["pass"] * len(result.calls) and result.calls, result.case
+
+
 @pytest.mark.parametrize("name", ["torch", "torch-sdpa"])
 def test_decode_cases_conform_call_by_call(name: str) -> None:
     report = check_here(name, pattern="decode_*")

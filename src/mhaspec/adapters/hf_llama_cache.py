@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..spec import CATALOG, Case
+from ..spec.paging import not_paged
 from .backends import declared
 from .backends import torch as backend
 
@@ -117,7 +118,7 @@ class HFLlamaCacheAdapter:
                                 cases="|".join(s.id for s in CATALOG if s.config.rope is not None))
 
     def supports(self, case: Case) -> bool | str:
-        return unsupported_reason(case) or True
+        return unsupported_reason(case) or not_paged(case)  # a dense cache of its own: no block table
 
     def _layer(self, case: Case) -> tuple[Any, Any, Any]:
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding

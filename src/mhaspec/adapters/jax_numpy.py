@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..spec import Case, masks
+from ..spec.paging import not_paged
 from ..spec.variants import VARIANTS, RopeSpec
 from .backends import call_view, packing
 from .backends.jax import (CompilingAdapter, accumulator, alibi_in, array_in, array_out, compiled, computing_in,
@@ -224,6 +225,10 @@ class JaxMHAAdapter(CompilingAdapter):
     framework = "jax"
     variants = frozenset(VARIANTS)
     packed = True  # run(case) of a packed case: packed_mha over the packed rows
+
+    def supports(self, case: Case) -> bool | str:
+        """Every case but a paged one: its decode's cache is preallocated (B, S, ·), not paged."""
+        return not_paged(case)
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         dtype = case.dtype

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import Case
+from ..spec.paging import not_paged
 from .backends import call_view
 from .backends.tensorflow import array_in, array_out, keep_mask, quiet_import, tf
 from .keras_mha import KerasMHAAdapter, layer_run, make_layer, set_layer_weights, unsupported_reason
@@ -92,7 +93,7 @@ class KerasHubCachedAdapter:
         if c.D_k != c.D_v:
             return (f"CachedMultiHeadAttention's cache stacks keys and values in one tensor (B, 2, S, H, D): "
                     f"D_k = D_v; the case has D_k = {c.D_k}, D_v = {c.D_v}")
-        return unsupported_reason(case) or True
+        return unsupported_reason(case) or not_paged(case)  # a dense cache of its own: no block table
 
     def run(self, case: Case) -> dict[str, np.ndarray]:
         with self._lock:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import Case, MHAConfig, masks
+from ..spec.paging import page_slots
 from ..spec.schedule import Call, call_rows
 from ..spec.stages import STAGE
 from ..spec.variant_ops import alibi_distance, rope_pairs, rope_positions
@@ -209,6 +210,35 @@ class KVCache:
         return {name: a[:, : self.length].copy() for name, a in self.arrays.items()}
 
 
+class PagedKVCache(KVCache):
+    """A paged cache (docs/serving.md "Paged caches"): by name one pool (num_pages, page_size, F) in the
+    dtype under test — F = H_kv·D, the layout (num_pages, page_size, H_kv, D) of vLLM's paged KV with the
+    heads flattened — shared by the batch entries; key j of entry b is written to and read from page
+    ``block_table[b][j // page_size]``, slot ``j % page_size`` (:func:`~mhaspec.spec.paging.page_slots`)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int, int]], dt: np.dtype, case: Case) -> None:
+        assert case.page_size is not None and case.num_pages is not None, "PagedKVCache: not a paged case"
+        pool = (case.num_pages, case.page_size)  # (N, page_size)
+        self.pages = {name: np.zeros((*pool, F), dtype=dt) for name, (_, _, F) in shapes.items()}  # (N, ps, F)
+        self.table, self.page_size = case.block_table, case.page_size
+        self.length = 0
+
+    def append(self, rows: dict[str, np.ndarray]) -> None:
+        """Writes ``rows`` (each (B, n, F), every name of the cache) to the slots of keys [length, length + n)."""
+        n = {x.shape[1] for x in rows.values()}
+        assert len(n) == 1 and rows.keys() == self.pages.keys(), f"PagedKVCache.append: rows {sorted(rows)}, {n}"
+        end = self.length + n.pop()
+        pages, slots = page_slots(self.table, self.page_size, slice(self.length, end))  # (B, n), (n,)
+        for name, x in rows.items():
+            self.pages[name][pages, slots] = x
+        self.length = end
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """Every name's keys [0, length) gathered through the table in logical order (B, length, F)."""
+        pages, slots = page_slots(self.table, self.page_size, slice(0, self.length))  # (B, L), (L,)
+        return {name: pool[pages, slots] for name, pool in self.pages.items()}
+
+
 def decode_call(case: Case, cache: KVCache, call: Call) -> dict[str, np.ndarray]:
     """One call: query rows [t0, t1) of the case, the key/value rows [cache.length, cache_len) appended
     to the cache (projected, turned by RoPE at their cache positions), then the rows attend to the
@@ -238,13 +268,13 @@ def decode_call(case: Case, cache: KVCache, call: Call) -> dict[str, np.ndarray]
 
 def decode_calls(case: Case, calls: Sequence[Call]) -> list[dict[str, np.ndarray]]:
     """Each call of a schedule (:func:`mhaspec.spec.schedule.schedule_calls`) in turn against one cache
-    (capacity S) -> its stages."""
+    (capacity S; a paged case's: its pool of pages, :class:`PagedKVCache`) -> its stages."""
     cfg, (dt, _) = case.config, precision(case.dtype)
     B, S, G = case.batch, case.src_len, cfg.H_kv
     shapes = {"k_proj": (B, S, G * cfg.D_k), "v_proj": (B, S, G * cfg.D_v)}
     if cfg.rope is not None:
         shapes["k_rot"] = shapes["k_proj"]
-    cache = KVCache(shapes, dt)
+    cache = KVCache(shapes, dt) if case.page_size is None else PagedKVCache(shapes, dt, case)
     return [decode_call(case, cache, call) for call in calls]
 
 

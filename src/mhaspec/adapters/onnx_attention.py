@@ -54,6 +54,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..spec import Case, MHAConfig, Weights
+from ..spec.paging import not_paged
 from ..spec.schedule import Call
 from .backends import call_view, declared
 from .backends.onnx import ORT_NO_BFLOAT16, array_in, input_feed, keep_mask, ort_session, weights_in, weights_out
@@ -253,12 +254,13 @@ def decode_calls(case: Case, run: Run, opset: int = ATTENTION_OPSET) -> list[dic
 
 
 def _scale_limit(case: Case) -> bool | str:
-    """The op's ``scale`` attribute is a 32-bit float: a float64 run needs a scale float32 holds."""
+    """The op's ``scale`` attribute is a 32-bit float: a float64 run needs a scale float32 holds; and a paged case
+    is refused (:func:`~mhaspec.spec.paging.not_paged`)."""
     scale = float(case.config.scale)  # type: ignore[arg-type]
     if case.dtype == "float64" and not default_scale(case.config) and float(np.float32(scale)) != scale:
         return (f"the Attention op's scale attribute is a 32-bit float: scale={scale!r} is not a float32 "
                 "value, so a float64 graph cannot express it")
-    return True
+    return not_paged(case)  # its decode keeps past_key/past_value dense: no block table
 
 
 class OnnxRuntimeAdapter:

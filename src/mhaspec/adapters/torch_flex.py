@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention.experimental._paged_attention import PagedAttention
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, and_masks, create_block_mask, flex_attention
 
 from ..spec import Case, Weights, masks
@@ -145,9 +146,10 @@ def explicit_mod(mask: torch.Tensor) -> MaskMod:
     return explicit
 
 
-def block_mask(case: Case, device: torch.device | str) -> BlockMask | None:
+def block_mask(case: Case, device: torch.device | str, block_size: int | None = None) -> BlockMask | None:
     """The case's causal rule, window and explicit mask as Flex's ``BlockMask`` (``create_block_mask``
-    of their ``and_masks``), or None when every key is visible."""
+    of their ``and_masks``, blocks of ``block_size`` rows and keys: Flex's default 128 when None), or None
+    when every key is visible."""
     cfg, B, H, T, S = case.config, case.B, case.config.H, case.T, case.S
     offset = masks.alignment_offset(cfg, T, S)
     mods: list[MaskMod] = []
@@ -160,7 +162,41 @@ def block_mask(case: Case, device: torch.device | str) -> BlockMask | None:
         mods.append(explicit_mod(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(B, H, T, S)))
     if not mods:
         return None
-    return create_block_mask(and_masks(*mods), B, H, T, S, device=device)
+    size = {} if block_size is None else {"BLOCK_SIZE": block_size}
+    return create_block_mask(and_masks(*mods), B, H, T, S, device=device, **size)
+
+
+# -- a paged decode: Flex's PagedAttention reads the pool through the case's block table ----------------------
+
+
+def paged_attention(case: Case, device: torch.device | str) -> PagedAttention:
+    """Flex's ``PagedAttention`` over the case's pool of ``num_pages`` pages: its page table (B, N) and its
+    physical-to-logical map set from ``case.block_table`` (B, P_b) — the case's table, not one drawn by
+    its own allocator (``reserve``)."""
+    table = torch.as_tensor(case.block_table, dtype=torch.int64, device=device)  # (B, P_b)
+    B, P = table.shape
+    paged = PagedAttention(int(case.num_pages), int(case.page_size), B, device=str(device))
+    paged.page_table[:, :P] = table
+    paged.physical_to_logical.scatter_(1, table, torch.arange(P, device=device).expand(B, P))
+    paged.capacity[:] = P * int(case.page_size)
+    return paged
+
+
+def pool_view(pool: torch.Tensor, heads: int) -> torch.Tensor:
+    """A pool (N, page_size, H_kv·D) (:class:`~.backends.torch.PagedKVCache`) as Flex's paged cache
+    (1, H_kv, N·page_size, D), key j of page n at n·page_size + slot: a view, no copy."""
+    N, size, F = pool.shape
+    return pool.view(1, N * size, heads, F // heads).transpose(1, 2)
+
+
+def paged_mods(view: Case, paged: PagedAttention, device: torch.device | str) -> dict[str, Any]:
+    """A call's ``block_mask`` and ``score_mod`` on the pool: its view's (n_c rows, L_c logical keys, blocks
+    of page_size keys) through ``convert_logical_block_mask`` / ``get_score_mod``, keys ≥ L_c hidden."""
+    logical = block_mask(view, device, paged.page_size)
+    assert logical is not None, f"{view.id}: a paged case is causal (it has a schedule)"
+    kv_len = torch.full((view.B,), view.S, dtype=torch.int64, device=device)  # (B,) L_c
+    return {"block_mask": paged.convert_logical_block_mask(logical, kv_len=kv_len),
+            "score_mod": paged.get_score_mod(score_mod(view, device), kv_len=kv_len)}
 
 
 # -- sinks around a kernel without them -------------------------------------------------------
@@ -192,12 +228,19 @@ class FlexMultiHeadAttention(backend.FusedAttentionModule):
         value: torch.Tensor,
         score_mod: ScoreMod | None = None,
         block_mask: BlockMask | None = None,
+        cache: backend.PagedKVCache | None = None,
+        q_start: int = 0,
     ) -> dict[str, torch.Tensor]:
         """query (B, T, d_model), key (B, S, kdim), value (B, S, vdim); score_mod and block_mask as
-        ``flex_attention`` takes them.  Returns q_proj, k_proj, v_proj, (q_rot, k_rot,) lse,
-        head_outputs, concat, output."""
+        ``flex_attention`` takes them.  With a paged ``cache``: key and value are the rows written to its
+        pool, query's first row is row ``q_start``, and Flex reads the pool (1, H_kv, N·page_size, D)
+        itself, the block mask and score_mod converted by PagedAttention (:func:`paged_mods`).  Returns
+        q_proj, k_proj, v_proj, (q_rot, k_rot,) lse, head_outputs, concat, output."""
         cfg = self.config
-        stages, Q, K, V = self.project(query, key, value)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        stages, Q, K, V = self.project(query, key, value, cache, q_start)  # (B, H, T, D), (B, G, S, D), (B, G, S, E)
+        if cache is not None:  # not the gathered K, V: the pool, read through the page table
+            K = pool_view(cache.pools["k_rot" if cfg.rope is not None else "k_proj"], cfg.H_kv)  # (1, G, N·ps, D)
+            V = pool_view(cache.pools["v_proj"], cfg.H_kv)  # (1, G, N·ps, E)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_UNCOMPILED_WARNING, category=UserWarning)
             head_outputs, aux = flex_attention(
@@ -233,3 +276,34 @@ class TorchFlexAdapter:
             return module(query=query, key=key, value=value, **mods)
 
         return backend.inference(case, self.device, call)
+
+    def supports(self, case: Case) -> bool | str:
+        """Every case in one pass; of the schedule cases, the paged ones without an explicit mask or a bias
+        input (Flex's paged mask_mod and score_mod see logical keys up to the last page's end, past the
+        mask's and the bias's L_c keys)."""
+        if case.schedule is None:
+            return True
+        if case.page_size is None:
+            return ("torch-flex decodes a paged case only (Flex's PagedAttention); an unpaged schedule: torch, "
+                    "torch-sdpa")
+        if case.inputs.mask is not None or case.inputs.bias is not None:
+            return ("torch-flex's paged decode takes no explicit mask or bias input (its keys end at L_c, the "
+                    "pages' do not)")
+        return True
+
+    def decode(self, case: Case) -> list[dict[str, np.ndarray]]:
+        """A paged case's calls (docs/serving.md "Paged caches"): each call's new key/value rows written to
+        the pool of a :class:`~.backends.torch.PagedKVCache` through the case's block table, then
+        ``flex_attention`` of its queries over the pool itself, addressed by Flex's ``PagedAttention``
+        (:func:`paged_attention`: its page table is the case's) with the call's block mask and score_mod
+        converted to pool positions.  Per call: q_proj (q_rot), the cache's k_proj (k_rot) and v_proj
+        gathered through the table, lse, head_outputs, concat, output."""
+        module, paged = self._module(case), paged_attention(case, self.device)
+
+        def step(view: Case, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 cache: backend.KVCache, q_start: int) -> dict[str, torch.Tensor]:
+            assert isinstance(cache, backend.PagedKVCache), f"{case.id}: torch-flex decodes a paged case only"
+            return module(query=query, key=key, value=value, cache=cache, q_start=q_start,
+                          **paged_mods(view, paged, self.device))
+
+        return backend.decode(case, self.device, step)

@@ -277,10 +277,11 @@ def case_message(case: Case) -> tuple[dict[str, Any], safetensors.Parts]:
     """(the ``case`` object of a request, the payload) for ``case``."""
     scalars = {name: getattr(case, name) for name in type(case).model_fields
                if name not in ("config", "inputs", "weights", "d_output")}
-    if case.schedule is None:  # mhaspec-wire/1 has no schedule (docs/serving.md): a case without one is unchanged
-        del scalars["schedule"]
-    if case.seq_lens is None:  # nor seq_lens (docs/serving.md): an exec client is never sent a packed case
-        del scalars["seq_lens"]
+    # mhaspec-wire/1 has no schedule, seq_lens or paging (docs/serving.md): a case without them is unchanged, and
+    # an exec client is never sent a case with one
+    for name in ("schedule", "seq_lens", "page_size", "block_table", "num_pages"):
+        if scalars[name] is None:
+            del scalars[name]
     arrays: dict[str, np.ndarray] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}

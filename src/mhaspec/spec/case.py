@@ -14,12 +14,17 @@ from .config import DTYPES, MHAConfig
 from .data import dyadic_tensor, random_bits, weight_exponent
 from .masks import visibility
 from .packed import cu_seqlens, nan_padded, seq_lens_problem
+from .paging import paging_problem, resolved_paging
 from .schedule import Call, schedule_calls, schedule_problem
 from .variants import CASE_VARIANT_DEFAULTS, BiasSpec, drop_off_variants
 
 Dtype = Literal["float64", "float32", "float16", "bfloat16"]
 
 CASE_ID_PATTERN = r"^[a-z0-9][a-z0-9_]*$"
+
+#: The serving fields (docs/serving.md) at their "off" value: a case dumps them only when given
+SERVING_OFF: dict[str, Any] = {"schedule": None, "seq_lens": None, "page_size": None, "block_table": None,
+                               "num_pages": None}
 
 
 class MaskSpec(BaseModel):
@@ -81,12 +86,32 @@ class CaseSpec(BaseModel):
         None, description="a packed case (docs/serving.md): batch entry b is one sequence of its first l_b rows and "
         "keys, 1 <= l_b <= T; needs T == S and no schedule"
     )
+    page_size: int | None = Field(
+        None, description="a paged KV cache (docs/serving.md): key rows per page of the pool; needs a schedule"
+    )
+    block_table: tuple[tuple[int, ...], ...] | None = Field(
+        None, description="a paged cache's pages per batch entry: logical key j of entry b is at page "
+        "block_table[b][j // page_size], slot j % page_size; ⌈S / page_size⌉ distinct pages per entry; drawn "
+        "from the seed (shuffled) when not given"
+    )
+    num_pages: int | None = Field(
+        None, description="a paged cache's pool size; default: the pages the table uses + 3 spare"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _draw_paging(cls, data: Any) -> Any:
+        # page_size without a table: the table drawn from the seed, so the spec (and the manifest) holds it
+        if isinstance(data, dict) and isinstance(data.get("page_size"), int) and all(
+                isinstance(data.get(k), int) for k in ("seed", "batch", "src_len")):
+            data = {**data, **resolved_paging(data, data["seed"], data["batch"], data["src_len"])}
+        return data
 
     @model_serializer(mode="wrap")
     def _dump_variants_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         # A spec-1.1 case dumps exactly the fields it had, so manifests keep their bytes; a case without a
         # schedule dumps none.
-        return drop_off_variants(handler(self), {**CASE_VARIANT_DEFAULTS, "schedule": None, "seq_lens": None})
+        return drop_off_variants(handler(self), {**CASE_VARIANT_DEFAULTS, **SERVING_OFF})
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CaseSpec:
@@ -126,11 +151,21 @@ class CaseSpec(BaseModel):
             problem = seq_lens_problem(self.seq_lens, self.batch, self.tgt_len, self.src_len, self.schedule)
             if problem:
                 raise ValueError(problem)
+        problem = paging_problem(self.page_size, self.block_table, self.num_pages, self.batch, self.src_len,
+                                 self.schedule is not None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def calls(self) -> list[Call]:
         """The calls of the case's schedule, (t0, t1, L_c, kind) each; [] without a schedule."""
         return [] if self.schedule is None else schedule_calls(self.schedule, self.tgt_len, self.src_len)
+
+    def paging(self) -> dict[str, Any] | None:
+        """page_size, block_table and num_pages of a paged case (docs/serving.md); None otherwise."""
+        if self.page_size is None:
+            return None
+        return {"page_size": self.page_size, "block_table": self.block_table, "num_pages": self.num_pages}
 
     # -- materialisation -------------------------------------------------
     def make_inputs(self) -> dict[str, np.ndarray]:
@@ -293,6 +328,12 @@ class Case(BaseModel):
             raise ValueError(f"seq_lens: case {self.id!r} is not packed (seq_lens is None)")
         return cu_seqlens(self.seq_lens)
 
+    #: A paged cache (docs/serving.md): key rows per page, the pages of each batch entry (B, ⌈S / page_size⌉),
+    #: the pool's pages; None: the adapter's cache is its own to lay out.
+    page_size: int | None = None
+    block_table: tuple[tuple[int, ...], ...] | None = None
+    num_pages: int | None = None
+
     def calls(self) -> list[Call]:
         """The calls of ``decode(case)``, in order: (t0, t1, cache L_c, kind) each — query rows
         [t0, t1) arrive, key/value rows [S − T + t0, S − T + t1) are appended (call 0 also brings the past
@@ -351,6 +392,12 @@ class Case(BaseModel):
             problem = seq_lens_problem(self.seq_lens, self.batch, self.tgt_len, self.src_len, self.schedule)
             if problem:
                 raise ValueError(problem)
+        if self.page_size is not None and (self.block_table is None or self.num_pages is None):
+            raise ValueError("page_size: a paged case needs its block_table and num_pages (CaseSpec draws them)")
+        problem = paging_problem(self.page_size, self.block_table, self.num_pages, self.batch, self.src_len,
+                                 self.schedule is not None)
+        if problem:
+            raise ValueError(problem)
         if self.d_output is not None and self.d_output.shape != (self.batch, self.tgt_len, cfg.d_out):
             raise ValueError(
                 f"d_output: expected shape (B, T, d_out) = {(self.batch, self.tgt_len, cfg.d_out)}, "
@@ -402,13 +449,14 @@ class Case(BaseModel):
         d_output: Any = None,
         schedule: Any = None,
         seq_lens: Any = None,
+        paging: dict[str, Any] | None = None,
     ) -> Case:
         """A read-only case from float64 arrays (copied; sizes read off ``query``/``key``).
 
         ``self_attention`` uses ``query`` as key and value; ``key_is_value``
         uses ``key`` as value (the arrays passed for them are ignored); ``schedule``: rows per call of
         ``decode(case)`` (docs/serving.md); ``seq_lens``: a packed case's lengths, whose padding rows of query, key and
-        value are filled with NaN here."""
+        value are filled with NaN here; ``paging``: its page_size, block_table and num_pages."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         def row_input(x: Any) -> np.ndarray:
@@ -441,6 +489,7 @@ class Case(BaseModel):
             d_output=None if d_output is None else _readonly(np.asarray(d_output, dtype=np.float64)),
             schedule=None if schedule is None else tuple(schedule),
             seq_lens=None if seq_lens is None else tuple(seq_lens),
+            **(paging or {}),
         )
 
     @classmethod
@@ -459,4 +508,5 @@ class Case(BaseModel):
             self_attention=spec.inputs == "self", key_is_value=spec.inputs == "shared_kv",
             d_output=spec.make_d_output() if d_output is None else d_output, schedule=spec.schedule,
             seq_lens=spec.seq_lens,
+            paging=spec.paging(),
         )

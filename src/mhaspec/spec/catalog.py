@@ -414,12 +414,28 @@ CATALOG = Catalog(
             dict(d_model=16, num_heads=4, num_kv_heads=2, window_left=3, causal=True, causal_alignment="bottom_right"),
             batch=1, tgt_len=10, src_len=10, inputs="self", seed=56, schedule=(4, 1, 1, 1, 1, 1, 1),
         ),
+        # -- paged caches: the cache in a shared pool of pages addressed by a block table (docs/serving.md) -----
+        _case(
+            "decode_paged_steps",
+            "a paged cache of 4-key pages (the block table drawn from the seed, shuffled): a prefill of 5 rows "
+            "(into a second page), then 6 decode steps crossing the page boundary at key 8; T = S = 11",
+            dict(d_model=12, num_heads=3, causal=True, causal_alignment="bottom_right"),
+            batch=2, tgt_len=11, src_len=11, inputs="self", seed=57, schedule=(5, 1, 1, 1, 1, 1, 1), page_size=4,
+        ),
+        _case(
+            "decode_paged_gqa_rope",
+            "a paged cache of 8-key pages with GQA (H=4, H_kv=2) and RoPE half: a chunked prefill (6, 6, 5 rows: "
+            "chunks crossing the page boundaries at keys 8 and 16), then 3 decode steps; T = S = 20",
+            dict(d_model=16, num_heads=4, num_kv_heads=2, rope=dict(style="half"), causal=True,
+                 causal_alignment="bottom_right"),
+            batch=2, tgt_len=20, src_len=20, inputs="self", seed=58, schedule=(6, 6, 5, 1, 1, 1), page_size=8,
+        ),
         # -- packed sequences: entry b is one sequence of its first l_b rows; NaN padding (docs/serving.md) ----
         _case(
             "packed_causal",
             "4 packed sequences of lengths 1, 7, 16, 11 in T = S = 16, causal self-attention: each sequence "
             "judged against its own full pass",
-            dict(d_model=16, num_heads=4, causal=True),
+            dict(d_model=8, num_heads=2, causal=True),
             batch=4, tgt_len=16, src_len=16, inputs="self", seed=57, seq_lens=(1, 7, 16, 11),
         ),
         _case(

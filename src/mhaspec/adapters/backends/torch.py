@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...spec import Case, Weights, masks, variant_ops
+from ...spec.paging import page_slots
 from ...spec.stages import BACKWARD_STAGES, STAGE
 from . import call_view, packing
 from .numpy import sum_to_shape
@@ -401,6 +402,39 @@ class KVCache:
         return dict(self.stages)
 
 
+class PagedKVCache(KVCache):
+    """A paged cache (docs/serving.md "Paged caches"): per key-side stage one pool (num_pages, page_size, F)
+    in the dtype, F = H_kv·D (vLLM's (num_pages, page_size, H_kv, D) with the heads flattened), shared by
+    the batch entries; key j of entry b is written to and read from page ``block_table[b][j // page_size]``,
+    slot ``j % page_size`` (:func:`mhaspec.spec.paging.page_slots`).  Each call scatters its new rows into
+    their slots and gathers the whole cache (B, L, ·) through the table, in logical order."""
+
+    def __init__(self, case: Case, device: torch.device | str) -> None:
+        super().__init__()
+        assert case.page_size is not None and case.num_pages is not None, "PagedKVCache: not a paged case"
+        self.table, self.page_size, self.num_pages = case.block_table, case.page_size, case.num_pages
+        self.device = device
+        self.pools: dict[str, torch.Tensor] = {}  # name -> (N, page_size, F)
+
+    def _where(self, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool pages (B, n), slots (1, n)) of the logical keys ``keys``, as index tensors."""
+        pages, slots = page_slots(self.table, self.page_size, keys)
+        return torch.as_tensor(pages, device=self.device), torch.as_tensor(slots, device=self.device)[None, :]
+
+    def append(self, new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new rows' key-side stages (B, n, ·) written to their pages -> the whole cache (B, L + n, ·)
+        gathered through the table."""
+        start, end = self.length, self.length + new["k_proj"].shape[1]
+        written, held = self._where(slice(start, end)), self._where(slice(0, end))
+        for name in CACHED:
+            if name in new:
+                x = new[name]  # (B, n, F)
+                pool = self.pools.setdefault(name, x.new_zeros(self.num_pages, self.page_size, x.shape[-1]))
+                pool[written] = x
+                self.stages[name] = pool[held]  # (B, L, F)
+        return dict(self.stages)
+
+
 def project(module: torch.nn.Module, config: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cache: KVCache | None = None, q_start: int = 0, positions: tuple[np.ndarray, np.ndarray] | None = None
             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -443,10 +477,11 @@ DecodeStep = Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, 
 
 def decode(case: Case, device: torch.device | str, step: DecodeStep) -> list[dict[str, np.ndarray]]:
     """The stages of each call of ``case``'s schedule (:meth:`mhaspec.spec.Case.calls`), in order, under
-    ``inference_mode`` against one :class:`KVCache`: call c gives ``step`` query rows [t0, t1) and key/value
-    rows [L_(c−1), L_c) (call 0: the past too, [0, L_0)) in the case's dtype; back as NumPy."""
+    ``inference_mode`` against one :class:`KVCache` (a paged case's: :class:`PagedKVCache`): call c gives
+    ``step`` query rows [t0, t1) and key/value rows [L_(c−1), L_c) (call 0: the past too, [0, L_0)) in the
+    case's dtype; back as NumPy."""
     query, key, value = case.inputs_as(lambda x: array_in(x, case.dtype, device))
-    cache, out = KVCache(), []
+    cache, out = (KVCache() if case.page_size is None else PagedKVCache(case, device)), []
     with torch.inference_mode():
         for call in case.calls():
             new = slice(cache.length, call.cache)  # the key rows this call appends
