@@ -187,8 +187,8 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
     elif options:
         raise AdapterError(f"adapter {label}: is an instance; option(s) {', '.join(options)} cannot be applied")
-    if not callable(getattr(obj, "run", None)):
-        raise AdapterError(f"adapter {label}: has no run(case) method")
+    if not callable(getattr(obj, "run", None)) and not callable(getattr(obj, "run_rank", None)):
+        raise AdapterError(f"adapter {label}: has no run(case) method (nor run_rank(ctx, case), for a distributed one)")
     if not isinstance(getattr(obj, "name", None), str):
         raise AdapterError(f"adapter {label}: has no string attribute 'name'")
     return obj

@@ -29,6 +29,7 @@ from ..spec import Case
 from . import wire
 from .contract import adapter_name, describe_adapter
 from .loading import load_adapter
+from .ranks import is_distributed
 
 #: The exit status of a worker that failed outside the adapter (a traceback is on its stderr).
 EXIT_BROKEN = 70
@@ -131,7 +132,12 @@ def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
         pipe.send(wire.failure("ready", f"describing adapter {adapter_name(adapter)!r} failed: {describe_exception(exc)}"))
         return
     pipe.send(wire.ready(info, describe_environment(process="worker")))
-    serve(pipe, adapter)
+    if is_distributed(adapter):  # one rank per thread (transports/threads_ranks.py)
+        from .transports.threads_ranks import serve_ranks
+
+        serve_ranks(pipe, adapter)
+    else:
+        serve(pipe, adapter)
 
 
 def main(argv: list[str]) -> None:
