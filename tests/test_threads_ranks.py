@@ -14,8 +14,6 @@ from mhaspec.protocol.transports.threads_ranks import ThreadsLauncher
 from mhaspec.spec import CATALOG
 from mhaspec.spec.ranks import Layout
 
-pytestmark = pytest.mark.distributed
-
 CASE = CATALOG["self_basic"].case("float64")
 
 
