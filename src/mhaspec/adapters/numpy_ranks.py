@@ -344,14 +344,18 @@ class NumpyUlysses(NumpyRanks):
                              global_visibility(case, share, all_rows, all_keys),
                              score_bias_slice(case, share, all_rows, all_keys), distance_slice(case, all_rows, all_keys))
         stages.update({name: attended[name] for name in ("scores", "attn_weights", "lse", "head_outputs")})
-        back = self.all_to_all(ctx, [attended["concat"][:, r] for r in q_rows], peers)  # each (B, t, share_j·D_v)
-        concat = np.concatenate(back, axis=-1)  # (B, t, h·D_v): the shares in head order
-        stages["concat"] = concat
+        concat = stages["concat"] = self.heads_to_rows(ctx, attended["concat"], q_rows, peers)
         stages.update(self.output(ctx, case, concat, heads))
         return stages
 
     def all_to_all(self, ctx: Any, pieces: list[np.ndarray], peers: list[int]) -> list[np.ndarray]:
         return ctx.comm.all_to_all(pieces, ranks=tuple(peers))
+
+    def heads_to_rows(self, ctx: Any, concat: np.ndarray, rows: list[np.ndarray], peers: list[int]) -> np.ndarray:
+        """The second all_to_all: concat (B, T, share·D_v) of the rank's heads, every row -> (B, t, h·D_v) of
+        its own rows, every head of its tp group (the peers' shares in head order)."""
+        back = self.all_to_all(ctx, [concat[:, r] for r in rows], peers)  # each (B, t, share_j·D_v)
+        return np.concatenate(back, axis=-1)
 
 
 class NumpyAllgather(NumpyRanks):
