@@ -162,3 +162,34 @@ def test_only_threads_adapters(launcher):
 
     with pytest.raises(AdapterError, match="launcher is 'torch'"):
         launcher(Torchish(), 2)
+
+
+def test_a_rank_holding_the_gil_costs_the_case_on_every_rank_and_no_process_is_left(launcher):
+    class NativeHang(Collectives):
+        def run_rank(self, ctx, case):
+            if ctx.rank == 0 and case.id == "self_basic":
+                import ctypes
+
+                ctypes.PyDLL(None).sleep(600)  # C code holding the GIL: the worker cannot even answer
+            return super().run_rank(ctx, case)
+
+    lx, _ = launcher(NativeHang(), 2)
+    pid = lx._worker._process.pid
+    start = time.monotonic()
+    replies = lx.run(CASE, timeout=0.5)
+    assert time.monotonic() - start < 30
+    for r in replies:
+        assert r.stages is None and r.error.startswith(f"rank {r.rank}: the worker did not answer within"), r.error
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert all(r.error is None for r in lx.run(CATALOG["gqa"].case("float64"), timeout=30))
+    assert lx.restarts == 1
+
+
+def test_a_builtin_loaded_by_name_in_a_spawned_worker(launcher, monkeypatch):
+    monkeypatch.setenv("MHASPEC_WORKER_START", "spawn")
+    lx, info = launcher("numpy-allgather", 2)
+    assert info["name"] == "numpy-allgather" and info["collectives"] == {"all_gather": 1}
+    replies = lx.run(CATALOG["one_head"].case("float32"), timeout=60)
+    assert [r.error for r in replies] == [None, None]
+    assert replies[0].stages["output"].dtype == np.float32 and replies[0].issued == {"all_gather": 1}
