@@ -193,3 +193,15 @@ def test_a_builtin_loaded_by_name_in_a_spawned_worker(launcher, monkeypatch):
     replies = lx.run(CATALOG["one_head"].case("float32"), timeout=60)
     assert [r.error for r in replies] == [None, None]
     assert replies[0].stages["output"].dtype == np.float32 and replies[0].issued == {"all_gather": 1}
+
+
+def test_a_distributed_adapter_asked_to_run_whole_says_so():
+    from mhaspec.protocol.transports import AdapterCrash, Worker
+
+    worker = Worker("numpy-tp")
+    try:
+        worker.wait_loaded()
+        with pytest.raises(AdapterCrash, match=r"numpy-tp is distributed \(run_rank\).*--world N"):
+            worker.supports(CASE, timeout=30)
+    finally:
+        worker.close()

@@ -307,6 +307,10 @@ def serve_ranks(pipe: wire.Pipe, adapter: Any) -> None:
                 reply = {"reply": RANKS_OP, "ok": True, "seconds": time.perf_counter() - start, "ranks": ranks,
                          "stuck": stuck}
                 data = safetensors.encode_parts(arrays)
+            elif op in wire.OPS:  # a runner that asks run(case) of a distributed adapter
+                reply = wire.failure(str(op).split("+")[0], f"adapter {getattr(adapter, 'name', '?')} is distributed "
+                                     "(run_rank): it runs on ranks, e.g. mhaspec run ADAPTER --world N "
+                                     "(docs/distributed.md)")
             else:
                 raise wire.Malformed(f"a request with op {op!r} to a ranks worker")
         except wire.Malformed:
