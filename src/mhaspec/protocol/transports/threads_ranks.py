@@ -44,7 +44,7 @@ from ...spec.ranks import Layout
 from .. import wire
 from ..ranks import RankContext, RankReply
 from .base import AdapterCrash, CaseTimeout
-from .process import Worker, death_cause
+from .process import Worker
 
 #: Seconds the runner waits past the case's timeout for the worker's own report of a hang.
 GRACE = 5.0
@@ -423,15 +423,8 @@ class _RanksWorker(Worker):
 
     def ask(self, request: dict[str, Any], reply_kind: str, case: Case | None, timeout: float | None
             ) -> tuple[dict[str, Any], bytes]:
-        if self._process is not None and self._process.poll() is not None:
-            self._discard()  # died between cases (or left after a hang)
-        if self._process is None:
-            self.restarts += self.info is not None
-            try:
-                self.wait_loaded()
-            except AdapterError as exc:
-                raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        assert self._pipe is not None and self._process is not None
+        self._fresh_worker()
+        assert self._pipe is not None
         self._seq += 1
         request = {**request, "seq": self._seq}
         payload: Any = b""
@@ -443,23 +436,7 @@ class _RanksWorker(Worker):
             self._pipe.send(request, payload)
         except wire.Closed:
             pass  # the reply tells how it died
-        try:
-            reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
-            wire.check_reply(reply, reply_kind, self._seq)
-        except wire.Deadline:
-            self._discard()
-            raise CaseTimeout(f"the worker did not answer within {timeout:g} s (per-case timeout) in {reply_kind}; "
-                              "its process was killed") from None
-        except wire.Closed:
-            cause = death_cause(self._process.poll(wait=2.0))
-            self._discard()
-            raise AdapterCrash(f"{cause} during {reply_kind}") from None
-        except wire.Malformed as exc:
-            self._discard()
-            raise AdapterCrash(f"the worker sent {exc} during {reply_kind}; worker process killed") from None
-        if reply["ok"] is not True:
-            raise AdapterCrash(str(reply["error"]))
-        return reply, data
+        return self._reply(reply_kind, case, timeout, self._seq)
 
     def discard(self) -> None:
         self._discard()
