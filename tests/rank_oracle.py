@@ -9,8 +9,9 @@ import numpy as np
 
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.reference.ranks import rank_stages
-from mhaspec.spec import CATALOG, CaseSpec
-from mhaspec.spec.ranks import Layout, rank_stage_names
+from mhaspec.spec import CATALOG, REGISTRY, CaseSpec, compared_entries
+from mhaspec.spec.ranks import Layout, attention_heads, attention_rows, rank_stage_names
+from mhaspec.spec.stages import forward_stages
 
 
 @lru_cache(maxsize=None)
@@ -31,12 +32,14 @@ def shardable(layout: Layout, *, ids: tuple[str, ...] | None = None) -> list[Cas
             and layout.problem(s.config, s.tgt_len, s.src_len) is None]
 
 
-def relative_error(got: object, want: np.ndarray) -> float:
-    """max |got − want| / max |want| over the finite entries of ``want`` (inf where the non-finite entries,
-    or the shape, differ)."""
+def relative_error(got: object, want: np.ndarray, compared: np.ndarray | None = None) -> float:
+    """max |got − want| / max |want| over the finite entries of ``want`` that are ``compared`` (a bool mask of
+    want's shape; None: every entry) — inf where the non-finite entries, or the shape, differ."""
     got = np.asarray(got, dtype=np.float64)
     if got.shape != want.shape:
         return np.inf
+    if compared is not None:
+        got, want = got[compared], want[compared]
     finite = np.isfinite(want)
     if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
         return np.inf
@@ -46,21 +49,26 @@ def relative_error(got: object, want: np.ndarray) -> float:
     return float(np.abs(got[finite] - want[finite]).max()) / scale
 
 
-def stage_order(layout: Layout, stages: dict[str, np.ndarray]) -> list[str]:
-    """The names of ``stages`` in pipeline order (:func:`rank_stage_names`)."""
-    forward = tuple(s for s in ("q_proj", "k_proj", "v_proj", "q_rot", "k_rot", "scores", "attn_weights", "lse",
-                                "head_outputs", "concat", "output") if s in stages)
-    return [s for s in rank_stage_names(layout, forward) if s in stages]
+def rank_visible(case_id: str, layout: Layout, rank: int) -> np.ndarray:
+    """(B, h, t, S) bool: the case's visibility of the rank's attention heads and rows."""
+    g = golden(case_id)
+    h0, h1 = attention_heads(layout, g.spec.config, rank)
+    return g.visible[:, h0:h1][:, :, attention_rows(layout, g.spec.tgt_len, rank)]
 
 
-def first_differences(a: list[dict], b: list[dict], layout: Layout, threshold: float = 0.0
-                      ) -> dict[int, str]:
-    """Per rank, the first stage (pipeline order) where the stages of ``a`` differ from those of ``b`` by more
-    than ``threshold`` (relative to ``b``'s); ranks where none does are left out."""
+def first_differences(got: list[dict], case_id: str, layout: Layout, threshold: float = 0.0) -> dict[int, str]:
+    """Per rank, the first stage (in the judge's order: :func:`rank_stage_names`) where ``got`` differs from the
+    rank's exact golden by more than ``threshold`` relative, over the entries the judge compares (a masked score
+    is not: :func:`compared_entries`); ranks where none does are left out."""
+    cfg = CATALOG[case_id].config
     out = {}
-    for r, (x, y) in enumerate(zip(a, b)):
-        for stage in stage_order(layout, y):
-            if stage not in x or relative_error(x[stage], np.asarray(y[stage], dtype=np.float64)) > threshold:
+    for r, (x, want) in enumerate(zip(got, golden_ranks(case_id, layout))):
+        visible = rank_visible(case_id, layout, r)
+        for stage in rank_stage_names(layout, forward_stages(cfg)):
+            if stage not in want:
+                continue
+            compared = compared_entries(stage, visible) if stage in REGISTRY else None
+            if stage not in x or relative_error(x[stage], want[stage], compared) > threshold:
                 out[r] = stage
                 break
     return out

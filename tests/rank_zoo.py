@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mhaspec.adapters.numpy_ranks import (Heads, NumpyRing, NumpyRingZigzag, NumpyTP, NumpyUlysses, columns,
-                                          global_visibility, merge_lse, precision, project)
+                                          merge_lse, precision, project)
 from mhaspec.spec import Case, masks
 from mhaspec.spec.ranks import chunks, ring_source
 
@@ -166,3 +166,61 @@ def run_ranks(adapter: Any, world: int, case_ids: tuple[str, ...], dtypes: tuple
                 for spec in shardable(layout, ids=case_ids) for dtype in dtypes}
     finally:
         launcher.close()
+
+
+#: The correct numpy distributed adapters (built-in names) the proofs hold against the kill list.
+CORRECT = ("numpy-tp", "numpy-ring", "numpy-ring-zigzag", "numpy-ulysses", "numpy-allgather")
+#: Left out of the correct adapters' proof runs of a ring: judging a ring's steps of T = S = 128 takes minutes
+#: on 2 cores (every step's exact reference); ``mhaspec run numpy-ring --world N`` judges it.
+SLOW_FOR_RINGS = ("long_sequence",)
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: a change of the float64 result larger than the sharding's own (≤ 1e-12: tests/test_numpy_ranks.py)
+CHANGED = 1e-9
+
+
+def float64_changes(bug: type, world: int) -> dict[str, dict[int, tuple[str, int | None]]]:
+    """{case: {rank: (the first stage the bug changes, the first ring step it changes or None)}} against
+    each rank's exact golden, in float64, for the cases of :data:`REACH` at ``world`` (tolerance-free)."""
+    from mhaspec.spec.ranks import parse_ring_stage
+
+    from tests.rank_oracle import first_differences, golden_ranks, relative_error
+
+    layout = bug().layout(world)
+    out = {}
+    for (case, _), replies in run_ranks(bug(), world, REACH[bug]).items():
+        if any(r.error for r in replies):
+            raise AssertionError(f"{bug.name} world {world} {case}: {[r.error for r in replies]}")
+        want = golden_ranks(case, layout)
+        first = first_differences([r.stages for r in replies], case, layout, CHANGED)
+        steps = {r.rank: sorted(parse_ring_stage(s)[1] for s in want[r.rank] if parse_ring_stage(s)
+                                and relative_error(r.stages[s], want[r.rank][s]) > CHANGED) for r in replies}
+        out[case] = {r: (stage, steps[r][0] if steps[r] else None) for r, stage in first.items()}
+    return out
+
+
+def judged(adapter: Any, world: int, cases: tuple[str, ...], dtypes: tuple[str, ...] = DTYPES) -> list:
+    """The CaseResults of ``adapter`` (a built-in name or an object) at ``world`` on the catalog ``cases`` its
+    layout shards, judged rank by rank (mhaspec.conformance.check, the threads launcher)."""
+    from mhaspec.conformance import check
+
+    from tests.rank_oracle import shardable
+
+    layout = (load(adapter) if isinstance(adapter, str) else adapter).layout(world)
+    ids = [s.id for s in shardable(layout, ids=cases)]
+    if not ids:
+        return []
+    return check(adapter, dtypes=list(dtypes), cases=ids, world=world, timeout=300).results
+
+
+def load(name: str) -> Any:
+    from mhaspec.adapters import load_adapter
+
+    return load_adapter(name)
+
+
+def correct_cases(name: str, world: int) -> tuple[str, ...]:
+    """Every catalog case the correct adapter ``name`` shards at ``world`` (rings: but :data:`SLOW_FOR_RINGS`)."""
+    from tests.rank_oracle import shardable
+
+    slow = SLOW_FOR_RINGS if "ring" in name else ()
+    return tuple(s.id for s in shardable(load(name).layout(world)) if s.id not in slow)

@@ -3,49 +3,35 @@ is caught at the rank, ring step and stage where it changes the result, and the 
 adapters pass.
 
 Part one (float64, tolerance-free): where each bug changes each rank's stages against the rank's exact
-golden (reference/ranks.py), as its definition says it must — this is what the judged part expects.
+golden (reference/ranks.py), as its definition says it must.  Part two (the judge, conformance/ranks.py,
+through mhaspec.conformance.check on the threads launcher, every dtype): each bug fails exactly the ranks it
+changes, each at the stage and ring step it changes first, named in the verdict; the correct adapters pass
+every catalog case they shard.  The figures: benchmarks/rank_figures.py.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from mhaspec.conformance import FAIL, PASS
 from mhaspec.spec import CATALOG
-from mhaspec.spec.ranks import kv_head_range, parse_ring_stage, ring_stage
+from mhaspec.spec.ranks import kv_head_range
 
-from tests.rank_oracle import first_differences, golden_ranks, relative_error
-from tests.rank_zoo import (REACH, BiasOnEveryRank, DuplicatedAllReduce, KvHeadsSliced, LocalCausalOffsets, LseAdded,
-                            MissingAllReduce, RingWrongSource, UlyssesSharesReversed, ZigzagWrongOrder, run_ranks)
+from tests.rank_zoo import (CORRECT, DTYPES, REACH, BiasOnEveryRank, DuplicatedAllReduce, KvHeadsSliced,
+                            LocalCausalOffsets, LseAdded, MissingAllReduce, RingWrongSource, UlyssesSharesReversed,
+                            ZigzagWrongOrder, correct_cases, float64_changes, judged)
 
 pytestmark = pytest.mark.proofs
 
-#: a change of the float64 result larger than the sharding's own (≤ 1e-12: tests/test_numpy_ranks.py)
-CHANGED = 1e-9
-
-
 def changed(bug: type, world: int) -> dict[str, dict[int, str]]:
     """{case: {rank: the first stage the bug changes}} in float64, for the cases of REACH at ``world``."""
-    layout = bug().layout(world)
-    replies = run_ranks(bug(), world, REACH[bug])
-    out = {}
-    for (case, _), reps in replies.items():
-        assert all(r.error is None for r in reps), [r.error for r in reps]
-        out[case] = first_differences([r.stages for r in reps], list(golden_ranks(case, layout)), layout, CHANGED)
-    return out
+    return {case: {r: stage for r, (stage, _) in ranks.items()} for case, ranks in float64_changes(bug, world).items()}
 
 
-def ring_steps_changed(bug: type, world: int, case: str) -> dict[int, list[int]]:
-    """{rank: the ring steps k whose ring_out[k] or ring_lse[k] the bug changes}, float64."""
-    layout = bug().layout(world)
-    (reps,) = run_ranks(bug(), world, (case,)).values()
-    want = golden_ranks(case, layout)
-    out = {}
-    for r in reps:
-        steps = sorted({parse_ring_stage(s)[1] for s in want[r.rank] if parse_ring_stage(s)
-                        and relative_error(r.stages[s], want[r.rank][s]) > CHANGED})
-        out[r.rank] = steps
-    return out
+def first_steps(bug: type, world: int, case: str) -> dict[int, int | None]:
+    """{rank: the first ring step whose ring_out or ring_lse the bug changes (None: none)} in float64; the
+    ranks it does not change are left out."""
+    return {r: step for r, (_, step) in float64_changes(bug, world)[case].items()}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -75,29 +61,64 @@ def test_kv_heads_sliced_changes_the_ranks_that_took_another_head():
 def test_local_causal_offsets_change_a_later_ring_step_never_the_first(world):
     """Step 0 holds the rank's own chunk, whose local diagonal is the global one (T = S, contiguous); a held
     chunk of another rank is drawn at local positions: every rank's result changes at a later step."""
-    for rank, steps in ring_steps_changed(LocalCausalOffsets, world, "bloom_alibi").items():
-        assert steps and steps[0] >= 1, (rank, steps)
+    steps = first_steps(LocalCausalOffsets, world, "bloom_alibi")
+    assert sorted(steps) == list(range(world)) and all(k is not None and k >= 1 for k in steps.values()), steps
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_an_lse_added_changes_the_first_merge_of_two_non_empty_sides(world):
     """bloom_alibi (causal, no sinks): rank c's first merge of two non-empty sides is step 1 (its own chunk,
     then chunk c − 1); rank 0 holds only later chunks after step 0, all invisible: the bug changes nothing there."""
-    steps = ring_steps_changed(LseAdded, world, "bloom_alibi")
-    assert steps[0] == []
-    assert all(steps[c][0] == 1 for c in range(1, world)), steps
+    assert first_steps(LseAdded, world, "bloom_alibi") == dict.fromkeys(range(1, world), 1)
 
 
 def test_an_lse_added_with_sinks_changes_step_zero():
     """gpt_oss_sinks_window (sinks): the running LSE starts at the sink logit, so the first merge already adds."""
-    steps = ring_steps_changed(LseAdded, 2, "gpt_oss_sinks_window")
-    assert all(s and s[0] == 0 for s in steps.values()), steps
+    assert first_steps(LseAdded, 2, "gpt_oss_sinks_window") == {0: 0, 1: 0}
 
 
 def test_a_ring_turned_the_wrong_way_is_invisible_at_two_ranks_and_wrong_at_four():
-    """At step k ≥ 1 the held keys are put at the positions of rank (c + k) mod cp: every rank's scores move."""
+    """At step k ≥ 1 the held keys are put at the positions of rank (c + k) mod cp.  Rank 0 (causal) sees none of
+    the chunks it misplaces: only its masked scores move, which no one compares; every other rank's scores move
+    at step 1."""
     assert changed(RingWrongSource, 2) == {"bloom_alibi": {}}  # (c + 1) mod 2 = (c − 1) mod 2
-    assert changed(RingWrongSource, 4) == {"bloom_alibi": dict.fromkeys(range(4), "scores")}
-    # step 0 holds the rank's own chunk, right; rank 0 (causal) sees none of the chunks it misplaces later
-    steps = ring_steps_changed(RingWrongSource, 4, "bloom_alibi")
-    assert steps[0] == [] and all(steps[c][0] == 1 for c in (1, 2, 3)), steps
+    assert changed(RingWrongSource, 4) == {"bloom_alibi": dict.fromkeys((1, 2, 3), "scores")}
+    assert first_steps(RingWrongSource, 4, "bloom_alibi") == dict.fromkeys((1, 2, 3), 1)
+
+
+# -- part two: the judge, every dtype ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bug", list(REACH), ids=lambda b: b.name)
+def test_a_kill_list_bug_is_caught_at_its_rank_step_and_stage_in_every_dtype(bug, world):
+    expected = float64_changes(bug, world)
+    wrong = []
+    for res in judged(bug(), world, REACH[bug]):
+        where = f"{res.case} {res.dtype}"
+        changes = expected[res.case]
+        if not changes:  # the bug changes nothing at this world (e.g. a two-rank ring turned either way)
+            if res.verdict != PASS:
+                wrong.append(f"{where}: {res.verdict}, but the bug changes nothing here ({res.message})")
+            continue
+        failing = {r.rank: (r.first_failing_stage, r.step) for r in res.ranks if r.verdict == FAIL}
+        ring = {r.rank: next((int(s.stage[9:-1]) for s in r.stages if s.verdict == FAIL and s.stage.startswith("ring_")),
+                             None) for r in res.ranks}
+        got = {r: (failing[r][0], ring[r]) for r in failing}
+        if res.verdict != FAIL or got != changes:
+            wrong.append(f"{where}: {res.verdict}, ranks (first failing stage, first failing ring step) {got}, "
+                         f"expected {changes}")
+        first = min(changes)
+        if f"rank {first} of {world}" not in res.message or f"{changes[first][0]} fails" not in res.message:
+            wrong.append(f"{where}: the verdict does not name rank {first} and {changes[first][0]}: {res.message}")
+    assert not wrong, f"{bug.name} world {world}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", CORRECT)
+def test_a_correct_adapter_passes_every_case_it_shards_in_every_dtype(name, world):
+    results = judged(name, world, correct_cases(name, world))
+    assert len(results) == len(DTYPES) * len(correct_cases(name, world)) > 0
+    failing = [(r.case, r.dtype, r.verdict, r.message) for r in results if r.verdict != PASS]
+    assert not failing, failing
+    worst = max(r.worst_ratio or 0.0 for r in results)
+    assert worst <= 0.5, f"{name} world {world}: worst error/tolerance {worst:.3g} (margin {1 / worst:.3g}x)"

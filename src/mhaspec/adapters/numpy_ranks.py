@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Case, MHAConfig, masks
+from ..spec import Case, MHAConfig
 from ..spec.ranks import (Layout, attention_heads, attention_rows, head_range, kv_head_range, own_keys, own_rows,
                           ring_source, ring_stage)
 from ..spec.variant_ops import alibi_distance, rope_positions
