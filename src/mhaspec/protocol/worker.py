@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,18 @@ def call_adapter(adapter: Any, step: str, case: Case) -> tuple[dict[str, Any], b
         return wire.failure(step, f"{step}() raised {describe_exception(exc)}"), b""
 
 
+def requests(pipe: wire.Pipe) -> Iterator[tuple[dict[str, Any], bytes | bytearray]]:
+    """The runner's requests, (header, payload) each, until ``close`` or the end of the pipe."""
+    while True:
+        try:
+            header, payload = pipe.recv()
+        except wire.Closed:
+            return
+        if header.get("op") == "close":
+            return
+        yield header, payload
+
+
 def serve(pipe: wire.Pipe, adapter: Any) -> None:
     """Answer requests until ``close`` or the end of the pipe.
 
@@ -73,14 +85,8 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
     keep_freed_pages()  # the adapter's temporaries, freed, are reused by the next case (mhaspec.allocator)
     case: Case | None = None
     described = False
-    while True:
-        try:
-            header, payload = pipe.recv()
-        except wire.Closed:
-            return
+    for header, payload in requests(pipe):
         op = header.get("op")
-        if op == "close":
-            return
         if op not in wire.OPS or op == "load":
             raise wire.Malformed(f"a request with op {op!r}")
         if not header.get("reuse"):

@@ -279,17 +279,11 @@ def serve_ranks(pipe: wire.Pipe, adapter: Any) -> None:
     """The worker's loop for a distributed adapter: ``layout``, ``supports``, ``ranks`` and ``close``
     requests, one reply each, until ``close`` or the end of the pipe.  After a hang the worker answers,
     then leaves (its stuck threads cannot be stopped): the runner starts a fresh one."""
-    from ..worker import call_adapter, describe_exception
+    from ..worker import call_adapter, describe_exception, requests
 
     case: Case | None = None
-    while True:
-        try:
-            header, payload = pipe.recv()
-        except wire.Closed:
-            return
+    for header, payload in requests(pipe):
         op = header.get("op")
-        if op == "close":
-            return
         if header.get("case") is not None:
             case = wire.case_from_message(header["case"], payload)
         reply: dict[str, Any]
