@@ -205,3 +205,19 @@ def test_a_distributed_adapter_asked_to_run_whole_says_so():
             worker.supports(CASE, timeout=30)
     finally:
         worker.close()
+
+
+def test_promised_collectives_travel_with_the_layout(launcher):
+    class Promising(Collectives):
+        def collectives(self, world):
+            return {"all_reduce": 2, "all_gather": 1, "all_to_all": 1, "send_recv": 1} if world > 1 else {}
+
+    class Silent(Collectives):
+        def collectives(self, world):
+            return None  # no promise: nothing to compare
+
+    assert launcher(Promising(), 2)[1]["collectives"] == {"all_reduce": 2, "all_gather": 1, "all_to_all": 1,
+                                                          "send_recv": 1}
+    assert launcher(Promising(), 1)[1]["collectives"] == {}
+    assert launcher(Silent(), 2)[1]["collectives"] is None
+    assert launcher(Collectives(), 2)[1]["collectives"] is None  # none declared

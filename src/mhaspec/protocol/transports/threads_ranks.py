@@ -269,10 +269,11 @@ def layout_reply(adapter: Any, world: int) -> dict[str, Any]:
     layout = adapter.layout(world)
     if not isinstance(layout, Layout) or layout.world != world:
         raise AdapterError(f"layout({world}) returned {layout!r}, not a Layout of world {world}")
-    promised = getattr(adapter, "collectives", None)
+    declared = getattr(adapter, "collectives", None)
+    promised = declared(world) if callable(declared) else None  # None: no promise (not compared)
     return {"reply": LAYOUT_OP, "ok": True, "layout": layout.as_dict(),
             "launcher": getattr(adapter, "launcher", None),
-            "collectives": dict(promised(world) or {}) if callable(promised) else None}
+            "collectives": None if promised is None else {str(k): int(v) for k, v in promised.items()}}
 
 
 def serve_ranks(pipe: wire.Pipe, adapter: Any) -> None:
