@@ -69,7 +69,8 @@ class LocalCausalOffsets(NumpyRing):
 
     name = "bug-local-causal-offsets"
 
-    def step_visibility(self, ctx: Any, case: Case, heads: Heads, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    def step_visibility(self, ctx: Any, case: Case, visible: np.ndarray, heads: Heads, rows: np.ndarray,
+                        keys: np.ndarray) -> np.ndarray:
         band = masks.visibility(case.config, None, case.batch, len(rows), len(keys))[:, heads[0]:heads[1]]
         explicit = case.inputs.mask
         if explicit is not None:

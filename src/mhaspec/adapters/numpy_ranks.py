@@ -255,13 +255,14 @@ class NumpyRing(NumpyRanks):
         if cfg.sinks:  # the sink's mass is in the denominator from the start
             lse[:] = case.weights.sink_logits[heads[0]:heads[1]].astype(dt).astype(acc)[None, :, None]
         seen = np.zeros((B, h, t), dtype=bool)
+        visible = global_visibility(case, heads, rows, np.arange(S))  # (B, h, t, S): once, sliced per step
         held = np.concatenate([k, v], axis=-1)  # (B, s, g·(D_k + D_v)): one message per step
         split = k.shape[-1]
         for step in range(layout.cp):
             if step > 0:
                 held = self.pass_on(ctx, held)
             held_keys = self.held_keys(ctx, case, step)
-            vis = self.step_visibility(ctx, case, heads, rows, held_keys)
+            vis = self.step_visibility(ctx, case, visible, heads, rows, held_keys)
             part, used = attend(local, q, held[..., :split], held[..., split:], vis,
                                 score_bias_slice(case, heads, rows, held_keys), distance_slice(case, rows, held_keys))
             scores[..., held_keys], allowed[..., held_keys] = part["scores"], vis
@@ -292,9 +293,11 @@ class NumpyRing(NumpyRanks):
         source = ring_source(layout, ctx.coords.cp, step)
         return own_keys(layout, case.src_len, source * layout.tp + ctx.coords.tp)
 
-    def step_visibility(self, ctx: Any, case: Case, heads: Heads, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """(B, h, t, s): the visibility of the rank's rows and the held keys, at their global positions."""
-        return global_visibility(case, heads, rows, keys)
+    def step_visibility(self, ctx: Any, case: Case, visible: np.ndarray, heads: Heads, rows: np.ndarray,
+                        keys: np.ndarray) -> np.ndarray:
+        """(B, h, t, s): the visibility of the rank's rows and the held keys, at their global positions (those of
+        ``visible``, (B, h, t, S): the rank's rows against every key)."""
+        return visible[..., keys]
 
     def merge(self, out: np.ndarray, lse: np.ndarray, out_k: np.ndarray, lse_k: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
