@@ -214,7 +214,7 @@ class NumpyTP(NumpyRanks):
     def run_rank(self, ctx: Any, case: Case) -> dict[str, np.ndarray]:
         self.check(ctx, case)
         rows, keys, heads, kv = self.own(ctx, case)
-        stages, q, k, v = self.projections(case, rows, keys, heads, kv)
+        stages, q, k, v = projections(case, rows, keys, heads, kv)
         attended, _ = attend(head_case(case, heads, kv, with_b_o=False), q, k, v,
                              global_visibility(case, heads, rows, keys), score_bias_slice(case, heads, rows, keys),
                              distance_slice(case, rows, keys))
@@ -222,10 +222,6 @@ class NumpyTP(NumpyRanks):
         stages.update(attended)
         stages.update(self.output(ctx, case, attended["concat"], heads))
         return stages
-
-    def projections(self, case: Case, rows: np.ndarray, keys: np.ndarray, heads: Heads, kv: Heads
-                    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-        return projections(case, rows, keys, heads, kv)
 
 
 class NumpyRing(NumpyRanks):
