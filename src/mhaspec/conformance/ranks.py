@@ -52,7 +52,7 @@ from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, St
 from .decode import verdict_of
 from .judging import judging_block
 from .model import ranks as rank_rules
-from .model.vocabulary import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound, rounding
+from .model.vocabulary import KAPPA, KAPPA_MIN_ELEMENTS, Bound, rounding
 from .report import ERROR, RankResult
 from .tolerance import judging_bounds
 
