@@ -2,7 +2,7 @@
 (bug, world, case) triples of the kill list (tests/rank_zoo.py) are caught — of those whose float64 result the
 bug changes — and how many at exactly the ranks, stages and ring steps it changes first; and the smallest
 margin (tolerance / error) of the correct numpy distributed adapters over every case they shard at world 2
-and 4 (rings: but long_sequence, tests/rank_zoo.py SLOW_FOR_RINGS).
+and 4.
 
     PYTHONPATH=src python benchmarks/rank_figures.py
 """

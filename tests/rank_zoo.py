@@ -171,9 +171,6 @@ def run_ranks(adapter: Any, world: int, case_ids: tuple[str, ...], dtypes: tuple
 
 #: The correct numpy distributed adapters (built-in names) the proofs hold against the kill list.
 CORRECT = ("numpy-tp", "numpy-ring", "numpy-ring-zigzag", "numpy-ulysses", "numpy-allgather")
-#: Left out of the correct adapters' proof runs of a ring: judging a ring's steps of T = S = 128 takes minutes
-#: on 2 cores (every step's exact reference); ``mhaspec run numpy-ring --world N`` judges it.
-SLOW_FOR_RINGS = ("long_sequence",)
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: a change of the float64 result larger than the sharding's own (≤ 1e-12: tests/test_numpy_ranks.py)
 CHANGED = 1e-9
@@ -220,8 +217,7 @@ def load(name: str) -> Any:
 
 
 def correct_cases(name: str, world: int) -> tuple[str, ...]:
-    """Every catalog case the correct adapter ``name`` shards at ``world`` (rings: but :data:`SLOW_FOR_RINGS`)."""
+    """Every catalog case the correct adapter ``name`` shards at ``world``."""
     from tests.rank_oracle import shardable
 
-    slow = SLOW_FOR_RINGS if "ring" in name else ()
-    return tuple(s.id for s in shardable(load(name).layout(world)) if s.id not in slow)
+    return tuple(s.id for s in shardable(load(name).layout(world)))
