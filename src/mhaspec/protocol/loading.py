@@ -94,6 +94,16 @@ BUILTINS: dict[str, BuiltinAdapter] = {
         BuiltinAdapter("torch-onnx-legacy", "mhaspec.adapters.torch_onnx:TorchOnnxLegacyAdapter", "torch",
                        "the same module exported by the TorchScript exporter (dynamo=False), run by onnxruntime",
                        requires=("onnx", "onnxruntime")),
+        BuiltinAdapter("numpy-tp", "mhaspec.adapters.numpy_ranks:NumpyTP", "numpy",
+                       "distributed (threads): heads across ranks, column-parallel QKV, row-parallel W^O, all-reduce"),
+        BuiltinAdapter("numpy-ring", "mhaspec.adapters.numpy_ranks:NumpyRing", "numpy",
+                       "distributed (threads): ring attention over contiguous chunks, send/recv and an LSE merge"),
+        BuiltinAdapter("numpy-ring-zigzag", "mhaspec.adapters.numpy_ranks:NumpyRingZigzag", "numpy",
+                       "distributed (threads): ring attention over the zigzag partition"),
+        BuiltinAdapter("numpy-ulysses", "mhaspec.adapters.numpy_ranks:NumpyUlysses", "numpy",
+                       "distributed (threads): Ulysses, all-to-all of rows for heads and back"),
+        BuiltinAdapter("numpy-allgather", "mhaspec.adapters.numpy_ranks:NumpyAllgather", "numpy",
+                       "distributed (threads): every rank all-gathers the keys and values"),
     ]
 }
 

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..spec import Case
 from . import wire
 from .contract import adapter_name, describe_adapter
 from .loading import load_adapter
+from .ranks import is_distributed
 
 #: The exit status of a worker that failed outside the adapter (a traceback is on its stderr).
 EXIT_BROKEN = 70
@@ -60,6 +61,18 @@ def call_adapter(adapter: Any, step: str, case: Case) -> tuple[dict[str, Any], b
         return wire.failure(step, f"{step}() raised {describe_exception(exc)}"), b""
 
 
+def requests(pipe: wire.Pipe) -> Iterator[tuple[dict[str, Any], bytes | bytearray]]:
+    """The runner's requests, (header, payload) each, until ``close`` or the end of the pipe."""
+    while True:
+        try:
+            header, payload = pipe.recv()
+        except wire.Closed:
+            return
+        if header.get("op") == "close":
+            return
+        yield header, payload
+
+
 def serve(pipe: wire.Pipe, adapter: Any) -> None:
     """Answer requests until ``close`` or the end of the pipe.
 
@@ -72,14 +85,8 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
     keep_freed_pages()  # the adapter's temporaries, freed, are reused by the next case (mhaspec.allocator)
     case: Case | None = None
     described = False
-    while True:
-        try:
-            header, payload = pipe.recv()
-        except wire.Closed:
-            return
+    for header, payload in requests(pipe):
         op = header.get("op")
-        if op == "close":
-            return
         if op not in wire.OPS or op == "load":
             raise wire.Malformed(f"a request with op {op!r}")
         if not header.get("reuse"):
@@ -131,7 +138,12 @@ def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
         pipe.send(wire.failure("ready", f"describing adapter {adapter_name(adapter)!r} failed: {describe_exception(exc)}"))
         return
     pipe.send(wire.ready(info, describe_environment(process="worker")))
-    serve(pipe, adapter)
+    if is_distributed(adapter):  # one rank per thread (transports/threads_ranks.py)
+        from .transports.threads_ranks import serve_ranks
+
+        serve_ranks(pipe, adapter)
+    else:
+        serve(pipe, adapter)
 
 
 def main(argv: list[str]) -> None:

@@ -238,6 +238,12 @@ class ProcessTransport(Transport):
         (``run`` after ``supports+run``, or a case sent ahead by :meth:`prefetch`)."""
         if self._expect and self._expect[0][0] == op and self._expect[0][1] is case:
             return self._reply(op, case, timeout, self._expect.popleft()[2])
+        self._fresh_worker()
+        self._send(case, with_supports=op == "supports", then=_then(op, case))
+        return self._reply(op, case, timeout, self._expect.popleft()[2])
+
+    def _fresh_worker(self) -> None:
+        """A worker with no reply on its way, restarted if it died (:class:`AdapterCrash` if it cannot be)."""
         if self._expect or (self._process is not None and self._process.poll() is not None):
             self._discard()  # replies nobody will read (the plan changed), or a worker that died between cases
         if self._process is None:
@@ -246,8 +252,6 @@ class ProcessTransport(Transport):
                 self.wait_loaded()
             except AdapterError as exc:
                 raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
-        self._send(case, with_supports=op == "supports", then=_then(op, case))
-        return self._reply(op, case, timeout, self._expect.popleft()[2])
 
     def _send(self, case: Case, with_supports: bool, then: str = "run") -> None:
         """Send ``case`` with the step ``then`` (``run``, ``backward`` or ``decode``), after ``supports`` if asked."""
