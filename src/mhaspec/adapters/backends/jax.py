@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
@@ -127,6 +128,23 @@ def use_compilation_cache() -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return str(folder)
+
+
+#: The collectives of an XLA HLO module by op name (an async pair counted once, at its ``-start``), and the
+#: kind each is in ``RankReply.issued`` (:mod:`mhaspec.protocol.ranks`).
+HLO_COLLECTIVES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "all-to-all": "all_to_all",
+                   "collective-permute": "send_recv", "reduce-scatter": "reduce_scatter"}
+_HLO_OP = re.compile(r"=\s*[^=]*?\s(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def hlo_collectives(text: str) -> dict[str, int]:
+    """The collectives one device issues running a compiled program, by kind, counted in its HLO text
+    (``jax.stages.Compiled.as_text()``): one per instruction, the program having no loops around them (the
+    sharded adapters unroll theirs).  A kind with none is left out."""
+    counts: dict[str, int] = {}
+    for op in _HLO_OP.findall(text):
+        counts[HLO_COLLECTIVES[op]] = counts.get(HLO_COLLECTIVES[op], 0) + 1
+    return counts
 
 
 def array_in(x: np.ndarray | None, name: str | None = None) -> jax.Array | None:
