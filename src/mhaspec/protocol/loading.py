@@ -72,6 +72,12 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "MHA written with jax.numpy, jit-compiled, every stage"),
         BuiltinAdapter("jax-dpa", "mhaspec.adapters.jax_dpa:JaxDPAAdapter", "jax",
                        "jax.nn.dot_product_attention between jnp projections"),
+        BuiltinAdapter("jax-tp", "mhaspec.adapters.jax_ranks:JaxTensorParallelAdapter", "jax",
+                       "distributed: jax.shard_map over tp devices, column-parallel Q/K/V, row-parallel W^O, psum"),
+        BuiltinAdapter("jax-ring", "mhaspec.adapters.jax_ranks:JaxRingAdapter", "jax",
+                       "distributed: jax.shard_map ring attention over cp devices (ppermute, LSE merge), contiguous"),
+        BuiltinAdapter("jax-ring-zigzag", "mhaspec.adapters.jax_ranks:JaxRingZigzagAdapter", "jax",
+                       "distributed: the jax-ring with zigzag chunks (rank c: chunks c and 2cp - 1 - c)"),
         BuiltinAdapter("flax-linen", "mhaspec.adapters.flax_linen:FlaxLinenAdapter", "flax",
                        "flax.linen.MultiHeadDotProductAttention"),
         BuiltinAdapter("flax-nnx", "mhaspec.adapters.flax_nnx:FlaxNNXAdapter", "flax",
@@ -187,8 +193,8 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
     elif options:
         raise AdapterError(f"adapter {label}: is an instance; option(s) {', '.join(options)} cannot be applied")
-    if not callable(getattr(obj, "run", None)):
-        raise AdapterError(f"adapter {label}: has no run(case) method")
+    if not callable(getattr(obj, "run", None)) and not callable(getattr(obj, "run_rank", None)):
+        raise AdapterError(f"adapter {label}: has no run(case) method (nor run_rank(ctx, case): a distributed adapter)")
     if not isinstance(getattr(obj, "name", None), str):
         raise AdapterError(f"adapter {label}: has no string attribute 'name'")
     return obj

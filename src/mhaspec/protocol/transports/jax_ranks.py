@@ -1,0 +1,349 @@
+"""The ``jax`` rank launcher: one worker process with ``world`` host devices and a mesh (issue 33).
+
+XLA fixes the number of host devices when JAX starts (``--xla_force_host_platform_device_count``), so
+the ranks of a JAX adapter run in a subprocess started for them: :class:`JaxLauncher` spawns it with
+``XLA_FLAGS=--xla_force_host_platform_device_count=WORLD`` and ``JAX_PLATFORMS=cpu`` in its
+environment; the worker loads the adapter, builds a ``jax.sharding.Mesh`` of axes ``("tp", "cp")`` and
+shape (tp, cp) from the adapter's ``layout(world)`` (device of rank r = cp·tp + tp at [tp, cp]:
+:func:`mesh_for`) and, for each case, calls ``run_rank(ctx, case)`` for rank 0 … world − 1 in order
+(:func:`run_ranks`).  Cases travel to it, and every rank's stages back, as ``mhaspec-wire/1`` frames
+(:mod:`mhaspec.protocol.wire`: a JSON header and safetensors bytes; nothing is pickled).  A rank's
+reply carries the collectives the adapter counted into ``ctx.issued`` (the built-in JAX adapters count
+the compiled program's all-reduce, collective-permute, all-gather and all-to-all ops).
+
+A crash of the worker (a signal, an exit) or a case past its timeout costs that case: every rank gets an
+error reply naming the cause, the process is killed, and the next case starts a fresh one.
+
+The cluster path (:func:`cluster_ranks`): the same :func:`run_ranks`, one process per host under
+``jax.distributed.initialize``, the mesh over every process's devices; every process runs every case
+(an SPMD program runs on all of them) and gets every rank's stages (gathered across processes), so that
+process 0 judges.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import AdapterError
+from ...io import safetensors
+from ...spec import Case
+from ...spec.ranks import Layout
+from .. import wire
+from ..ranks import RankContext, RankReply, is_distributed
+from .process import LOAD_TIMEOUT, Process, death_cause
+
+#: The environment variable XLA reads its flags from, and the flag that sets the number of host devices.
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def worker_environment(world: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: ``base`` (default: this process's) with ``world`` host devices in XLA_FLAGS
+    (any other XLA flag kept, any device count replaced) and ``JAX_PLATFORMS=cpu``."""
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={world}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def mesh_for(layout: Layout, devices: list[Any]) -> Any:
+    """A ``jax.sharding.Mesh`` of axes ("tp", "cp"), shape (tp, cp), rank r's device (``devices[r]``) at
+    [r % tp, r // tp] (:meth:`Layout.coords`)."""
+    from jax.sharding import Mesh
+
+    if len(devices) < layout.world:
+        raise AdapterError(f"layout {layout.describe()} needs {layout.world} devices, JAX has {len(devices)}")
+    return Mesh(np.array(devices[:layout.world], dtype=object).reshape(layout.cp, layout.tp).T, ("tp", "cp"))
+
+
+def checked_layout(adapter: Any, world: int) -> Layout:
+    """The adapter's ``layout(world)``, checked: a distributed adapter of the ``jax`` launcher, world = tp · cp."""
+    name = getattr(adapter, "name", type(adapter).__name__)
+    if not is_distributed(adapter):
+        raise AdapterError(f"adapter {name} has no run_rank(ctx, case): not a distributed adapter")
+    if getattr(adapter, "launcher", None) != "jax":
+        raise AdapterError(f"adapter {name} declares launcher {getattr(adapter, 'launcher', None)!r}, not 'jax'")
+    layout = adapter.layout(world)
+    if not isinstance(layout, Layout) or layout.world != world:
+        raise AdapterError(f"adapter {name}: layout({world}) is {layout!r}, not a Layout of world {world}")
+    return layout
+
+
+def run_ranks(adapter: Any, layout: Layout, mesh: Any, case: Case) -> list[RankReply]:
+    """``run_rank(ctx, case)`` for rank 0 … world − 1 in order on ``mesh``: one reply per rank, its stages as
+    numpy arrays in the dtype returned, or its error (one line naming the rank)."""
+    from ..worker import describe_exception
+
+    replies = []
+    for rank in range(layout.world):
+        ctx = RankContext(rank, layout.world, layout, mesh=mesh)
+        try:
+            returned = adapter.run_rank(ctx, case)
+            stages = {str(name): np.asarray(value) for name, value in returned.items()}
+        except BaseException as exc:  # noqa: BLE001 - whatever a rank raises is its verdict
+            replies.append(RankReply(rank, None, f"rank {rank}: run_rank() raised {describe_exception(exc)}"))
+            continue
+        odd = [f"{name} ({x.dtype})" for name, x in stages.items() if x.dtype.name not in safetensors.CODES]
+        if odd:
+            replies.append(RankReply(rank, None, f"rank {rank}: run_rank() returned non-numeric stages {', '.join(odd)}"))
+            continue
+        replies.append(RankReply(rank, stages, None, dict(ctx.issued) or None))
+    return replies
+
+
+# -- the wire: every rank's reply in one frame -------------------------------------------------------------
+
+
+def ranks_reply(replies: list[RankReply], seconds: float) -> tuple[dict[str, Any], safetensors.Parts]:
+    """One ``run`` reply for every rank: the header lists each rank's stage names, error and collectives; the
+    payload holds rank r's stage NAME as the array ``r/NAME``."""
+    ranks = [{"rank": r.rank, "keys": list(r.stages or {}), "error": r.error, "issued": r.issued} for r in replies]
+    arrays = {f"{r.rank}/{name}": x for r in replies for name, x in (r.stages or {}).items()}
+    return {"reply": "run", "ok": True, "seconds": seconds, "ranks": ranks}, safetensors.encode_parts(arrays)
+
+
+def unpack_ranks(header: Mapping[str, Any], payload: bytes | bytearray) -> list[RankReply]:
+    """The replies of :func:`ranks_reply`."""
+    arrays = safetensors.decode(payload)
+    return [RankReply(int(r["rank"]), None if r["error"] else {k: arrays[f"{r['rank']}/{k}"] for k in r["keys"]},
+                      r["error"], r["issued"]) for r in header["ranks"]]
+
+
+# -- the worker process ------------------------------------------------------------------------------------
+
+
+def worker_main(argv: list[str]) -> None:
+    """The worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``; reads ``load`` (adapter, options, sys_path, world), answers
+    ``ready`` (the adapter's description, its layout, the devices), then one ``run`` reply per case."""
+    from ..worker import EXIT_BROKEN, detach_from_terminal_signals, finish
+
+    code = 0
+    try:
+        pipe = wire.Pipe(int(argv[0]), int(argv[1]))
+        detach_from_terminal_signals(int(argv[2]), argv[3] == "1")
+        header, _ = pipe.recv()
+        if header.get("op") != "load":
+            raise wire.Malformed(f"a first request with op {header.get('op')!r}, not 'load'")
+        wire.check_protocol(header, "the runner")
+        sys.path[:] = header["sys_path"]
+        loaded = load(header["adapter"], header["options"], int(header["world"]))
+        if isinstance(loaded, str):
+            pipe.send(wire.failure("ready", loaded))
+            return
+        adapter, layout, mesh, info = loaded
+        from ...environment import describe as describe_environment
+
+        pipe.send(wire.ready(info, describe_environment(process="worker")))
+        serve(pipe, adapter, layout, mesh)
+    except BaseException:  # noqa: BLE001 - a broken worker must still leave at once
+        traceback.print_exc()
+        code = EXIT_BROKEN
+    finally:
+        finish(code)
+
+
+def load(ref: str, options: Mapping[str, Any], world: int) -> tuple[Any, Layout, Any, dict[str, Any]] | str:
+    """(adapter, layout, mesh, its description) — or why it cannot be loaded (one line)."""
+    from ..contract import describe_adapter
+    from ..loading import load_adapter
+    from ..worker import describe_exception
+
+    try:
+        import jax
+
+        adapter = load_adapter(ref, **options)
+        layout = checked_layout(adapter, world)
+        mesh = mesh_for(layout, jax.devices())
+        info = {**describe_adapter(adapter), "layout": layout.as_dict(), "world": world, "launcher": "jax",
+                "devices": [str(d) for d in mesh.devices.T.reshape(-1)]}
+    except AdapterError as exc:
+        return str(exc)
+    except BaseException as exc:  # noqa: BLE001
+        return f"loading adapter {ref!r} on the jax launcher failed: {describe_exception(exc)}"
+    return adapter, layout, mesh, info
+
+
+def serve(pipe: wire.Pipe, adapter: Any, layout: Layout, mesh: Any) -> None:
+    """Answer ``run`` requests (a case) with every rank's reply until ``close`` or the end of the pipe."""
+    while True:
+        try:
+            header, payload = pipe.recv()
+        except wire.Closed:
+            return
+        if header.get("op") == "close":
+            return
+        if header.get("op") != "run":
+            raise wire.Malformed(f"a request with op {header.get('op')!r} (the jax launcher's worker runs cases)")
+        case = wire.case_from_message(header["case"], payload)
+        start = time.perf_counter()
+        replies = run_ranks(adapter, layout, mesh, case)
+        pipe.send(*ranks_reply(replies, time.perf_counter() - start))
+        del replies
+
+
+# -- the runner's side -------------------------------------------------------------------------------------
+
+
+def _reap(process: Process, pipe: wire.Pipe) -> None:
+    pipe.close()
+    process.kill()
+
+
+class JaxLauncher:
+    """:class:`mhaspec.protocol.ranks.RankLauncher` for adapters of launcher ``"jax"``: one worker process with
+    ``world`` host devices (module docstring), replaced after a crash or a timeout."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None, load_timeout: float = LOAD_TIMEOUT) -> None:
+        self._options = {k: v for k, v in (options or {}).items() if v is not None}
+        self._load_timeout = load_timeout
+        self._adapter: str | None = None
+        self._world = 0
+        self._process: Process | None = None
+        self._pipe: wire.Pipe | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.info: dict[str, Any] | None = None
+        self.restarts = 0
+
+    def start(self, adapter: str, world: int) -> dict[str, Any]:
+        """Spawn the worker with ``world`` devices and load ``adapter`` (a name) in it; its description."""
+        if not isinstance(adapter, str):
+            raise AdapterError("the jax launcher loads its adapter by name in a fresh process (pass a name)")
+        if world < 1:
+            raise AdapterError(f"the jax launcher needs world >= 1, got {world}")
+        self.close()
+        self._adapter, self._world = adapter, world
+        self.info = self._launch()
+        return self.info
+
+    def _launch(self) -> dict[str, Any]:
+        assert self._adapter is not None
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        root = str(Path(__file__).resolve().parents[3])
+        code = (f"import sys; sys.path.insert(0, {root!r}); "
+                "from mhaspec.protocol.transports.jax_ranks import worker_main; worker_main(sys.argv[1:])")
+        die_with_parent = "1" if threading.current_thread() is threading.main_thread() else "0"  # as Worker's
+        try:
+            popen = subprocess.Popen([sys.executable, "-c", code, str(to_child_r), str(to_parent_w), str(os.getpid()),
+                                      die_with_parent],
+                                     pass_fds=(to_child_r, to_parent_w), env=worker_environment(self._world))
+        except OSError as exc:
+            for fd in (to_child_r, to_child_w, to_parent_r, to_parent_w):
+                os.close(fd)
+            raise AdapterError(f"cannot start the jax launcher's worker process ({exc})") from None
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        self._process, self._pipe = Process(popen=popen), wire.Pipe(to_parent_r, to_child_w)
+        self._finalizer = weakref.finalize(self, _reap, self._process, self._pipe)
+        label = f"adapter {self._adapter} (jax launcher, world {self._world})"
+        try:
+            self._pipe.send({**wire.load_request(self._adapter, self._options, list(sys.path)), "world": self._world})
+            reply, _ = self._pipe.recv(time.monotonic() + self._load_timeout)
+            wire.check_protocol(reply)
+            wire.check_reply(reply, "ready")
+        except wire.Deadline:
+            self._discard()
+            raise AdapterError(f"{label}: loading it took more than {self._load_timeout:g} s") from None
+        except wire.Closed:
+            cause = death_cause(self._process.poll(wait=2.0))
+            self._discard()
+            raise AdapterError(f"{label}: {cause} while loading the adapter") from None
+        except (wire.Malformed, wire.ProtocolError) as exc:
+            self._discard()
+            raise AdapterError(f"{label}: {exc}") from None
+        if not reply["ok"]:
+            self._discard()
+            raise AdapterError(reply["error"])
+        reply.pop("environment", None)
+        return {k: v for k, v in reply.items() if k not in ("ok", "reply", "protocol")}
+
+    def run(self, case: Case, timeout: float | None) -> list[RankReply]:
+        """Every rank's reply to ``case``; a crash, a hang past ``timeout`` seconds or a worker that cannot be
+        restarted is an error reply for every rank, and the worker is replaced before the next case."""
+        if self._adapter is None:
+            raise AdapterError("the jax launcher runs a case only after start(adapter, world)")
+        if self._process is None or self._process.poll() is not None:
+            self._discard()
+            self.restarts += 1
+            try:
+                self._launch()
+            except AdapterError as exc:
+                return self._failed(f"the worker could not be restarted: {exc}")
+        assert self._pipe is not None and self._process is not None
+        try:
+            self._pipe.send(*wire.case_request("run", case))
+            reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
+            wire.check_reply(reply, "run")
+            if not reply["ok"]:
+                raise wire.Malformed(reply["error"])
+            return unpack_ranks(reply, data)
+        except wire.Deadline:
+            self._discard()
+            return self._failed(f"no answer within {timeout:g} s (per-case timeout); the worker process was killed")
+        except wire.Closed:
+            cause = death_cause(self._process.poll(wait=2.0))
+            self._discard()
+            return self._failed(f"{cause} during run_rank()")
+        except (wire.Malformed, KeyError, TypeError, ValueError) as exc:
+            self._discard()
+            return self._failed(f"the worker sent a malformed reply ({exc}); worker process killed")
+
+    def _failed(self, cause: str) -> list[RankReply]:
+        """An error reply for every rank: they share one process, so none of them answered."""
+        return [RankReply(r, None, f"rank {r}: {cause} (jax launcher: all {self._world} ranks in one process)")
+                for r in range(self._world)]
+
+    def _discard(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._process = self._pipe = self._finalizer = None
+
+    def close(self) -> None:
+        """Ask the worker to leave, then make sure it did."""
+        if self._process is not None and self._pipe is not None:
+            try:
+                self._pipe.send(wire.close_request())
+            except wire.Closed:
+                pass
+            self._process.poll(wait=1.0)
+        self._discard()
+
+
+# -- the cluster path: one process per host under jax.distributed ------------------------------------------
+
+
+def cluster_ranks(adapter: Any, cases: Iterable[Case], *, coordinator: str | None = None,
+                  num_processes: int | None = None, process_id: int | None = None) -> Iterable[tuple[Case, list[RankReply]]]:
+    """Every rank's replies to each case, on a cluster: the JAX cluster path of ``python -m mhaspec.dist``.
+
+    Call it in every process of the job (one per host, started by srun, mpirun, a Kubernetes job …), with
+    the same adapter (an object, or a name) and the same cases in the same order.  It calls
+    ``jax.distributed.initialize(coordinator, num_processes, process_id)`` (None: JAX finds them in the
+    cluster's environment, e.g. SLURM's), then world = every process's devices together
+    (``jax.device_count()``), the mesh over them (:func:`mesh_for`, in ``jax.devices()``'s order) and, per
+    case, :func:`run_ranks`: every process runs the one SPMD program and gets every rank's stages (the
+    built-in adapters gather them across processes), so that process 0 (``jax.process_index() == 0``)
+    judges them, and the others only compute.  Yields (case, replies) as each case finishes.
+    """
+    import jax
+
+    from ..loading import load_adapter
+
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    loaded = load_adapter(adapter) if isinstance(adapter, str) else adapter
+    world = jax.device_count()
+    layout = checked_layout(loaded, world)
+    mesh = mesh_for(layout, jax.devices())
+    for case in cases:
+        yield case, run_ranks(loaded, layout, mesh, case)
