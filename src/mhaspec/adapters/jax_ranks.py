@@ -44,7 +44,7 @@ from ..spec import Case, masks, variant_ops
 from ..spec.ranks import Layout, chunks, head_range, kv_head_range, ring_stage
 from ..spec.variants import VARIANTS
 from .backends.jax import (CompilingAdapter, FAST_COMPILE, accumulator, array_out, computing_in, dtype as jnp_dtype,
-                           hlo_collectives, keep_mask, linear, projections, rope, softmax_with_lse, tapping)
+                           hlo_collectives, keep_mask_host, linear, projections, rope, softmax_with_lse, tapping)
 from .jax_numpy import logits, mha
 
 #: A per-device array: its leading axis (one entry per rank, rank = cp·tp + tp) split over the whole mesh.
@@ -299,7 +299,7 @@ class JaxTensorParallelAdapter(ShardedJaxAdapter):
         cfg, dtype, world = case.config, case.dtype, layout.world
         weights = {name: host(w, dtype) for name, w in case.weights.as_dict().items()}
         heads = lambda r: head_range(layout, cfg, r)
-        mask = np.asarray(m) if (m := keep_mask(case, window=True)) is not None else None  # (B, 1|H, 1|T, S)
+        mask = keep_mask_host(case, window=True)  # (B, 1|H, 1|T, S) or None
         args = (host(case.inputs.query, dtype), host(case.inputs.key, dtype), host(case.inputs.value, dtype),
                 stacked(world, lambda r: head_slice(mask, heads(r), 1)),
                 stacked(world, lambda r: head_slice(host(case.inputs.bias, dtype), heads(r), 1)),
@@ -333,7 +333,7 @@ class JaxRingAdapter(ShardedJaxAdapter):
     def _program(self, layout: Layout, case: Case) -> tuple[Any, tuple, tuple]:
         cfg, dtype, world = case.config, case.dtype, layout.world
         T, S = case.T, case.S
-        mask = np.asarray(m) if (m := keep_mask(case, window=True)) is not None else None  # (B, 1|H, 1|T, S)
+        mask = keep_mask_host(case, window=True)  # (B, 1|H, 1|T, S) or None
         bias, alibi = host(case.inputs.bias, dtype), alibi_term(case)
         args = (stacked(world, lambda c: rows_of(host(case.inputs.query, dtype), T, layout, c, 1)),
                 stacked(world, lambda c: rows_of(host(case.inputs.key, dtype), S, layout, c, 1)),

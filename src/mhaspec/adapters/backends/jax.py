@@ -167,6 +167,12 @@ def keep_mask(case: Case, *, causal: bool = False, window: bool = False, keys: i
     ``causal`` and with its sliding window's band when ``window``; with ``keys``, padded to that many
     keys with False (a preallocated cache's rows not yet filled).  Built in numpy: an eager jnp op on
     each case's new shape would cost one compilation."""
+    return array_in(keep_mask_host(case, causal=causal, window=window, keys=keys))
+
+
+def keep_mask_host(case: Case, *, causal: bool = False, window: bool = False, keys: int | None = None) -> np.ndarray | None:
+    """:func:`keep_mask` as a numpy array (None where the case has no mask and no band is asked): what a
+    program laying its inputs out over several devices places itself."""
     mask = case.inputs.mask
     bands = [masks.causal_visible(case.config, case.tgt_len, case.src_len) if causal else None,
              masks.window_visible(case.config, case.tgt_len, case.src_len) if window else None]
@@ -175,7 +181,7 @@ def keep_mask(case: Case, *, causal: bool = False, window: bool = False, keys: i
             mask = band[None, None] if mask is None else mask & band[None, None]
     if keys is not None:
         mask = pad_keys(np.ones((1, 1, 1, case.src_len), dtype=bool) if mask is None else mask, keys, False)
-    return array_in(mask)
+    return mask
 
 
 def pad_keys(x: np.ndarray, keys: int, fill: Any) -> np.ndarray:
