@@ -123,8 +123,7 @@ def test_catalog_float64_matches_each_ranks_golden(adapter, world):
     assert (f"ring_out[{world - 1}]" in worst) == (layout.cp > 1)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("adapter", ["jax-ring", "jax-ring-zigzag"])
+@pytest.mark.parametrize("adapter, world", [("jax-ring", 2), ("jax-ring-zigzag", 4)])
 def test_ring_variants_resized_float64(adapter, world):
     """The rings on the variant cases (causal both ways, windows, softcap, ALiBi, bias, sinks, RoPE with
     global angles, GQA, rows that see no key) resized so that their chunks are equal."""
@@ -227,7 +226,7 @@ for case, replies in cluster_ranks(adapter, cases, coordinator=f"localhost:{port
     out[case.id] = [{"rank": r.rank, "error": r.error, "issued": r.issued,
                      "stages": {k: v.tolist() for k, v in (r.stages or {}).items()}} for r in replies]
 if process == 0:
-    print(json.dumps(out))
+    print("REPLIES " + json.dumps(out))  # JAX's gloo writes its own lines to stdout too
 """
 
 
@@ -247,7 +246,9 @@ def test_cluster_path_two_processes(adapter, case_id, tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    replies = json.loads(outs[0][0])[case_id]
+    line = [x for x in outs[0][0].splitlines() if x.startswith("REPLIES ")]
+    assert line, outs[0]
+    replies = json.loads(line[0][len("REPLIES "):])[case_id]
     golden = GOLDEN.load(case_id)
     layout = load_adapter(adapter).layout(2)
     from mhaspec.protocol.ranks import RankReply
