@@ -231,7 +231,7 @@ def ring_device(query, key, value, row_start, mask, bias, alibi, weights, key_st
         if step < cp - 1:
             held = jax.lax.ppermute(held, "cp", [(i, (i + 1) % cp) for i in range(cp)])
     o = stages[ring_stage("out", cp - 1)]  # (B, H, t, E)
-    final = stages[ring_stage("lse", cp - 1)].astype(acc)
+    final = step_lse  # (B, H, t) the last step's, in the accumulator: rounding it first would scale whole rows
     every = allowed_keys(rows, jnp.arange(S, dtype=jnp.int32), mask, causal_shift)
     weights_ = jnp.where(every & jnp.isfinite(final)[..., None], jnp.exp(scores.astype(acc) - final[..., None]), 0)
     concat = o.transpose(0, 2, 1, 3).reshape(B, t, -1)  # (B, t, H·E)
