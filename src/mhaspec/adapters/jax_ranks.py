@@ -39,7 +39,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..protocol.ranks import RankContext
 from ..spec import Case, masks, variant_ops
 from ..spec.ranks import Layout, chunks, head_range, kv_head_range, ring_stage
 from ..spec.variants import VARIANTS
@@ -258,7 +257,8 @@ class ShardedJaxAdapter(CompilingAdapter):
         self._ranks: list[dict[str, np.ndarray]] = []
         self._issued: dict[str, int] = {}
 
-    def run_rank(self, ctx: RankContext, case: Case) -> dict[str, np.ndarray]:
+    def run_rank(self, ctx: Any, case: Case) -> dict[str, np.ndarray]:
+        """Rank ``ctx.rank``'s stages (``ctx``: a ``mhaspec.protocol.ranks.RankContext`` with the jax mesh)."""
         if self._case is not case:  # a new case (the held object: case ids repeat, e.g. in fuzz)
             self._case, self._ranks = None, []
             self._ranks, self._issued = self._compute(ctx, case)
@@ -266,7 +266,7 @@ class ShardedJaxAdapter(CompilingAdapter):
         ctx.issued.update(self._issued)
         return self._ranks[ctx.rank]
 
-    def _compute(self, ctx: RankContext, case: Case) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+    def _compute(self, ctx: Any, case: Case) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
         """Every rank's stages (numpy, rank order) and the collectives of the compiled program."""
         if ctx.mesh is None:
             raise ValueError(f"adapter {self.name}: run_rank needs ctx.mesh (a jax Mesh with axes ('tp', 'cp'))")
