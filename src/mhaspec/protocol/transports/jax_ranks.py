@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,8 @@ from ...spec import Case
 from ...spec.ranks import Layout
 from .. import wire
 from ..ranks import RankContext, RankReply, is_distributed
-from .process import LOAD_TIMEOUT, Process, death_cause
+from .base import AdapterCrash, CaseTimeout
+from .process import LOAD_TIMEOUT, Process, ProcessTransport
 
 #: The environment variable XLA reads its flags from, and the flag that sets the number of host devices.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -165,7 +165,9 @@ def load(ref: str, options: Mapping[str, Any], world: int) -> tuple[Any, Layout,
         adapter = load_adapter(ref, **options)
         layout = checked_layout(adapter, world)
         mesh = mesh_for(layout, jax.devices())
+        promised = getattr(adapter, "collectives", None)
         info = {**describe_adapter(adapter), "layout": layout.as_dict(), "world": world, "launcher": "jax",
+                "collectives": dict(promised(world) or {}) if callable(promised) else None,
                 "devices": [str(d) for d in mesh.devices.T.reshape(-1)]}
     except AdapterError as exc:
         return str(exc)
@@ -185,19 +187,60 @@ def serve(pipe: wire.Pipe, adapter: Any, layout: Layout, mesh: Any) -> None:
             return
         if header.get("op") != "run":
             raise wire.Malformed(f"a request with op {header.get('op')!r} (the jax launcher's worker runs cases)")
-        case = wire.case_from_message(header["case"], payload)
+        case, request_seq = wire.case_from_message(header["case"], payload), header.get("seq")
         start = time.perf_counter()
         replies = run_ranks(adapter, layout, mesh, case)
-        pipe.send(*ranks_reply(replies, time.perf_counter() - start))
+        reply, data = ranks_reply(replies, time.perf_counter() - start)
+        pipe.send({**reply, "seq": request_seq}, data)
         del replies
 
 
 # -- the runner's side -------------------------------------------------------------------------------------
 
 
-def _reap(process: Process, pipe: wire.Pipe) -> None:
-    pipe.close()
-    process.kill()
+class _JaxWorker(ProcessTransport):
+    """The jax launcher's worker process (:func:`worker_main`), spawned with ``world`` host devices; the
+    protocol (``ready``, its errors, a reply's deadline, a death's cause) is :class:`ProcessTransport`'s."""
+
+    def __init__(self, adapter: str, options: Mapping[str, Any], world: int, load_timeout: float) -> None:
+        super().__init__(f"{adapter} (jax launcher, world {world})", load_timeout)
+        self._adapter, self._options, self._world = adapter, options, world
+
+    def _launch(self) -> tuple[Process, wire.Pipe]:
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        root = str(Path(__file__).resolve().parents[3])
+        code = (f"import sys; sys.path.insert(0, {root!r}); "
+                "from mhaspec.protocol.transports.jax_ranks import worker_main; worker_main(sys.argv[1:])")
+        die_with_parent = "1" if threading.current_thread() is threading.main_thread() else "0"  # as Worker's
+        try:
+            popen = subprocess.Popen([sys.executable, "-c", code, str(to_child_r), str(to_parent_w), str(os.getpid()),
+                                      die_with_parent], pass_fds=(to_child_r, to_parent_w),
+                                     env=worker_environment(self._world))
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        pipe = wire.Pipe(to_parent_r, to_child_w)
+        pipe.send({**wire.load_request(self._adapter, self._options, list(sys.path)), "world": self._world})
+        return Process(popen=popen), pipe
+
+    def ask(self, case: Case, timeout: float | None) -> tuple[dict[str, Any], bytes]:
+        """Every rank's reply to ``case`` (header, payload), restarting a worker that died first;
+        :class:`CaseTimeout` or :class:`AdapterCrash` (the worker then killed) as :class:`ProcessTransport`'s."""
+        if self._process is None or self._process.poll() is not None:
+            self._discard()
+            self.restarts += self.info is not None
+            try:
+                self.wait_loaded()
+            except AdapterError as exc:
+                raise AdapterCrash(f"the worker could not be restarted: {exc}") from None
+        assert self._pipe is not None
+        self._seq += 1
+        try:
+            self._pipe.send(*wire.case_request("run", case, self._seq))
+        except wire.Closed:
+            pass  # the reply tells how it died
+        return self._reply("run", case, timeout, self._seq)
 
 
 class JaxLauncher:
@@ -207,117 +250,55 @@ class JaxLauncher:
     def __init__(self, options: Mapping[str, Any] | None = None, load_timeout: float = LOAD_TIMEOUT) -> None:
         self._options = {k: v for k, v in (options or {}).items() if v is not None}
         self._load_timeout = load_timeout
-        self._adapter: str | None = None
-        self._world = 0
-        self._process: Process | None = None
-        self._pipe: wire.Pipe | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._worker: _JaxWorker | None = None
+        self.world = 0
         self.info: dict[str, Any] | None = None
-        self.restarts = 0
+
+    @property
+    def restarts(self) -> int:
+        return 0 if self._worker is None else self._worker.restarts
+
+    @property
+    def pid(self) -> int | None:
+        """The worker process's id (None when none runs)."""
+        process = None if self._worker is None else self._worker._process
+        return None if process is None else process.pid
 
     def start(self, adapter: str, world: int) -> dict[str, Any]:
-        """Spawn the worker with ``world`` devices and load ``adapter`` (a name) in it; its description."""
+        """Spawn the worker with ``world`` devices and load ``adapter`` (a name) in it; its description, with
+        ``layout`` (a dict), ``launcher``, ``collectives`` (promised) and ``devices``."""
         if not isinstance(adapter, str):
             raise AdapterError("the jax launcher loads its adapter by name in a fresh process (pass a name)")
-        if world < 1:
-            raise AdapterError(f"the jax launcher needs world >= 1, got {world}")
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise AdapterError(f"world: expected a number of ranks >= 1, got {world!r}")
         self.close()
-        self._adapter, self._world = adapter, world
-        self.info = self._launch()
+        self._worker, self.world = _JaxWorker(adapter, self._options, world, self._load_timeout), world
+        self.info = dict(self._worker.wait_loaded())
         return self.info
-
-    def _launch(self) -> dict[str, Any]:
-        assert self._adapter is not None
-        to_child_r, to_child_w = os.pipe()
-        to_parent_r, to_parent_w = os.pipe()
-        root = str(Path(__file__).resolve().parents[3])
-        code = (f"import sys; sys.path.insert(0, {root!r}); "
-                "from mhaspec.protocol.transports.jax_ranks import worker_main; worker_main(sys.argv[1:])")
-        die_with_parent = "1" if threading.current_thread() is threading.main_thread() else "0"  # as Worker's
-        try:
-            popen = subprocess.Popen([sys.executable, "-c", code, str(to_child_r), str(to_parent_w), str(os.getpid()),
-                                      die_with_parent],
-                                     pass_fds=(to_child_r, to_parent_w), env=worker_environment(self._world))
-        except OSError as exc:
-            for fd in (to_child_r, to_child_w, to_parent_r, to_parent_w):
-                os.close(fd)
-            raise AdapterError(f"cannot start the jax launcher's worker process ({exc})") from None
-        os.close(to_child_r)
-        os.close(to_parent_w)
-        self._process, self._pipe = Process(popen=popen), wire.Pipe(to_parent_r, to_child_w)
-        self._finalizer = weakref.finalize(self, _reap, self._process, self._pipe)
-        label = f"adapter {self._adapter} (jax launcher, world {self._world})"
-        try:
-            self._pipe.send({**wire.load_request(self._adapter, self._options, list(sys.path)), "world": self._world})
-            reply, _ = self._pipe.recv(time.monotonic() + self._load_timeout)
-            wire.check_protocol(reply)
-            wire.check_reply(reply, "ready")
-        except wire.Deadline:
-            self._discard()
-            raise AdapterError(f"{label}: loading it took more than {self._load_timeout:g} s") from None
-        except wire.Closed:
-            cause = death_cause(self._process.poll(wait=2.0))
-            self._discard()
-            raise AdapterError(f"{label}: {cause} while loading the adapter") from None
-        except (wire.Malformed, wire.ProtocolError) as exc:
-            self._discard()
-            raise AdapterError(f"{label}: {exc}") from None
-        if not reply["ok"]:
-            self._discard()
-            raise AdapterError(reply["error"])
-        reply.pop("environment", None)
-        return {k: v for k, v in reply.items() if k not in ("ok", "reply", "protocol")}
 
     def run(self, case: Case, timeout: float | None) -> list[RankReply]:
         """Every rank's reply to ``case``; a crash, a hang past ``timeout`` seconds or a worker that cannot be
-        restarted is an error reply for every rank, and the worker is replaced before the next case."""
-        if self._adapter is None:
-            raise AdapterError("the jax launcher runs a case only after start(adapter, world)")
-        if self._process is None or self._process.poll() is not None:
-            self._discard()
-            self.restarts += 1
-            try:
-                self._launch()
-            except AdapterError as exc:
-                return self._failed(f"the worker could not be restarted: {exc}")
-        assert self._pipe is not None and self._process is not None
+        restarted is an error reply for every rank (they share one process), and the worker is replaced
+        before the next case."""
+        if self._worker is None:
+            raise AdapterError("JaxLauncher.run before start()")
         try:
-            self._pipe.send(*wire.case_request("run", case))
-            reply, data = self._pipe.recv(None if not timeout else time.monotonic() + timeout)
-            wire.check_reply(reply, "run")
-            if not reply["ok"]:
-                raise wire.Malformed(reply["error"])
-            return unpack_ranks(reply, data)
-        except wire.Deadline:
-            self._discard()
-            return self._failed(f"no answer within {timeout:g} s (per-case timeout); the worker process was killed")
-        except wire.Closed:
-            cause = death_cause(self._process.poll(wait=2.0))
-            self._discard()
-            return self._failed(f"{cause} during run_rank()")
-        except (wire.Malformed, KeyError, TypeError, ValueError) as exc:
-            self._discard()
-            return self._failed(f"the worker sent a malformed reply ({exc}); worker process killed")
-
-    def _failed(self, cause: str) -> list[RankReply]:
-        """An error reply for every rank: they share one process, so none of them answered."""
-        return [RankReply(r, None, f"rank {r}: {cause} (jax launcher: all {self._world} ranks in one process)")
-                for r in range(self._world)]
-
-    def _discard(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        self._process = self._pipe = self._finalizer = None
+            header, data = self._worker.ask(case, timeout)
+            return unpack_ranks(header, data)
+        except (CaseTimeout, AdapterCrash) as exc:
+            cause = str(exc)
+        except (KeyError, TypeError, ValueError) as exc:
+            self._worker._discard()
+            cause = f"the worker sent a malformed reply ({type(exc).__name__}: {exc}); worker process killed"
+        return [RankReply(r, None, f"rank {r}: {cause} (jax launcher: all {self.world} ranks in one process)")
+                for r in range(self.world)]
 
     def close(self) -> None:
         """Ask the worker to leave, then make sure it did."""
-        if self._process is not None and self._pipe is not None:
-            try:
-                self._pipe.send(wire.close_request())
-            except wire.Closed:
-                pass
-            self._process.poll(wait=1.0)
-        self._discard()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        self.info = None
 
 
 # -- the cluster path: one process per host under jax.distributed ------------------------------------------
