@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,33 +123,25 @@ def unpack_ranks(header: Mapping[str, Any], payload: bytes | bytearray) -> list[
 
 
 def worker_main(argv: list[str]) -> None:
-    """The worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``; reads ``load`` (adapter, options, sys_path, world), answers
-    ``ready`` (the adapter's description, its layout, the devices), then one ``run`` reply per case."""
-    from ..worker import EXIT_BROKEN, detach_from_terminal_signals, finish
+    """The worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT`` (:func:`mhaspec.protocol.worker.main`), then
+    :func:`load_and_serve`."""
+    from ..worker import main
 
-    code = 0
-    try:
-        pipe = wire.Pipe(int(argv[0]), int(argv[1]))
-        detach_from_terminal_signals(int(argv[2]), argv[3] == "1")
-        header, _ = pipe.recv()
-        if header.get("op") != "load":
-            raise wire.Malformed(f"a first request with op {header.get('op')!r}, not 'load'")
-        wire.check_protocol(header, "the runner")
-        sys.path[:] = header["sys_path"]
-        loaded = load(header["adapter"], header["options"], int(header["world"]))
-        if isinstance(loaded, str):
-            pipe.send(wire.failure("ready", loaded))
-            return
-        adapter, layout, mesh, info = loaded
-        from ...environment import describe as describe_environment
+    main(argv, then=load_and_serve)
 
-        pipe.send(wire.ready(info, describe_environment(process="worker")))
-        serve(pipe, adapter, layout, mesh)
-    except BaseException:  # noqa: BLE001 - a broken worker must still leave at once
-        traceback.print_exc()
-        code = EXIT_BROKEN
-    finally:
-        finish(code)
+
+def load_and_serve(pipe: wire.Pipe, request: Mapping[str, Any]) -> None:
+    """Load the adapter of the ``load`` request (adapter, options, world), answer ``ready`` (the adapter's
+    description, its layout, promised collectives, the devices) or the error, then one ``run`` reply per case."""
+    from ...environment import describe as describe_environment
+
+    loaded = load(request["adapter"], request["options"], int(request["world"]))
+    if isinstance(loaded, str):
+        pipe.send(wire.failure("ready", loaded))
+        return
+    adapter, layout, mesh, info = loaded
+    pipe.send(wire.ready(info, describe_environment(process="worker")))
+    serve(pipe, adapter, layout, mesh)
 
 
 def load(ref: str, options: Mapping[str, Any], world: int) -> tuple[Any, Layout, Any, dict[str, Any]] | str:
