@@ -22,7 +22,8 @@ from mhaspec.protocol.contract import describe_adapter
 from mhaspec.protocol.loading import load_adapter
 from mhaspec.protocol.ranks import RankReply
 from mhaspec.reference.ranks import rank_stages
-from mhaspec.spec.ranks import Layout, ring_stage
+from mhaspec.reference import mha
+from mhaspec.spec.ranks import Layout, attention_heads, attention_rows, chunks, ring_source, ring_stage
 from mhaspec.spec.variants import VARIANTS
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -67,6 +68,46 @@ def _bug(name: str, stages: dict[str, np.ndarray], golden: Any, layout: Layout, 
         stages["o_partial"] = stages["o_partial"] * (1 + 1e-2)
 
 
+def _ring_in_the_dtype(golden: Any, layout: Layout, rank: int, dtype: str) -> dict[str, np.ndarray]:
+    """``ring_out[k]``, ``ring_lse[k]`` of a ring computed as a kernel would: each step's block attention in
+    float32 from the dtype's scores and values, the LSE merge in float32, the running output and LSE stored in
+    the dtype after every step (no sinks: a case without them)."""
+    cfg = golden.spec.config
+    h0, h1 = attention_heads(layout, cfg, rank)
+    rows = attention_rows(layout, golden.spec.tgt_len, rank)
+    s = _rounded(golden.stages["scores"][:, h0:h1][:, :, rows], dtype).astype(np.float32)  # (B, h, t, S)
+    visible = golden.visible[:, h0:h1][:, :, rows]
+    V = mha.repeat_kv(mha.split_heads(golden.stages["v_proj"], cfg.H_kv), cfg.group_size)[:, h0:h1]
+    V = _rounded(V, dtype).astype(np.float32)  # (B, h, S, D_v)
+    out: dict[str, np.ndarray] = {}
+    o = lse = None
+    for k in range(layout.cp):
+        block = np.zeros(s.shape[-1], dtype=bool)
+        for a, b in chunks(s.shape[-1], layout, ring_source(layout, layout.coords(rank).cp, k)):
+            block[a:b] = True
+        seen = visible & block
+        top = np.max(np.where(seen, s, -np.inf), axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0).astype(np.float32)
+        e = np.where(seen, np.exp(s - top), 0).astype(np.float32)
+        total = e.sum(axis=-1, keepdims=True)
+        o_blk = np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ V
+        with np.errstate(divide="ignore"):
+            l_blk = (np.log(total) + top)[..., 0]
+        if o is None:
+            o, lse = o_blk, l_blk
+        else:
+            with np.errstate(invalid="ignore"):
+                new = np.logaddexp(lse, l_blk).astype(np.float32)
+                base = np.where(np.isfinite(new), new, 0)
+                a = np.where(np.isfinite(lse), np.exp(lse - base), 0).astype(np.float32)
+                b = np.where(np.isfinite(l_blk), np.exp(l_blk - base), 0).astype(np.float32)
+            o, lse = a[..., None] * o + b[..., None] * o_blk, new
+        o = _rounded(o, dtype).astype(np.float32)
+        lse = _rounded(lse, dtype).astype(np.float32)
+        out[ring_stage("out", k)], out[ring_stage("lse", k)] = o.astype(np.float64), lse.astype(np.float64)
+    return out
+
+
 class FakeLauncher:
     """Runs every rank of a case as its exact golden rounded to the case's dtype, with ``bug`` applied;
     ``crash``: that rank replies an error; ``issued``: the collectives each rank reports."""
@@ -90,7 +131,16 @@ class FakeLauncher:
                 continue
             exact = rank_stages(golden.stages, golden.visible, golden.weights, golden.spec.config, self.layout, rank)
             _bug(self.bug, exact, golden, self.layout, rank)
-            out.append(RankReply(rank, {k: _rounded(v, case.dtype) for k, v in exact.items()}, issued=self.issued))
+            stages = {k: _rounded(v, case.dtype) for k, v in exact.items()}
+            if self.bug == "computed in the dtype" and self.layout.cp > 1:
+                stages.update(_ring_in_the_dtype(golden, self.layout, rank, case.dtype))
+            out.append(RankReply(rank, stages, issued=self.issued))
+        if self.bug == "computed in the dtype" and self.layout.tp > 1 and self.layout.cp == 1:
+            total = out[0].stages["o_partial"]  # the all-reduce in the dtype, rank by rank, then b_o once
+            for reply in out[1:]:
+                total = _rounded(total + reply.stages["o_partial"], case.dtype)
+            for reply in out:
+                reply.stages["output"] = _rounded(total + golden.weights["b_o"], case.dtype)
         return out
 
     def close(self) -> None:
@@ -130,6 +180,20 @@ def test_correct_ranks_pass_in_every_dtype(monkeypatch: pytest.MonkeyPatch, layo
         if layout.cp > 1 and layout.strategy == "ring":
             assert {ring_stage(kind, k) for kind in ("out", "lse") for k in range(layout.cp)} <= judged
     assert report.layout == {**layout.as_dict(), "world": layout.world}
+
+
+COMPUTED = [(Layout(cp=2, partition="zigzag"), "bloom_alibi"), (Layout(cp=4), "bloom_alibi"), (Layout(tp=4), "gqa")]
+
+
+@pytest.mark.parametrize("layout,case", COMPUTED, ids=[f"{l.describe()}-{c}" for l, c in COMPUTED])
+def test_a_ring_and_an_all_reduce_computed_in_the_dtype_pass(monkeypatch: pytest.MonkeyPatch, layout: Layout,
+                                                               case: str) -> None:
+    """The merge and all-reduce terms (model/ranks.py) are wide enough for a kernel's way: float32 blocks and
+    merges, the running values stored in the dtype; partials summed in the dtype."""
+    report = _run(monkeypatch, layout, case, ["float32", "float16", "bfloat16"], FakeLauncher("computed in the dtype"))
+    for res in report.results:
+        assert res.verdict == PASS, (res.dtype, res.message)
+        assert res.worst_ratio is not None and res.worst_ratio < 0.5, (res.dtype, res.worst_ratio)
 
 
 def test_correct_ranks_pass_the_worst_case_contract(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -273,3 +337,35 @@ def test_the_pytest_plugin_gives_each_rank_stage_a_test(tmp_path: Any) -> None:
     assert outcomes["bloom_alibi-float32-concat"] == "pass"
     assert outcomes["bloom_alibi-float32-collectives"] == "pass"
     assert "rank 0 of 2 (tp 0, cp 0): " in done.stdout
+
+
+def test_a_distributed_adapter_by_name_is_described_by_a_worker_then_run_by_its_launcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = FakeLauncher()
+    monkeypatch.setattr(judge_module, "launcher_for", lambda name: launcher)
+    report = check(f"{__file__}:FAKE_TP2", dtypes=["float32"], cases=["bloom_alibi"], world=2)
+    assert [r.verdict for r in report.results] == [PASS], report.results[0].message
+    assert launcher.closed  # (the session closed its launcher)
+
+
+def test_a_case_made_one_block_of_rows_at_a_time_is_judged_whole_per_rank() -> None:
+    """(``--catalog``'s large cases: fixtures.RowBlocks) a rank's views are of the whole case, not its blocks."""
+    from mhaspec.conformance.runner import Session
+    from mhaspec.reference.onthefly import row_blocks
+    from mhaspec.spec.catalog import CATALOG
+
+    spec = CATALOG["bloom_alibi"]
+    golden, layout = row_blocks(spec), Layout(cp=2, partition="zigzag")
+    session = Session("numpy", isolate=False)
+    try:
+        replies = []
+        for rank in range(layout.world):
+            exact = rank_stages(golden.stages, golden.visible, golden.weights, spec.config, layout, rank)
+            _bug("lse merged by addition", exact, golden, layout, rank)
+            replies.append(RankReply(rank, {k: _rounded(v, "float32") for k, v in exact.items()}))
+        verdict, _, results, message = judge_module.judge_ranks(
+            golden, layout, replies, lambda view, mapping: session.judge_stages(view, "float32", mapping), "float32")
+    finally:
+        session.close()
+    assert verdict == FAIL and results[0].first_failing_stage == "ring_lse[1]", message
+    assert all(st.verdict == PASS for st in results[1].stages), results[1].message
