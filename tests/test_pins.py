@@ -180,7 +180,7 @@ def test_the_groups_hold_every_framework_adapter_once(upgrade_check):
     from mhaspec.adapters import BUILTINS
 
     groups = {g: upgrade_check.group_adapters([g]) for g in upgrade_check.GROUPS}
-    assert groups["jax"] == ["jax", "jax-dpa", "flax-linen", "flax-nnx", "flax-nnx-fast"]
+    assert groups["jax"] == ["jax", "jax-dpa", "jax-tp", "jax-ring", "jax-ring-zigzag", "flax-linen", "flax-nnx", "flax-nnx-fast"]
     assert groups["tensorflow"] == ["keras", "keras-scores", "keras-dpa", "tensorflow"]
     flat = [a for names in groups.values() for a in names]
     assert sorted(flat) == sorted(n for n, b in BUILTINS.items() if b.framework != "numpy")  # numpy, numpy-tp, …

@@ -84,16 +84,9 @@ def attend(
     V = v.reshape(B, S, G, -1)  # BSGE
     stages = {}
 
-    s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc).reshape(B, H, T, S)
-    s = s * jnp.asarray(scale, dtype=dt).astype(acc)
-    if cap is not None:
-        s = softcap(s, cap)
     if bias is not None:
         bias = tap("bias", bias)  # the bias input's own gradient (d_bias), in its shape
-    added = score_bias(bias, alibi, acc)
-    if added is not None:
-        s = s + added
-    s = stages["scores"] = tap("scores", s.astype(dt))  # the logits the softmax sees, rounded once
+    s = stages["scores"] = tap("scores", logits(Q, K, bias, alibi, scale=scale, cap=cap, dtype=dtype))
 
     allowed = jnp.ones((B, H, T, S), dtype=bool)
     if causal_shift is not None:
@@ -111,6 +104,22 @@ def attend(
     y = linear(concat, w["w_o"], w.get("b_o"), dtype)
     stages.update({"head_outputs": o, "concat": concat, "output": y})
     return stages
+
+
+def logits(Q: jax.Array, K: jax.Array, bias: jax.Array | None, alibi: jax.Array | None,
+           *, scale: float, cap: float | None, dtype: str) -> jax.Array:
+    """The scores (B, H, T, S) the softmax sees, rounded once to the dtype: scale·QKᵀ, softcap, + bias − ALiBi,
+    taken in the accumulator, of Q (B, T, G, R, D) and K (B, S, G, D) (query head g·R + r reads key head g)."""
+    acc, dt = accumulator(dtype), jnp.dtype(dtype)
+    B, T, G, R, _ = Q.shape
+    s = jnp.einsum("BTGRD,BSGD->BGRTS", Q, K, preferred_element_type=acc).reshape(B, G * R, T, K.shape[1])
+    s = s * jnp.asarray(scale, dtype=dt).astype(acc)
+    if cap is not None:
+        s = softcap(s, cap)
+    added = score_bias(bias, alibi, acc)
+    if added is not None:
+        s = s + added
+    return s.astype(dt)
 
 
 def static_arguments(case: Case) -> dict[str, Any]:

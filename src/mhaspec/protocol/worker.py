@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +146,9 @@ def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
         serve(pipe, adapter)
 
 
-def main(argv: list[str]) -> None:
-    """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``."""
+def main(argv: list[str], then: Callable[[wire.Pipe, Mapping[str, Any]], None] | None = None) -> None:
+    """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``; after the ``load``
+    request, ``then(pipe, request)`` (default: load the named adapter and serve it)."""
     code = 0
     try:
         pipe = wire.Pipe(int(argv[0]), int(argv[1]))
@@ -161,7 +162,10 @@ def main(argv: list[str]) -> None:
             pipe.send(wire.failure("ready", str(exc)))
             return
         sys.path[:] = header["sys_path"]
-        load_and_serve(pipe, header["adapter"], header["options"])
+        if then is None:
+            load_and_serve(pipe, header["adapter"], header["options"])
+        else:
+            then(pipe, header)
     except BaseException:  # noqa: BLE001 - a broken worker must still leave at once
         traceback.print_exc()
         code = EXIT_BROKEN

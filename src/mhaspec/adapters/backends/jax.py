@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
@@ -129,6 +130,23 @@ def use_compilation_cache() -> str | None:
     return str(folder)
 
 
+#: The collectives of an XLA HLO module by op name (an async pair counted once, at its ``-start``), and the
+#: kind each is in ``RankReply.issued`` (:mod:`mhaspec.protocol.ranks`).
+HLO_COLLECTIVES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "all-to-all": "all_to_all",
+                   "collective-permute": "send_recv", "reduce-scatter": "reduce_scatter"}
+_HLO_OP = re.compile(r"=\s*[^=]*?\s(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def hlo_collectives(text: str) -> dict[str, int]:
+    """The collectives one device issues running a compiled program, by kind, counted in its HLO text
+    (``jax.stages.Compiled.as_text()``): one per instruction, the program having no loops around them (the
+    sharded adapters unroll theirs).  A kind with none is left out."""
+    counts: dict[str, int] = {}
+    for op in _HLO_OP.findall(text):
+        counts[HLO_COLLECTIVES[op]] = counts.get(HLO_COLLECTIVES[op], 0) + 1
+    return counts
+
+
 def array_in(x: np.ndarray | None, name: str | None = None) -> jax.Array | None:
     """A case array in the spec dtype ``name`` (exact: case inputs are representable in every dtype), or
     as it is (a boolean mask) when ``name`` is None.  Cast by numpy, moved by ``jax.device_put`` to the
@@ -149,6 +167,12 @@ def keep_mask(case: Case, *, causal: bool = False, window: bool = False, keys: i
     ``causal`` and with its sliding window's band when ``window``; with ``keys``, padded to that many
     keys with False (a preallocated cache's rows not yet filled).  Built in numpy: an eager jnp op on
     each case's new shape would cost one compilation."""
+    return array_in(keep_mask_host(case, causal=causal, window=window, keys=keys))
+
+
+def keep_mask_host(case: Case, *, causal: bool = False, window: bool = False, keys: int | None = None) -> np.ndarray | None:
+    """:func:`keep_mask` as a numpy array (None where the case has no mask and no band is asked): what a
+    program laying its inputs out over several devices places itself."""
     mask = case.inputs.mask
     bands = [masks.causal_visible(case.config, case.tgt_len, case.src_len) if causal else None,
              masks.window_visible(case.config, case.tgt_len, case.src_len) if window else None]
@@ -157,7 +181,7 @@ def keep_mask(case: Case, *, causal: bool = False, window: bool = False, keys: i
             mask = band[None, None] if mask is None else mask & band[None, None]
     if keys is not None:
         mask = pad_keys(np.ones((1, 1, 1, case.src_len), dtype=bool) if mask is None else mask, keys, False)
-    return array_in(mask)
+    return mask
 
 
 def pad_keys(x: np.ndarray, keys: int, fill: Any) -> np.ndarray:
