@@ -89,6 +89,14 @@ BUILTINS: dict[str, BuiltinAdapter] = {
         BuiltinAdapter("torch-onnx-legacy", "mhaspec.adapters.torch_onnx:TorchOnnxLegacyAdapter", "torch",
                        "the same module exported by the TorchScript exporter (dynamo=False), run by onnxruntime",
                        requires=("onnx", "onnxruntime")),
+        BuiltinAdapter("torch-tp", "mhaspec.adapters.torch_ranks:TorchTensorParallel", "torch",
+                       "DTensor tensor parallelism (ColwiseParallel q/k/v, RowwiseParallel out) on torch.distributed"),
+        BuiltinAdapter("torch-ring", "mhaspec.adapters.torch_ranks:TorchRing", "torch",
+                       "ring attention on torch.distributed: batch_isend_irecv, LSE merge, contiguous chunks"),
+        BuiltinAdapter("torch-ring-zigzag", "mhaspec.adapters.torch_ranks:TorchRingZigzag", "torch",
+                       "the same ring with zigzag chunks (rank c owns chunks c and 2·cp − 1 − c)"),
+        BuiltinAdapter("torch-ulysses", "mhaspec.adapters.torch_ranks:TorchUlysses", "torch",
+                       "Ulysses on torch.distributed: all_to_all_single trades rows for heads and back"),
     ]
 }
 
@@ -187,8 +195,8 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
     elif options:
         raise AdapterError(f"adapter {label}: is an instance; option(s) {', '.join(options)} cannot be applied")
-    if not callable(getattr(obj, "run", None)):
-        raise AdapterError(f"adapter {label}: has no run(case) method")
+    if not callable(getattr(obj, "run", None)) and not callable(getattr(obj, "run_rank", None)):
+        raise AdapterError(f"adapter {label}: has no run(case) method (nor run_rank(ctx, case): docs/distributed.md)")
     if not isinstance(getattr(obj, "name", None), str):
         raise AdapterError(f"adapter {label}: has no string attribute 'name'")
     return obj
