@@ -168,13 +168,16 @@ class TorchTensorParallel(_TorchRanks):
             self._mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         return self._mesh
 
+    def shards_kv(self, config: Any, layout: Layout) -> bool:
+        """Whether k_proj and v_proj are ``ColwiseParallel`` (H_kv ≥ tp) or replicated (H_kv < tp)."""
+        return config.H_kv >= layout.tp
+
     def parallelized(self, case: Case, layout: Layout, world: int) -> MultiHeadAttention:
         """The module with its projections sharded by heads: k_proj and v_proj replicated when H_kv < tp."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        sharded_kv = case.config.H_kv >= layout.tp
         plan: dict[str, Any] = {"q_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
-        if sharded_kv:
+        if self.shards_kv(case.config, layout):
             plan.update(k_proj=ColwiseParallel(), v_proj=ColwiseParallel())
         # src_data_rank=None: every rank holds the case's weights and shards them itself (no scatter)
         return parallelize_module(module_for(case), self.mesh(world), plan, src_data_rank=None)
@@ -184,7 +187,7 @@ class TorchTensorParallel(_TorchRanks):
         heads, kv = head_range(layout, cfg, ctx.rank), kv_head_range(layout, cfg, ctx.rank)
         h, g = heads[1] - heads[0], kv[1] - kv[0]
         module = self.parallelized(case, layout, ctx.world)
-        sharded_kv = cfg.H_kv >= layout.tp
+        sharded_kv = self.shards_kv(cfg, layout)
         rows, keys = np.arange(case.tgt_len), np.arange(case.src_len)
         query, key, value = inputs(case)
         with torch.no_grad():
@@ -202,8 +205,13 @@ class TorchTensorParallel(_TorchRanks):
             concat = stages["concat"] = merge_heads(stages["head_outputs"])  # (B, T, h·D_v)
             weight = module.out_proj.weight.to_local()  # (d_out, h·D_v): the rank's rows of W^O
             stages["o_partial"] = torch.nn.functional.linear(concat, weight)  # (B, T, d_out), no b_o
-            stages["output"] = module.out_proj(concat)  # RowwiseParallel: the all-reduce, b_o once
+            stages["output"] = self.reduce(ctx, module, concat)
         return numpy_stages(stages)
+
+    def reduce(self, ctx: RankContext, module: MultiHeadAttention, concat: torch.Tensor) -> torch.Tensor:
+        """concat (B, T, h·D_v), the rank's columns -> output (B, T, d_out): ``RowwiseParallel``'s product,
+        its all-reduce, b_o once."""
+        return module.out_proj(concat)
 
 
 # -- context parallelism: ring and Ulysses -----------------------------------------------------------------
@@ -259,6 +267,9 @@ def ring_pass(ctx: RankContext, tensors: list[torch.Tensor]) -> list[torch.Tenso
 class TorchRing(_TorchRanks):
     """``torch-ring`` / ``torch-ring-zigzag``: ring attention over cp = world ranks, send/recv and an LSE merge."""
 
+    #: how a block's (out, lse) joins the running one
+    merge = staticmethod(merge_lse)
+
     def __init__(self, partition: str = "contiguous") -> None:
         super().__init__()
         self.partition = partition
@@ -294,7 +305,7 @@ class TorchRing(_TorchRanks):
                 block = attend(case, Q.to(work), per_query_head(K, heads, kv, cfg.group_size).to(work),
                                per_query_head(V, heads, kv, cfg.group_size).to(work), heads, rows, held, None)
                 scores[..., torch.from_numpy(held)] = block["scores"].to(Q.dtype)
-                out, lse = merge_lse(out, lse, block["head_outputs"], block["lse"])
+                out, lse = self.merge(out, lse, block["head_outputs"], block["lse"])
                 step_out, step_lse = with_sinks(out, lse, sinks)
                 stages[ring_stage("out", k)], stages[ring_stage("lse", k)] = step_out.to(Q.dtype), step_lse.to(Q.dtype)
             stages["scores"] = scores

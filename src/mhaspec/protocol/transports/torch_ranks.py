@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -55,6 +57,9 @@ KINDS: dict[str, str] = {
     "scatter_": "scatter", "send": "send_recv",
 }
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+#: Seconds the other ranks get to answer once one rank has failed (raised, died) before they are stopped.
+GRACE = 10.0
 
 #: Seconds a collective may wait for its peers before gloo gives up (the launcher's own timeout kills first).
 GROUP_TIMEOUT = 300.0
@@ -295,20 +300,48 @@ class TorchLauncher:
                 pipe.send({"op": "run", "case": header}, payload)
             except wire.Closed:
                 pass  # its reply says how it died
-        deadline = None if not timeout else time.monotonic() + timeout
-        replies = [self._reply(rank, process, pipe, deadline, timeout)
-                   for rank, (process, pipe) in enumerate(self._ranks)]
+        replies = self._collect(None if not timeout else time.monotonic() + timeout, timeout)
         if any(r.error for r in replies):
             self._discard()  # a fresh group for the next case
         return replies
+
+    def _collect(self, deadline: float | None, timeout: float | None) -> list[RankReply]:
+        """Every rank's reply as it comes; once one rank has failed the others get :data:`GRACE` seconds more
+        (its peers may wait in a collective it never joins), then the rest are named as stopped."""
+        poller = select.poll()
+        fds = {pipe.read_fd: rank for rank, (_, pipe) in enumerate(self._ranks)}
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        got: dict[int, RankReply] = {}
+        failed: RankReply | None = None
+        limit = deadline
+        while len(got) < len(self._ranks):
+            wait = -1 if limit is None else max(0, int((limit - time.monotonic()) * 1000))
+            ready = poller.poll(wait)
+            if not ready and limit is not None and time.monotonic() >= limit:
+                break
+            for fd, _ in ready:
+                rank = fds[fd]
+                process, pipe = self._ranks[rank]
+                got[rank] = self._reply(rank, process, pipe, deadline, timeout)
+                poller.unregister(fd)
+                if got[rank].error and failed is None:
+                    failed = got[rank]
+                    limit = min(deadline or math.inf, time.monotonic() + GRACE)
+        for rank in range(len(self._ranks)):
+            if rank not in got:
+                why = (f"stopped {GRACE:g} s after rank {failed.rank} failed" if failed is not None
+                       else f"did not answer within {timeout:g} s (per-case timeout)")
+                got[rank] = RankReply(rank, None, f"rank {rank}: {why}; every rank was killed")
+        return [got[rank] for rank in range(len(self._ranks))]
 
     def _reply(self, rank: int, process: Process, pipe: wire.Pipe, deadline: float | None,
                timeout: float | None) -> RankReply:
         try:
             header, payload = pipe.recv(deadline)
             return decode_reply(header, payload)
-        except wire.Deadline:
-            return RankReply(rank, None, f"rank {rank}: did not answer within {timeout:g} s (per-case timeout); "
+        except wire.Deadline:  # readable, then a partial frame until the deadline
+            return RankReply(rank, None, f"rank {rank}: did not finish its reply within {timeout:g} s; "
                                          "every rank was killed")
         except wire.Closed:
             return RankReply(rank, None, f"rank {rank}: {death_cause(process.poll(wait=2.0))}; every rank was killed")
