@@ -79,3 +79,19 @@ def test_a_block_is_plain_golden_data_and_its_judging_state_lives_while_it_is_ju
                 pass
     assert judging.whole_shape(block) == (1, H, T - 1, S) and judging.memoised(block, "k", compute) == 4
     assert not judging._BLOCKS  # nothing outlives the judging of a block
+
+
+def test_the_rows_of_an_input_broadcast_over_the_batch_are_there_for_every_batch_entry():
+    """A mask or bias of one batch entry (1, H|1, T|1, S) is every entry's: batch entry 1's rows of it are
+    its rows (they were empty, x[1:1], before the fix that came with conformance/ranks.py)."""
+    import numpy as np
+
+    from mhaspec.spec.case import input_rows
+
+    bias = np.arange(2 * 3 * 4, dtype=np.float64).reshape(1, 2, 3, 4)  # (1, H, T, S)
+    for b in (0, 1, 2):
+        np.testing.assert_array_equal(input_rows("bias", bias, b, 1, 3), bias[:, :, 1:3])
+    mask = np.ones((1, 1, 1, 4), dtype=bool)  # (1, 1, 1, S): every row's
+    assert input_rows("mask", mask, 2, 1, 3).shape == (1, 1, 1, 4)
+    per_entry = np.arange(3 * 2 * 3 * 4, dtype=np.float64).reshape(3, 2, 3, 4)
+    np.testing.assert_array_equal(input_rows("bias", per_entry, 2, 0, 2), per_entry[2:3, :, 0:2])

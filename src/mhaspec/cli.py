@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backward", action="store_true",
                      help="also judge the backward stages (d_concat … d_b_o) from the adapter's backward(case); "
                           "see docs/backward.md")
+    run.add_argument("--world", type=int, default=None, metavar="N",
+                     help="a distributed adapter (run_rank, e.g. numpy-tp, torch-ring): run it on N ranks on this "
+                     "machine and judge every rank's own stages (default 2; docs/distributed.md); an error for any "
+                     "other adapter")
     run.add_argument("-v", "--verbose", action="store_true", help="list every failing stage of every case (default: grouped by first failing stage) "
                      "and the stages the adapter does not expose")
 
@@ -267,11 +271,14 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision, backward=args.backward,
-                          isolate=not args.no_isolate, **({"device": args.device} if args.no_isolate else {}))
+                          isolate=not args.no_isolate, world=args.world,
+                          **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework
         header = Report.format_header(session.name, framework, version, resolve_dtypes(dtypes), str(session.golden.folder),
                                       session.environment, adapter_dtypes=session.dtypes)
+        if session.layout is not None:
+            header += f"\nranks: world {session.layout.world} · {session.layout.describe()} (docs/distributed.md)"
         print(header + "\n\n" + Report.column_titles(width), flush=True)
 
         def progress(result):  # stream rows as they are judged: framework adapters can take a while

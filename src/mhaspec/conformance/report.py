@@ -56,6 +56,32 @@ class CallResult:
 
 
 @dataclass
+class RankResult:
+    """One rank of a sharded run (docs/distributed.md): ``rank`` of ``world``, its mesh coordinates, its
+    verdict, its first failing stage and that stage's ring step (None: not a ring stage), the collectives it
+    issued (None: not counted) and the problem with them ("" : none), and the stages it was judged on."""
+
+    rank: int
+    world: int
+    tp: int
+    cp: int
+    verdict: str
+    first_failing_stage: str | None = None
+    step: int | None = None
+    worst_ratio: float | None = None
+    message: str = ""
+    collectives: str = ""
+    issued: dict[str, int] | None = None
+    stages: list[StageResult] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world": self.world, "tp": self.tp, "cp": self.cp, "verdict": self.verdict,
+                "first_failing_stage": self.first_failing_stage, "step": self.step,
+                "worst_ratio": _num(self.worst_ratio), "message": self.message,
+                "collectives": self.collectives, "issued": self.issued}
+
+
+@dataclass
 class CaseResult:
     """One case in one dtype: its verdict, its first failing stage, every stage's verdict."""
 
@@ -68,6 +94,7 @@ class CaseResult:
     adapter_s: float = 0.0  # time spent inside the adapter
     harness_s: float = 0.0  # time spent judging
     calls: list[CallResult] = field(default_factory=list)  # a case with a schedule: each call of decode(case)
+    ranks: list[RankResult] = field(default_factory=list)  # a sharded run: each rank (docs/distributed.md)
 
     @property
     def first_failing_stage(self) -> str | None:
@@ -123,6 +150,7 @@ class CaseResult:
             "adapter_seconds": round(self.adapter_s, 6),
             "stages": [st.to_json() for st in self.stages],
             **({"calls": [c.to_json() for c in self.calls]} if self.calls else {}),
+            **({"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}),
         }
 
 
@@ -148,6 +176,8 @@ class Report:
     environment: dict[str, Any] | None = None
     #: the dtypes the adapter declares it computes in (None: unknown, a run cut short before it was loaded)
     adapter_dtypes: list[str] | None = None
+    #: a sharded run: the layout of its ranks (:meth:`mhaspec.spec.ranks.Layout.as_dict`, with ``world``)
+    layout: dict[str, Any] | None = None
 
     @property
     def judged(self) -> int:
@@ -407,6 +437,7 @@ class Report:
                 "framework": self.framework,
                 "framework_version": self.framework_version,
                 "dtypes": None if self.adapter_dtypes is None else list(self.adapter_dtypes),
+                **({"layout": self.layout} if self.layout is not None else {}),
             },
             "platform": {
                 "python": platform.python_version(),

@@ -14,6 +14,7 @@ from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..protocol.contract import Deviation
 from ..protocol.loading import load_adapter
+from ..spec.ranks import Layout
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import REGISTRY, STAGE, compared_entries
@@ -22,7 +23,7 @@ from ..spec.variants import undeclared
 from . import judging
 from .backward import NO_BACKWARD, case_backward_stages, contract_error, judge_backward, judge_stage, own_stages
 from .blocks import ROW_AXIS, judge_in_blocks
-from . import decode
+from . import decode, ranks
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
@@ -55,6 +56,9 @@ def case_timeout(timeout: float | None, case: Any) -> float | None:
     return timeout * max(1.0, work / TIMEOUT_WORK)
 
 
+#: The world size of a distributed adapter's run when none is given (``--world``).
+DEFAULT_WORLD = 2
+
 #: After this many timed-out case × dtype, the session stops calling the adapter: the rest are
 #: ``error`` ("not run"), so an adapter that hangs everywhere costs about 3 minutes at the default.
 MAX_TIMEOUTS = 3
@@ -76,6 +80,7 @@ class Session:
         backward: bool = False,
         *,
         isolate: bool = True,
+        world: int | None = None,
         **options: Any,
     ) -> None:
         if precision not in PRECISIONS:
@@ -127,10 +132,46 @@ class Session:
         # case×dtype judged with --backward whose golden has no backward stages (--catalog: CATALOG_FORWARD_ONLY)
         self._no_backward_golden = 0
         self._results: dict[tuple[str, str], CaseResult] = {}
+        #: a distributed adapter (docs/distributed.md): its ranks' launcher, layout and promised collectives
+        self.layout: Layout | None = None
+        self._launcher: Any = None
+        self._promised: Mapping[str, int] | None = None
+        try:
+            self._start_ranks(info.get("distributed"), world, adapter)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self, distributed: Mapping[str, Any] | None, world: int | None, adapter: Any) -> None:
+        """For a distributed adapter, start its ranks (world ``world``, default 2) on its launcher in place of
+        the worker that described it; ``world`` for any other adapter is an error."""
+        if distributed is None:
+            if world is not None:
+                raise MhaspecError(f"--world {world}: adapter {self.name} is not distributed (it has no "
+                                   "run_rank(ctx, case); docs/distributed.md)")
+            return
+        world = DEFAULT_WORLD if world is None else world
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise MhaspecError(f"--world: a number of ranks >= 1, got {world!r}")
+        ref = getattr(self._worker, "adapter_ref", None) if isinstance(adapter, Transport) else adapter
+        self._worker.close()  # the worker only described the adapter: its ranks compute
+        self._has_supports = False  # (layout.problem() decides what a layout cannot shard)
+        self._launcher = ranks.launcher_for(distributed.get("launcher", ""))
+        description = self._launcher.start(ref if ref is not None else self.name, world)
+        layout = description.get("layout")
+        self.layout = layout if isinstance(layout, Layout) else Layout(**(layout or {}))
+        if self.layout.world != world:
+            raise MhaspecError(f"adapter {self.name}: layout({world}) has world tp·cp = {self.layout.world}, "
+                               f"not {world} (docs/distributed.md)")
+        self._promised = description.get("collectives")
 
     def close(self) -> None:
-        """Stop the worker process (also done when the session is garbage-collected or at exit)."""
+        """Stop the worker process (also done when the session is garbage-collected or at exit) and the
+        ranks of a distributed adapter."""
         self._worker.close()
+        launcher, self._launcher = getattr(self, "_launcher", None), None
+        if launcher is not None:
+            launcher.close()
 
     @property
     def environment(self) -> dict[str, Any] | None:
@@ -193,6 +234,8 @@ class Session:
         if missing:
             return CaseResult(case_id, dtype, UNSUPPORTED, message=missing)
         scheduled = golden.spec.schedule is not None  # judged call by call through decode(case), never run()
+        if self.layout is not None:
+            return self._judge_ranks(golden, dtype)
         if scheduled and self._decode_refusal():
             return CaseResult(case_id, dtype, UNSUPPORTED, message=self._decode_refusal())
         case = golden.case(dtype)
@@ -252,6 +295,29 @@ class Session:
         self._backward_returned.pop((id(golden), dtype), None)
         return CaseResult(case_id, dtype, verdict, stages, hints=hints, adapter_s=adapter_s,
                           harness_s=time.perf_counter() - t0)
+
+    def _judge_ranks(self, golden: GoldenCase, dtype: str) -> CaseResult:
+        """A distributed adapter: the case run on every rank and judged rank by rank (conformance/ranks.py)."""
+        spec, layout = golden.spec, self.layout
+        assert layout is not None
+        if spec.schedule is not None:
+            return CaseResult(golden.id, dtype, UNSUPPORTED, message=ranks.NO_SCHEDULE)
+        problem = layout.problem(spec.config, spec.tgt_len, spec.src_len)
+        if problem:
+            return CaseResult(golden.id, dtype, UNSUPPORTED, message=f"layout {layout.describe()}: {problem}")
+        case = golden.case(dtype)
+        start = time.perf_counter()
+        try:
+            replies = self._launcher.run(case, case_timeout(self.timeout, case))
+        except Exception as exc:  # noqa: BLE001 - a launcher that breaks costs the case, named
+            return CaseResult(golden.id, dtype, ERROR, message=f"launcher: {type(exc).__name__}: {exc}",
+                              adapter_s=time.perf_counter() - start)
+        adapter_s, t0 = time.perf_counter() - start, time.perf_counter()
+        verdict, stages, results, message = ranks.judge_ranks(
+            golden, layout, replies, lambda view, mapping: self.judge_stages(view, dtype, mapping), dtype,
+            self.precision, self._promised)
+        return CaseResult(golden.id, dtype, verdict, stages, message=message, adapter_s=adapter_s,
+                          harness_s=time.perf_counter() - t0, ranks=results)
 
     def _decode_refusal(self) -> str | None:
         """Why a case with a schedule is not judged with this adapter (None: it is, through decode(case))."""
@@ -465,6 +531,8 @@ class Session:
         warnings = self.deviation_warnings()
         if self.backward and not self._has_backward:
             warnings.append(f"--backward: {NO_BACKWARD} (adapter {self.name}): no backward stage was judged")
+        elif self.backward and self.layout is not None:
+            warnings.append(f"--backward: {ranks.FORWARD_ONLY} (adapter {self.name}): no backward stage was judged")
         elif self.backward:
             if self._schedule_backward:
                 warnings.append(f"--backward: {self._schedule_backward} case×dtype have a schedule, judged forward "
@@ -484,6 +552,7 @@ class Session:
             backward=self.backward,
             environment=self.environment,
             adapter_dtypes=list(self.dtypes),
+            layout=None if self.layout is None else {**self.layout.as_dict(), "world": self.layout.world},
             **partial,
         )
 

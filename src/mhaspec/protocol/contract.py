@@ -29,6 +29,7 @@ from ..errors import AdapterError
 from ..spec import BACKWARD_STAGES, DTYPES, STAGES, Case
 from ..spec.stages import VARIANT_STAGES
 from ..spec.variants import VARIANTS
+from .ranks import is_distributed
 
 #: The stages a deviation may name: every stage, the variants' too (``q_rot``, ``k_rot``, ``lse``).
 DECLARABLE_STAGES: tuple[str, ...] = STAGES + VARIANT_STAGES + BACKWARD_STAGES
@@ -245,6 +246,8 @@ def describe_adapter(adapter: Any) -> dict[str, Any]:
         "has_supports": getattr(adapter, "supports", None) is not None,
         "has_backward": callable(getattr(adapter, "backward", None)),
         "has_decode": callable(getattr(adapter, "decode", None)),
+        # a distributed adapter (run_rank, docs/distributed.md): the launcher that runs its ranks
+        **({"distributed": {"launcher": str(getattr(adapter, "launcher", ""))}} if is_distributed(adapter) else {}),
     }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterError
+from .ranks import is_distributed
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def load_adapter(ref: Any, **options: Any) -> Any:
             raise AdapterError(f"adapter {label}: constructing it failed: {type(exc).__name__}: {exc}") from exc
     elif options:
         raise AdapterError(f"adapter {label}: is an instance; option(s) {', '.join(options)} cannot be applied")
-    if not callable(getattr(obj, "run", None)) and not callable(getattr(obj, "run_rank", None)):
+    if not callable(getattr(obj, "run", None)) and not is_distributed(obj):
         raise AdapterError(f"adapter {label}: has no run(case) method (nor run_rank(ctx, case): docs/distributed.md)")
     if not isinstance(getattr(obj, "name", None), str):
         raise AdapterError(f"adapter {label}: has no string attribute 'name'")

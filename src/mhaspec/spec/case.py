@@ -200,7 +200,8 @@ def input_rows(name: str, x: np.ndarray, b: int, t0: int, t1: int) -> np.ndarray
         return x[b : b + 1, t0:t1]
     if name in ("mask", "bias"):
         rows = slice(t0, t1) if x.shape[2] > 1 else slice(None)
-        return x[b : b + 1 if x.shape[0] > 1 else 1, :, rows]
+        batch = slice(b, b + 1) if x.shape[0] > 1 else slice(0, 1)  # (one entry broadcast over the batch)
+        return x[batch, :, rows]
     return x[b : b + 1]  # key, value: every key
 
 

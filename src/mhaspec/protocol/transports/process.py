@@ -356,6 +356,11 @@ class Worker(ProcessTransport):
         if not self._by_name and not hasattr(os, "fork"):
             raise AdapterError("isolation of an adapter object needs fork(); pass the adapter by name or use isolate=False")
 
+    @property
+    def adapter_ref(self) -> Any:
+        """The adapter as given: its name, or the adapter object."""
+        return self._ref
+
     def _launch(self) -> tuple[Process, wire.Pipe]:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
