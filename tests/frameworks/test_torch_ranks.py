@@ -38,7 +38,7 @@ TIMEOUT = 120.0
 
 #: (adapter, world) -> catalog cases that fit its layout (Layout.problem), chosen for their variants
 CASES = {
-    ("torch-tp", 2): ["gqa", "mqa", "causal_bottom_right_t_gt_s", "llama3_rope"],  # mqa: H_kv = 1 < tp, replicated
+    ("torch-tp", 2): ["gqa", "mqa", "key_padding", "llama3_rope"],  # mqa: H_kv = 1 < tp, replicated; key_padding: a mask (B, 1, 1, S)
     ("torch-tp", 4): ["gqa", "gpt_oss_sinks_window", "bloom_alibi"],  # gqa: H_kv = 2 < tp = 4
     ("torch-ring", 2): ["self_masked_rows", "causal_and_mask", "gpt_oss_sinks_window", "bloom_alibi"],
     ("torch-ring-zigzag", 2): ["long_sequence", "bloom_alibi"],

@@ -46,8 +46,12 @@ def _heads(x: torch.Tensor | None, heads: Span) -> torch.Tensor | None:
 
 
 def _block(x: torch.Tensor | None, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
-    """x (…, T, S) -> (…, t, s): the global rows ``rows`` (t,) and keys ``keys`` (s,)."""
-    return x if x is None else x.index_select(-2, rows).index_select(-1, keys)
+    """x (…, T|1, S|1) -> (…, t|1, s|1): the global rows ``rows`` (t,) and keys ``keys`` (s,) (a broadcast
+    axis of 1 stays)."""
+    if x is None:
+        return x
+    x = x if x.shape[-2] == 1 else x.index_select(-2, rows)
+    return x if x.shape[-1] == 1 else x.index_select(-1, keys)
 
 
 def attend(case: Case, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, heads: Span, rows: np.ndarray,
