@@ -86,15 +86,16 @@ def collective_counter() -> Any:
     return CollectiveCounter()
 
 
-def init_group(rank: int, world: int, backend: str = "gloo") -> Any:
-    """The default process group (torchrun's ``env://``: ``MASTER_ADDR``, ``MASTER_PORT``), once; its handle."""
+def init_group(rank: int, world: int, backend: str = "gloo", timeout: float | None = None) -> Any:
+    """The default process group (torchrun's ``env://``: ``MASTER_ADDR``, ``MASTER_PORT``), once; its handle.
+    ``timeout``: seconds a collective waits for its peers (default :data:`GROUP_TIMEOUT`)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # every rank on the same few cores
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+                                timeout=datetime.timedelta(seconds=timeout or GROUP_TIMEOUT))
     return dist.group.WORLD
 
 
