@@ -19,9 +19,11 @@ from mhaspec.conformance.compare import FAIL, PASS, round_to_bfloat16
 from mhaspec.conformance.report import ERROR, UNSUPPORTED
 from mhaspec.fixtures import GoldenSet
 from mhaspec.protocol.contract import describe_adapter
+from mhaspec.protocol.loading import load_adapter
 from mhaspec.protocol.ranks import RankReply
 from mhaspec.reference.ranks import rank_stages
-from mhaspec.spec.ranks import Layout, ring_stage
+from mhaspec.reference import mha
+from mhaspec.spec.ranks import Layout, attention_heads, attention_rows, chunks, ring_source, ring_stage
 from mhaspec.spec.variants import VARIANTS
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -66,6 +68,46 @@ def _bug(name: str, stages: dict[str, np.ndarray], golden: Any, layout: Layout, 
         stages["o_partial"] = stages["o_partial"] * (1 + 1e-2)
 
 
+def _ring_in_the_dtype(golden: Any, layout: Layout, rank: int, dtype: str) -> dict[str, np.ndarray]:
+    """``ring_out[k]``, ``ring_lse[k]`` of a ring computed as a kernel would: each step's block attention in
+    float32 from the dtype's scores and values, the LSE merge in float32, the running output and LSE stored in
+    the dtype after every step (no sinks: a case without them)."""
+    cfg = golden.spec.config
+    h0, h1 = attention_heads(layout, cfg, rank)
+    rows = attention_rows(layout, golden.spec.tgt_len, rank)
+    s = _rounded(golden.stages["scores"][:, h0:h1][:, :, rows], dtype).astype(np.float32)  # (B, h, t, S)
+    visible = golden.visible[:, h0:h1][:, :, rows]
+    V = mha.repeat_kv(mha.split_heads(golden.stages["v_proj"], cfg.H_kv), cfg.group_size)[:, h0:h1]
+    V = _rounded(V, dtype).astype(np.float32)  # (B, h, S, D_v)
+    out: dict[str, np.ndarray] = {}
+    o = lse = None
+    for k in range(layout.cp):
+        block = np.zeros(s.shape[-1], dtype=bool)
+        for a, b in chunks(s.shape[-1], layout, ring_source(layout, layout.coords(rank).cp, k)):
+            block[a:b] = True
+        seen = visible & block
+        top = np.max(np.where(seen, s, -np.inf), axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0).astype(np.float32)
+        e = np.where(seen, np.exp(s - top), 0).astype(np.float32)
+        total = e.sum(axis=-1, keepdims=True)
+        o_blk = np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ V
+        with np.errstate(divide="ignore"):
+            l_blk = (np.log(total) + top)[..., 0]
+        if o is None:
+            o, lse = o_blk, l_blk
+        else:
+            with np.errstate(invalid="ignore"):
+                new = np.logaddexp(lse, l_blk).astype(np.float32)
+                base = np.where(np.isfinite(new), new, 0)
+                a = np.where(np.isfinite(lse), np.exp(lse - base), 0).astype(np.float32)
+                b = np.where(np.isfinite(l_blk), np.exp(l_blk - base), 0).astype(np.float32)
+            o, lse = a[..., None] * o + b[..., None] * o_blk, new
+        o = _rounded(o, dtype).astype(np.float32)
+        lse = _rounded(lse, dtype).astype(np.float32)
+        out[ring_stage("out", k)], out[ring_stage("lse", k)] = o.astype(np.float64), lse.astype(np.float64)
+    return out
+
+
 class FakeLauncher:
     """Runs every rank of a case as its exact golden rounded to the case's dtype, with ``bug`` applied;
     ``crash``: that rank replies an error; ``issued``: the collectives each rank reports."""
@@ -76,6 +118,7 @@ class FakeLauncher:
         self.closed = False
 
     def start(self, adapter: Any, world: int) -> dict[str, Any]:
+        adapter = load_adapter(adapter) if isinstance(adapter, str) else adapter  # (a name, as a real launcher gets)
         self.layout = adapter.layout(world)
         return {"name": adapter.name, "layout": self.layout.as_dict(), "collectives": self.promised}
 
@@ -88,7 +131,16 @@ class FakeLauncher:
                 continue
             exact = rank_stages(golden.stages, golden.visible, golden.weights, golden.spec.config, self.layout, rank)
             _bug(self.bug, exact, golden, self.layout, rank)
-            out.append(RankReply(rank, {k: _rounded(v, case.dtype) for k, v in exact.items()}, issued=self.issued))
+            stages = {k: _rounded(v, case.dtype) for k, v in exact.items()}
+            if self.bug == "computed in the dtype" and self.layout.cp > 1:
+                stages.update(_ring_in_the_dtype(golden, self.layout, rank, case.dtype))
+            out.append(RankReply(rank, stages, issued=self.issued))
+        if self.bug == "computed in the dtype" and self.layout.tp > 1 and self.layout.cp == 1:
+            total = out[0].stages["o_partial"]  # the all-reduce in the dtype, rank by rank, then b_o once
+            for reply in out[1:]:
+                total = _rounded(total + reply.stages["o_partial"], case.dtype)
+            for reply in out:
+                reply.stages["output"] = _rounded(total + golden.weights["b_o"], case.dtype)
         return out
 
     def close(self) -> None:
@@ -130,6 +182,20 @@ def test_correct_ranks_pass_in_every_dtype(monkeypatch: pytest.MonkeyPatch, layo
     assert report.layout == {**layout.as_dict(), "world": layout.world}
 
 
+COMPUTED = [(Layout(cp=2, partition="zigzag"), "bloom_alibi"), (Layout(cp=4), "bloom_alibi"), (Layout(tp=4), "gqa")]
+
+
+@pytest.mark.parametrize("layout,case", COMPUTED, ids=[f"{l.describe()}-{c}" for l, c in COMPUTED])
+def test_a_ring_and_an_all_reduce_computed_in_the_dtype_pass(monkeypatch: pytest.MonkeyPatch, layout: Layout,
+                                                               case: str) -> None:
+    """The merge and all-reduce terms (model/ranks.py) are wide enough for a kernel's way: float32 blocks and
+    merges, the running values stored in the dtype; partials summed in the dtype."""
+    report = _run(monkeypatch, layout, case, ["float32", "float16", "bfloat16"], FakeLauncher("computed in the dtype"))
+    for res in report.results:
+        assert res.verdict == PASS, (res.dtype, res.message)
+        assert res.worst_ratio is not None and res.worst_ratio < 0.5, (res.dtype, res.worst_ratio)
+
+
 def test_correct_ranks_pass_the_worst_case_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     # (float16: the worst-case bound of some ranks' rows of the output is at least |output| — uninformative,
     # rank by rank, as it would be for those rows of the unsharded case)
@@ -155,11 +221,13 @@ def test_each_bug_fails_at_its_rank_step_and_stage(monkeypatch: pytest.MonkeyPat
         assert res.first_failing_stage == stage, (res.dtype, res.message)
         failing = next(r for r in res.ranks if r.verdict == FAIL)
         assert (failing.rank, failing.first_failing_stage) == (rank, stage)
-        assert res.message.startswith(f"rank {rank} of {layout.world} (tp {tp}, cp {cp}): ")
+        label = f"rank {rank} of {layout.world} (tp {tp}, cp {cp})"
         if stage.startswith("ring_"):
-            assert failing.step == 1 and f"step 2 of {layout.cp}: {stage} fails" in res.message
+            assert failing.step == 1
+            assert res.message.startswith(f"{label}, step 2 of {layout.cp}: {stage} fails — ")
         else:
-            assert failing.step is None and f": {stage} fails" in res.message
+            assert failing.step is None and res.message.startswith(f"{label}: {stage} fails — ")
+        assert res.stage(stage).message.startswith(label)
 
 
 def test_a_crashed_rank_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,7 +259,7 @@ def test_cases_a_layout_cannot_shard_are_unsupported_with_the_reason(monkeypatch
     assert res.message == "layout tp 4: H = 6 heads do not split over tp = 4 ranks"
 
 
-def test_the_json_report_carries_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_the_json_report_and_the_matrix_carry_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     report = _run(monkeypatch, Layout(cp=2), "bloom_alibi", ["float32"], FakeLauncher("lse merged by addition"))
     path = tmp_path / "report.json"
     report.write_json(path)
@@ -200,6 +268,14 @@ def test_the_json_report_carries_each_rank(monkeypatch: pytest.MonkeyPatch, tmp_
     assert [r["rank"] for r in res["ranks"]] == [0, 1]
     assert res["ranks"][0]["first_failing_stage"] == "ring_lse[1]" and res["ranks"][0]["step"] == 1
     assert data["adapter"]["layout"]["cp"] == 2 and data["adapter"]["layout"]["world"] == 2
+
+    from mhaspec.conformance import matrix
+
+    m = matrix.build([path])
+    (row,) = m.rows
+    assert row.framework == "world 2: cp 2 (ring, contiguous)"
+    hover = matrix.hover_text(m, row.key, "bloom_alibi", "float32")
+    assert "rank 0 (tp 0, cp 0): fail at ring_lse[1] (step 2)" in hover
 
 
 def test_a_distributed_adapter_says_so() -> None:
@@ -223,3 +299,41 @@ def test_a_world_below_one_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, cap
 
 FAKE_TP2 = FakeRanks(Layout(tp=2))
 
+
+
+PLUGIN = '''
+from mhaspec.conformance import ranks
+from mhaspec.spec.ranks import Layout
+from tests.test_ranks_judge import FakeLauncher, FakeRanks
+
+ranks.launcher_for = lambda name: FakeLauncher("bias on every rank", promised={"all_reduce": 1},
+                                               issued={"all_reduce": 1})
+ADAPTER = FakeRanks(Layout(tp=2))
+'''
+
+
+def test_the_pytest_plugin_gives_each_rank_stage_a_test(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    (tmp_path / "fake_ranks.py").write_text(PLUGIN)
+    root = Path(__file__).resolve().parents[1]
+    junit = tmp_path / "junit.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), str(tmp_path)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "fake_ranks", "--pyargs", "mhaspec.conformance",
+         "--mha-adapter=fake_ranks:ADAPTER", "--mha-no-isolate", "--mha-world=2", "--mha-dtype=float32",
+         "-k", "bloom_alibi", f"--junitxml={junit}", "-q"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    outcomes = {}
+    for tc in ET.parse(junit).getroot().iter("testcase"):
+        kinds = {child.tag for child in tc}
+        outcomes[tc.get("name").split("[", 1)[1].rstrip("]")] = (
+            "fail" if kinds & {"failure", "error"} else "skip" if "skipped" in kinds else "pass")
+    assert outcomes["bloom_alibi-float32-output"] == "fail", done.stdout[-2000:]
+    assert outcomes["bloom_alibi-float32-o_partial"] == "pass"
+    assert outcomes["bloom_alibi-float32-concat"] == "pass"
+    assert outcomes["bloom_alibi-float32-collectives"] == "pass"
+    assert "rank 0 of 2 (tp 0, cp 0): " in done.stdout

@@ -30,7 +30,9 @@ RUN_EPILOG = (
     "crashed, exited, hung, no output), a broken fixture, or nothing judged informatively; 130 interrupted. "
     "The adapter runs in a worker process (restarted after a crash); --report is written even when the "
     "run is cut short, marked \"partial\". Adapters that rebuild the same things every run (torch-onnx's "
-    "exports) keep them in $MHASPEC_CACHE_DIR (default ~/.cache/mhaspec; off: no cache)."
+    "exports) keep them in $MHASPEC_CACHE_DIR (default ~/.cache/mhaspec; off: no cache). A distributed "
+    "adapter (run_rank: numpy-tp, torch-ring, jax-ring, …) runs on --world N ranks and each rank's stages are "
+    "judged; a failure names the rank, the ring step and the stage (docs/distributed.md)."
 )
 
 

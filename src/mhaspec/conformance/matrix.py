@@ -34,6 +34,7 @@ from typing import Any
 from .. import environment
 from ..errors import MhaspecError
 from ..spec import DTYPES
+from ..spec.ranks import Layout
 from ..spec.stages import REGISTRY
 
 # verdict -> (symbol in markdown, colour, short label); unknown verdicts get "?" and grey
@@ -82,6 +83,7 @@ class Cell:
     stage_ratios: dict[str, float] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)  # known deviations / uninformative stages
     diagnosis: list[str] = field(default_factory=list)
+    ranks: list[str] = field(default_factory=list)  # a sharded run: each rank's verdict, one line each
 
 
 @dataclass
@@ -235,6 +237,7 @@ def _cell(r: dict[str, Any]) -> Cell:
     elif r["verdict"] not in ("pass", "known deviation"):
         ratio = None
     diagnosis = r.get("diagnosis")
+    ranks = [_rank_line(x) for x in r.get("ranks") or [] if isinstance(x, dict)]
     return Cell(
         verdict=r["verdict"],
         ratio=ratio,
@@ -243,7 +246,30 @@ def _cell(r: dict[str, Any]) -> Cell:
         stage_ratios=stage_ratios,
         reasons=reasons,
         diagnosis=[str(d) for d in diagnosis] if isinstance(diagnosis, list) else [],
+        ranks=ranks,
     )
+
+
+def _rank_line(x: dict[str, Any]) -> str:
+    """``rank 1 (tp 1, cp 0): fail at ring_lse[1] (step 2)`` from a result's ``ranks`` entry (docs/report.md)."""
+    where = f"rank {x.get('rank')} (tp {x.get('tp')}, cp {x.get('cp')}): {x.get('verdict')}"
+    stage, step = x.get("first_failing_stage"), x.get("step")
+    if isinstance(stage, str):
+        where += f" at {stage}" + (f" (step {step + 1})" if isinstance(step, int) else "")
+    elif x.get("verdict") in ("fail", "error") and x.get("message"):
+        where += f": {str(x.get('message'))[:120]}"
+    return where
+
+
+def _layout_text(layout: Any) -> str:
+    """``world 4: tp 2 × cp 2 (ring, zigzag)`` from a report's ``adapter.layout`` ("" for none or a bad one)."""
+    if not isinstance(layout, dict):
+        return ""
+    try:
+        shape = Layout(**{k: v for k, v in layout.items() if k in ("tp", "cp", "strategy", "partition", "kv_heads")})
+    except (TypeError, ValueError):
+        return ""
+    return f"world {shape.world}: {shape.describe()}"
 
 
 def source_names(sources: list[str]) -> dict[str, str]:
@@ -345,6 +371,9 @@ def build(paths: list[str | Path]) -> Matrix:
         version = data["adapter"].get("framework_version")
         framework = (f"{fw} {version}" if isinstance(version, str) and version else fw) if (
             isinstance(fw, str) and fw) else None
+        sharded = _layout_text(data["adapter"].get("layout"))
+        if sharded:  # a distributed adapter's run: its layout beside the framework
+            framework = f"{framework} · {sharded}" if framework else sharded
         env = data.get("environment")
         loaded.append((data["adapter"]["name"], str(path), framework, env if isinstance(env, dict) and env else None,
                        data["results"]))
@@ -442,6 +471,7 @@ def hover_text(m: Matrix, key: str, case: str, dtype: str) -> str:
         lines.append(f"reason: {cell.message}")
     lines += cell.reasons[:4]
     lines += [f"signature: {d}" for d in cell.diagnosis[:2]]
+    lines += cell.ranks[:8] + ([f"… {len(cell.ranks) - 8} more ranks"] if len(cell.ranks) > 8 else [])
     return "\n".join(lines)
 
 

@@ -9,7 +9,9 @@ reason, ``uninformative`` (the dtype cannot resolve the stage) skips with the
 reason — never a pass.  Verdicts come from :class:`mhaspec.conformance.Session`, as for the
 CLI and :func:`mhaspec.check`: the adapter runs in a worker process, so a crash
 or a hang fails the cases it hit, not the pytest session (``--mha-no-isolate``
-runs it in the pytest process, for debugging).  ``--mha-catalog FILE.json``
+runs it in the pytest process, for debugging).  A distributed adapter (``--mha-world N``) gives one
+test per case × dtype × rank stage (``o_partial``, ``ring_out[k]``, … and ``collectives`` where its layout
+promises them), each judged over every rank: the first failing rank's verdict.  ``--mha-catalog FILE.json``
 judges your own cases, computed on the fly (as ``mhaspec run --catalog``;
 ``--mha-catalog kernels``: the built-in kernel-shaped cases).
 With pytest-xdist (``-n auto``) each xdist worker judges its share through its
@@ -41,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="per case × dtype timeout in seconds (default 60; 0 = none); the worker is killed")
     group.addoption("--mha-no-isolate", action="store_true", default=False,
                     help="call the adapter in the pytest process instead of a worker process (for debugging)")
+    group.addoption("--mha-world", type=int, default=None, metavar="N",
+                    help="a distributed adapter: run it on N ranks (default 2) and judge each rank's stages "
+                         "(docs/distributed.md); an error for any other adapter")
     group.addoption("--mha-precision", default="standard", choices=("standard", "worst-case"),
                     help="precision contract: standard (stored in the dtype, float32 sums; default) or worst-case")
 
@@ -75,6 +80,7 @@ def _session(config: pytest.Config) -> Any:
                 backward=config.getoption("--mha-backward"),
                 device=config.getoption("--mha-device"),
                 precision=config.getoption("--mha-precision"),
+                world=config.getoption("--mha-world"),
             )
             state.dtypes = resolve_dtypes(",".join(dtypes) if dtypes else None)
         except MhaspecError as exc:
@@ -121,6 +127,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for case_id in session.golden.ids():
         stages = list(STAGES)
+        if session.layout is not None:  # a distributed adapter: its ranks' stages (docs/distributed.md)
+            from .ranks import plugin_stages
+
+            stages = plugin_stages(session.layout, session.promises_collectives)
         golden = session.golden.load(case_id) if session.backward else None
         if golden is not None and golden.spec.schedule is None:  # a schedule case is judged forward only
             from .backward import case_backward_stages
@@ -146,7 +156,20 @@ def judge_stage(session: Any, case_id: str, dtype: str, stage: str) -> None:
         pytest.skip(f"unsupported: {result.message}")
     if result.verdict == ERROR:
         pytest.fail(f"adapter error on {case_id} [{dtype}]: {result.message}", pytrace=False)
-    st = result.stage(stage)
+    if result.ranks:  # a sharded run: the stage over every rank, the first failing rank's (docs/distributed.md)
+        from .ranks import COLLECTIVES, stage_over_ranks
+
+        if stage == COLLECTIVES:
+            broken = next((r for r in result.ranks if r.collectives), None)
+            if broken is not None:
+                pytest.fail(f"{case_id} [{dtype}] rank {broken.rank}: {broken.collectives}", pytrace=False)
+            return
+        label, st = stage_over_ranks(result, stage)
+        if st is None:
+            pytest.skip(f"{stage} is not returned by any rank of adapter {session.name}")
+        st.message = f"{label}: {st.message}" if st.message else st.message
+    else:
+        st = result.stage(stage)
     if st.verdict == NOT_EXPOSED:
         pytest.skip(f"{stage} is not exposed by adapter {session.name}")
     if st.verdict == UNINFORMATIVE:

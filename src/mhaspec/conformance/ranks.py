@@ -37,11 +37,11 @@ import numpy as np
 from ..errors import MhaspecError
 from ..fixtures import GoldenCase, StageErrors
 from ..protocol.ranks import RankLauncher, RankReply
-from ..reference import mha, variants as reference_variants
+from ..reference import mha
 from ..reference.ranks import rank_stages
 from ..spec import REGISTRY, STAGE
 from ..spec.config import MHAConfig
-from ..spec.ranks import (Layout, attention_heads, chunks, head_range, kv_head_range, parse_ring_stage,
+from ..spec.ranks import (Layout, attention_heads, attention_rows, chunks, head_range, kv_head_range, parse_ring_stage,
                           rank_stage_names, ring_source, ring_stage, seen_keys_at)
 from ..spec.stages import forward_stages
 from ..spec.tolerance import DEFAULT_TOLERANCES
@@ -92,6 +92,12 @@ def rank_label(layout: Layout, rank: int) -> str:
     """``rank 1 of 4 (tp 1, cp 0)``."""
     tp, cp = layout.coords(rank)
     return f"rank {rank} of {layout.world} (tp {tp}, cp {cp})"
+
+
+def where(layout: Layout, rank: int, stage: str) -> str:
+    """``rank 1 of 4 (tp 1, cp 0)``, with ``, step 2 of 4`` for ring stage ``ring_out[1]`` / ``ring_lse[1]``."""
+    k = step_of(stage)
+    return rank_label(layout, rank) + ("" if k is None else f", step {k + 1} of {layout.cp}")
 
 
 def step_of(stage: str) -> int | None:
@@ -173,39 +179,64 @@ def reduced_view(golden: GoldenCase, layout: Layout, dtype: str) -> GoldenCase:
     return dataclasses.replace(golden, reference_error=_widened(golden, {STAGE.output: term}), sha256=None, _cases={})
 
 
-def _attention(view: GoldenCase, seen: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(attn_weights, head_outputs, lse) of ``view`` with visibility ``seen`` (B, h, T, S), from its scores."""
-    cfg = view.spec.config
-    s = view.stages[STAGE.scores]
-    V = mha.repeat_kv(mha.split_heads(view.stages[STAGE.v_proj], cfg.H_kv), cfg.group_size)
-    sinks = np.asarray(view.weights["sink_logits"]) if cfg.sinks else None
-    p = mha.softmax(s, seen) if sinks is None else reference_variants.softmax_with_sinks(s, seen, sinks)
-    return p, mha.weighted_sum(p, V), reference_variants.lse(s, seen, sinks)
+def _block_attention(s: np.ndarray, visible: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(head outputs (B, h, t, D_v), LSE (B, h, t)) of the scores ``s`` (B, h, t, S) over the ``visible`` keys
+    alone, in float64 (the magnitudes the merge terms are made of, not a golden): 0 and −inf for a row that
+    sees none."""
+    top = np.max(np.where(visible, s, -np.inf), axis=-1, keepdims=True)  # (B, h, t, 1)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.where(visible, np.exp(np.where(visible, s - top, 0.0)), 0.0)
+    total = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, np.log(np.where(total > 0, total, 1.0)) + top, -np.inf)[..., 0]
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ V, lse
 
 
-def ring_views(view: GoldenCase, layout: Layout, rank: int, dtype: str, precision: str) -> list[GoldenCase]:
-    """Ring step k = 0 … cp − 1 of ``view`` (the rank's head view): its visibility ANDed with the keys seen by
-    step k, its ``attn_weights``, ``head_outputs`` (= ``ring_out[k]``) and ``lse`` (= ``ring_lse[k]``) those of
-    that visibility, their bounds widened by the rounding of the k merges so far."""
-    S = view.visible.shape[-1]
-    steps, blocks = [], []
-    for k in range(layout.cp):
-        seen = view.visible & seen_keys_at(layout, S, rank, k)
-        block = np.zeros(S, dtype=bool)
-        for a, b in chunks(S, layout, ring_source(layout, layout.coords(rank).cp, k)):
-            block[a:b] = True
-        steps.append(_attention(view, seen))
-        blocks.append(_attention(view, view.visible & block)[1:])
-    r = rounding(dtype, precision, DEFAULT_TOLERANCES)
-    e_out, e_lse = rank_rules.merges([s[2] for s in steps], [s[1] for s in steps], [b[1] for b in blocks],
-                                     [b[0] for b in blocks], r.u, r.acc)
-    out = []
-    for k, (p, o, lse) in enumerate(steps):
-        seen = view.visible & seen_keys_at(layout, S, rank, k)
-        out.append(dataclasses.replace(
-            view, visible=seen, stages={**view.stages, STAGE.attn_weights: p, STAGE.head_outputs: o, "lse": lse},
-            reference_error=_widened(view, {STAGE.head_outputs: e_out[k], "lse": e_lse[k]}), sha256=None, _cases={}))
+def _rows_set(full: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """A copy of ``full`` (B, h, T, …) whose rows ``rows`` (axis 2) are ``values``."""
+    out = np.array(full, dtype=np.float64, copy=True)
+    out[:, :, rows] = values
     return out
+
+
+def ring_views(view: GoldenCase, layout: Layout, rank: int, expected: Mapping[str, np.ndarray], dtype: str,
+               precision: str) -> list[GoldenCase]:
+    """Ring step k = 0 … cp − 1 of ``view`` (the rank's head view, judged on the rank's rows): its visibility
+    ANDed with the keys seen by step k; on the rank's rows, its ``head_outputs`` and ``lse`` the rank's golden
+    ``ring_out[k]``, ``ring_lse[k]`` (``expected``: :func:`mhaspec.reference.ranks.rank_stages`) and its
+    ``attn_weights`` exp(s − ring_lse[k]) over the seen keys; those two bounds widened by the rounding of the
+    k merges so far (:func:`mhaspec.conformance.model.ranks.merges`)."""
+    cfg = view.spec.config
+    T, S = view.visible.shape[2:]
+    rows = attention_rows(layout, T, rank)
+    s = view.stages[STAGE.scores][:, :, rows]  # (B, h, t, S)
+    V = mha.repeat_kv(mha.split_heads(view.stages[STAGE.v_proj], cfg.H_kv), cfg.group_size)  # (B, h, S, D_v)
+    c = layout.coords(rank).cp
+    seen = [view.visible & seen_keys_at(layout, S, rank, k) for k in range(layout.cp)]  # (B, h, T, S) each
+    blocks = []
+    for k in range(layout.cp):
+        block = np.zeros(S, dtype=bool)
+        for a, b in chunks(S, layout, ring_source(layout, c, k)):
+            block[a:b] = True
+        blocks.append(_block_attention(s, view.visible[:, :, rows] & block, V))
+    lse = [expected[ring_stage("lse", k)] for k in range(layout.cp)]
+    out = [expected[ring_stage("out", k)] for k in range(layout.cp)]
+    r = rounding(dtype, precision, DEFAULT_TOLERANCES)
+    e_out, e_lse = rank_rules.merges(lse, out, [b[1] for b in blocks], [b[0] for b in blocks], r.u, r.acc)
+    whole_lse = view.stages.get("lse", np.zeros(view.visible.shape[:3]))
+    views = []
+    for k in range(layout.cp):
+        vis = seen[k][:, :, rows]
+        on = vis & np.isfinite(lse[k])[..., None]  # (a row that has seen no key: 0)
+        p = np.where(on, np.exp(np.where(on, s - np.where(on, lse[k][..., None], 0.0), 0.0)), 0.0)
+        stages = {**view.stages, STAGE.attn_weights: _rows_set(view.stages[STAGE.attn_weights], rows, p),
+                  STAGE.head_outputs: _rows_set(view.stages[STAGE.head_outputs], rows, out[k]),
+                  "lse": _rows_set(whole_lse, rows, lse[k])}
+        extra = {STAGE.head_outputs: _rows_set(np.zeros(view.stages[STAGE.head_outputs].shape), rows, e_out[k]),
+                 "lse": _rows_set(np.zeros(whole_lse.shape), rows, e_lse[k])}
+        views.append(dataclasses.replace(view, visible=seen[k], stages=stages,
+                                         reference_error=_widened(view, extra), sha256=None, _cases={}))
+    return views
 
 
 # --- judging -----------------------------------------------------------------------------------------
@@ -322,7 +353,7 @@ def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[
         keys = np.concatenate([np.arange(a, b) for a, b in chunks(S, layout, c)])
         results.update(_judge_keys(view, keys, {s: arrays[s] for s in arrays if s in KEY_SIDE}, dtype, precision))
     if layout.cp > 1 and layout.strategy == "ring" and any(step_of(s) is not None for s in arrays):
-        for k, ring in enumerate(ring_views(view, layout, rank, dtype, precision)):
+        for k, ring in enumerate(ring_views(view, layout, rank, expected, dtype, precision)):
             names = {STAGE.head_outputs: ring_stage("out", k), "lse": ring_stage("lse", k)}
             step = {stage: arrays[name] for stage, name in names.items() if name in arrays}
             for stage, res in _judge_rows(ring, spans, step, judge).items():
@@ -418,6 +449,34 @@ def judge_ranks(golden: GoldenCase, layout: Layout, replies: Sequence[RankReply]
         deciding = max(results, key=lambda r: -1.0 if r.worst_ratio is None else r.worst_ratio)
     else:
         deciding = next(r for r in results if r.verdict == verdict)
+    stages = [dataclasses.replace(st, message=f"{where(layout, deciding.rank, st.stage)}: {st.message}")
+              if st.message else st for st in deciding.stages]
     label = rank_label(layout, deciding.rank)
-    stages = [dataclasses.replace(st, message=f"{label}: {st.message}") if st.message else st for st in deciding.stages]
-    return verdict, stages, results, "" if verdict == PASS else f"{label}: {deciding.message}"
+    joined = f"{label}, {deciding.message}" if deciding.step is not None else f"{label}: {deciding.message}"
+    return verdict, stages, results, "" if verdict == PASS else joined
+
+
+#: The pytest plugin's test of a layout's promised collectives (not a stage: every rank's counts).
+COLLECTIVES = "collectives"
+
+
+def plugin_stages(layout: Layout, collectives: bool) -> list[str]:
+    """The pytest plugin's tests of a case × dtype for ``layout``: the rank stages of the spec's stages
+    (:func:`rank_stage_names`), then :data:`COLLECTIVES` where the adapter promises collectives."""
+    from ..spec import STAGES
+
+    return list(rank_stage_names(layout, tuple(STAGES))) + ([COLLECTIVES] if collectives else [])
+
+
+def stage_over_ranks(result: Any, stage: str) -> tuple[str, StageResult | None]:
+    """(rank label, result) of ``stage`` over the ranks of ``result`` (a :class:`CaseResult` of a sharded run):
+    the first rank where it fails, else a known deviation, else uninformative, else the first rank that
+    judged it; ("", None) when no rank returned it."""
+    found = [(r, st) for r in result.ranks for st in r.stages if st.stage == stage and st.verdict != NOT_EXPOSED]
+    for verdict in (FAIL, KNOWN_DEVIATION, UNINFORMATIVE, PASS):
+        for r, st in found:
+            if st.verdict == verdict:
+                label = f"rank {r.rank} of {r.world} (tp {r.tp}, cp {r.cp})"
+                k = step_of(stage)
+                return label + ("" if k is None else f", step {k + 1}"), dataclasses.replace(st)
+    return "", None

@@ -299,6 +299,11 @@ class Session:
         return CaseResult(case_id, dtype, verdict, stages, hints=hints, adapter_s=adapter_s,
                           harness_s=time.perf_counter() - t0)
 
+    @property
+    def promises_collectives(self) -> bool:
+        """Whether a distributed adapter promises the collectives its ranks issue (``collectives(world)``)."""
+        return bool(self._promised)
+
     def _judge_ranks(self, golden: GoldenCase, dtype: str) -> CaseResult:
         """A distributed adapter: the case run on every rank and judged rank by rank (conformance/ranks.py)."""
         spec, layout = golden.spec, self.layout
