@@ -12,7 +12,9 @@ over fewer keys) to ``head_outputs``'s / ``lse``'s.  The launcher starts a fresh
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,14 +40,15 @@ TIMEOUT = 120.0
 
 #: (adapter, world) -> catalog cases that fit its layout (Layout.problem), chosen for their variants
 CASES = {
-    ("torch-tp", 2): ["gqa", "mqa", "key_padding", "llama3_rope"],  # mqa: H_kv = 1 < tp, replicated; key_padding: a mask (B, 1, 1, S)
-    ("torch-tp", 4): ["gqa", "gpt_oss_sinks_window", "bloom_alibi"],  # gqa: H_kv = 2 < tp = 4
-    ("torch-ring", 2): ["self_masked_rows", "causal_and_mask", "gpt_oss_sinks_window", "bloom_alibi"],
-    ("torch-ring-zigzag", 2): ["long_sequence", "bloom_alibi"],
+    ("torch-tp", 2): ["mqa", "key_padding", "llama3_rope"],  # mqa: H_kv = 1 < tp, replicated; a mask (B, 1, 1, S)
+    ("torch-tp", 4): ["gqa", "gpt_oss_sinks_window"],  # gqa: H_kv = 2 < tp = 4
+    ("torch-ring", 2): ["causal_and_mask", "gpt_oss_sinks_window", "bloom_alibi"],
     ("torch-ring-zigzag", 4): ["long_sequence"],
-    ("torch-ulysses", 2): ["self_masked_rows", "gpt_oss_sinks_window", "softcap_large_logits"],
+    ("torch-ulysses", 2): ["self_masked_rows", "softcap_large_logits"],
 }
-DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: float64 (tight) and bfloat16 (the widest tolerance, the all-reduce in the dtype); every dtype of every
+#: catalog case that fits is judged by `mhaspec run ADAPTER --world N` (docs/distributed.md, the figures)
+DTYPES = ("float64", "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +121,8 @@ def run_case(launchers, adapter: str, world: int, case_id: str, dtype: str):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("adapter", "world"), list(CASES))
 def test_every_rank_conforms(launchers, adapter, world, dtype):
-    """Every stage of every rank within the tolerance, every case in every dtype (gloo reduces float16 and
-    bfloat16 on the CPU); every rank issued exactly the collectives the layout promises."""
+    """Every stage of every rank within the tolerance (gloo reduces bfloat16 on the CPU); every rank issued
+    exactly the collectives the layout promises."""
     for case_id in CASES[adapter, world]:
         launcher, layout, golden, replies = run_case(launchers, adapter, world, case_id, dtype)
         assert [r.rank for r in replies] == list(range(world))
@@ -131,7 +134,7 @@ def test_every_rank_conforms(launchers, adapter, world, dtype):
 def test_returned_stages(launchers):
     """The rank stages each adapter has: o_partial for tp, every ring step for the rings, no attn_weights in a
     ring (it never normalises a row over every key at once)."""
-    _, _, _, tp = run_case(launchers, "torch-tp", 2, "gqa", "float64")
+    _, _, _, tp = run_case(launchers, "torch-tp", 2, "mqa", "float64")
     assert "o_partial" in tp[0].stages and "attn_weights" in tp[0].stages
     _, _, _, ring = run_case(launchers, "torch-ring-zigzag", 4, "long_sequence", "float64")
     assert {f"ring_{kind}[{k}]" for kind in ("out", "lse") for k in range(4)} <= set(ring[2].stages)
@@ -193,10 +196,10 @@ def test_a_rank_that_raises_dies_or_hangs_costs_one_case():
         died = launcher.run(GOLDEN.load("bloom_alibi").case("float64"), TIMEOUT)
         assert died[1].error == "rank 1: worker killed by SIGKILL; every rank was killed", died[1].error
         start = time.monotonic()
-        hung = launcher.run(GOLDEN.load("gpt_oss_sinks_window").case("float64"), 20.0)
-        assert time.monotonic() - start < 30
+        hung = launcher.run(GOLDEN.load("gpt_oss_sinks_window").case("float64"), 10.0)
+        assert time.monotonic() - start < 20
         assert all(r.error and r.error.startswith(f"rank {r.rank}: ") for r in hung), hung
-        assert "did not answer within 20 s" in hung[1].error
+        assert "did not answer within 10 s" in hung[1].error
         assert launcher.restarts == 2 and failures(launcher.run(ok.case("float64"), TIMEOUT), ok, "float64", layout) == []
         assert launcher.restarts == 3
         running = {p.pid for p in launcher.processes}
@@ -204,3 +207,30 @@ def test_a_rank_that_raises_dies_or_hangs_costs_one_case():
     finally:
         launcher.close()
     assert launcher.processes == [] and _children() <= before
+
+
+
+def _dist(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python ARGS`` with this tree's mhaspec, outside any job (no RANK, WORLD_SIZE, SLURM_* of ours)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_python_m_mhaspec_dist_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m mhaspec.dist torch-tp …`: rank 0 judges every rank, writes the report,
+    and both processes exit with its status (0: conforms)."""
+    report = tmp_path / "tp.json"
+    done = _dist(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mhaspec.dist", "torch-tp",
+                  "-k", "mqa", "--dtype", "float64,bfloat16", "--report", str(report)], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ranks: world 2 · tp 2" in done.stdout and "torch-tp: CONFORMS" in done.stdout
+    judged = [r for r in json.loads(report.read_text())["results"] if r["verdict"] == "pass"]
+    assert judged and all(len(r["ranks"]) == 2 for r in judged)
+
+
+def test_python_m_mhaspec_dist_outside_a_job_is_a_usage_error(tmp_path):
+    done = _dist(["-m", "mhaspec.dist", "torch-tp"], tmp_path)
+    assert done.returncode == 2
+    assert "RANK and WORLD_SIZE are not set: run under torchrun" in done.stderr

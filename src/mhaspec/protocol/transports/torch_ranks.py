@@ -59,7 +59,7 @@ KINDS: dict[str, str] = {
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 
 #: Seconds the other ranks get to answer once one rank has failed (raised, died) before they are stopped.
-GRACE = 10.0
+GRACE = 5.0
 
 #: Seconds a collective may wait for its peers before gloo gives up (the launcher's own timeout kills first).
 GROUP_TIMEOUT = 300.0
