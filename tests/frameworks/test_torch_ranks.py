@@ -234,3 +234,14 @@ def test_python_m_mhaspec_dist_outside_a_job_is_a_usage_error(tmp_path):
     done = _dist(["-m", "mhaspec.dist", "torch-tp"], tmp_path)
     assert done.returncode == 2
     assert "RANK and WORLD_SIZE are not set: run under torchrun" in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts children in /proc")
+def test_an_adapter_that_is_not_distributed_is_refused_by_every_rank_and_none_is_left():
+    from mhaspec.errors import AdapterError
+
+    before = _children()
+    launcher = TorchLauncher()
+    with pytest.raises(AdapterError, match=r"rank 0: adapter 'numpy' has no run_rank\(ctx, case\)"):
+        launcher.start("numpy", 2)
+    assert launcher.processes == [] and _children() <= before

@@ -235,6 +235,9 @@ class TorchLauncher:
         return [p for p, _ in self._ranks]
 
     def start(self, adapter: str, world: int) -> dict[str, Any]:
+        if not isinstance(adapter, str):
+            raise AdapterError(f"adapter {adapter!r}: the torch launcher loads the adapter by name in each rank's "
+                               "process: give a built-in name, package.module:attr or path/to/file.py:attr")
         if world < 1:
             raise AdapterError(f"--world: the number of ranks is >= 1, got {world}")
         self._adapter, self._world = adapter, world
