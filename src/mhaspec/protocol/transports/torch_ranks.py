@@ -86,6 +86,14 @@ def collective_counter() -> Any:
     return CollectiveCounter()
 
 
+def warm_up() -> None:
+    """A dispatch mode's first use imports a few seconds' worth of torch: paid while loading, not in a case."""
+    import torch
+
+    with collective_counter():
+        torch.zeros(1).add_(1)
+
+
 def init_group(rank: int, world: int, backend: str = "gloo", timeout: float | None = None) -> Any:
     """The default process group (torchrun's ``env://``: ``MASTER_ADDR``, ``MASTER_PORT``), once; its handle.
     ``timeout``: seconds a collective waits for its peers (default :data:`GROUP_TIMEOUT`)."""
@@ -175,6 +183,7 @@ def rank_main(argv: list[str]) -> None:
             group = init_group(rank, world)
             adapter, layout = load_rank_adapter(argv[3], world)
             info = describe_ranks(adapter, layout, world)
+            warm_up()
         except BaseException as exc:  # noqa: BLE001
             error = str(exc) if isinstance(exc, AdapterError) else describe_exception(exc)
             pipe.send(wire.failure("ready", f"rank {rank}: {error}"))
