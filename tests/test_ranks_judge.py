@@ -337,3 +337,35 @@ def test_the_pytest_plugin_gives_each_rank_stage_a_test(tmp_path: Any) -> None:
     assert outcomes["bloom_alibi-float32-concat"] == "pass"
     assert outcomes["bloom_alibi-float32-collectives"] == "pass"
     assert "rank 0 of 2 (tp 0, cp 0): " in done.stdout
+
+
+def test_a_distributed_adapter_by_name_is_described_by_a_worker_then_run_by_its_launcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = FakeLauncher()
+    monkeypatch.setattr(judge_module, "launcher_for", lambda name: launcher)
+    report = check(f"{__file__}:FAKE_TP2", dtypes=["float32"], cases=["bloom_alibi"], world=2)
+    assert [r.verdict for r in report.results] == [PASS], report.results[0].message
+    assert launcher.closed  # (the session closed its launcher)
+
+
+def test_a_case_made_one_block_of_rows_at_a_time_is_judged_whole_per_rank() -> None:
+    """(``--catalog``'s large cases: fixtures.RowBlocks) a rank's views are of the whole case, not its blocks."""
+    from mhaspec.conformance.runner import Session
+    from mhaspec.reference.onthefly import row_blocks
+    from mhaspec.spec.catalog import CATALOG
+
+    spec = CATALOG["bloom_alibi"]
+    golden, layout = row_blocks(spec), Layout(cp=2, partition="zigzag")
+    session = Session("numpy", isolate=False)
+    try:
+        replies = []
+        for rank in range(layout.world):
+            exact = rank_stages(golden.stages, golden.visible, golden.weights, spec.config, layout, rank)
+            _bug("lse merged by addition", exact, golden, layout, rank)
+            replies.append(RankReply(rank, {k: _rounded(v, "float32") for k, v in exact.items()}))
+        verdict, _, results, message = judge_module.judge_ranks(
+            golden, layout, replies, lambda view, mapping: session.judge_stages(view, "float32", mapping), "float32")
+    finally:
+        session.close()
+    assert verdict == FAIL and results[0].first_failing_stage == "ring_lse[1]", message
+    assert all(st.verdict == PASS for st in results[1].stages), results[1].message

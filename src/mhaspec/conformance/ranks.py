@@ -43,7 +43,7 @@ from ..spec import REGISTRY, STAGE
 from ..spec.config import MHAConfig
 from ..spec.ranks import (Layout, attention_heads, attention_rows, chunks, head_range, kv_head_range, parse_ring_stage,
                           rank_stage_names, ring_source, ring_stage, seen_keys_at)
-from ..spec.stages import forward_stages
+from ..spec.stages import WEIGHT_AXES, forward_stages
 from ..spec.tolerance import DEFAULT_TOLERANCES
 from ..spec.variants import alibi_slope_values
 from . import second_opinion
@@ -52,7 +52,7 @@ from .compare import FAIL, KNOWN_DEVIATION, NOT_EXPOSED, PASS, UNINFORMATIVE, St
 from .decode import verdict_of
 from .judging import judging_block
 from .model import ranks as rank_rules
-from .model.vocabulary import KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, Bound, rounding
+from .model.vocabulary import KAPPA, KAPPA_MIN_ELEMENTS, Bound, rounding
 from .report import ERROR, RankResult
 from .tolerance import judging_bounds
 
@@ -69,9 +69,9 @@ NO_SCHEDULE = "a case with a schedule (decode) is not sharded: a distributed ada
 FORWARD_ONLY = "a distributed adapter is judged forward only (run_rank; docs/distributed.md)"
 
 #: The rank stages whose rows are key rows (a cp rank's own keys).
-KEY_SIDE = (STAGE.k_proj, STAGE.v_proj, "k_rot")
+KEY_SIDE = (STAGE.k_proj, STAGE.v_proj, STAGE.k_rot)
 #: The attention stages (the rank's attention heads × attention rows × every key).
-ATTENTION = (STAGE.scores, STAGE.attn_weights, STAGE.head_outputs, "lse")
+ATTENTION = (STAGE.scores, STAGE.attn_weights, STAGE.head_outputs, STAGE.lse)
 
 Judge = Callable[[GoldenCase, Mapping[str, Any]], list[StageResult]]
 
@@ -108,13 +108,14 @@ def step_of(stage: str) -> int | None:
 
 # --- views -------------------------------------------------------------------------------------------
 
-def _heads_slice(name: str, x: Any, config: MHAConfig, heads: tuple[int, int], kv: tuple[int, int]) -> Any:
-    """Stage (or gradient-shaped weight) ``name``'s value ``x`` cut to query heads ``heads`` and key/value
-    heads ``kv`` on its head axis (``H``, ``H·D_k``, ``H_kv·D_v``, …: :attr:`Stage.heads`)."""
-    axis = REGISTRY[name].heads
+def _heads_slice(axes: tuple[str, ...], x: Any, config: MHAConfig, heads: tuple[int, int], kv: tuple[int, int]
+                 ) -> Any:
+    """``x`` (a stage's or a weight's value, of axes ``axes``) cut to query heads ``heads`` and key/value heads
+    ``kv`` on its head axis (``H``, ``H·D_k``, ``H_kv·D_v``, …: as :attr:`Stage.heads` finds it)."""
+    axis = next((i for i, a in enumerate(axes) if a.split("·")[0] in ("H", "H_kv")), None)
     if isinstance(x, float) or axis is None:
         return x
-    first, _, width = REGISTRY[name].axes[axis].partition("·")
+    first, _, width = axes[axis].partition("·")
     lo, hi = heads if first == "H" else kv
     w = {"": 1, "D_k": config.D_k, "D_v": config.D_v}[width]
     return x[(slice(None),) * axis + (slice(lo * w, hi * w),)]
@@ -140,16 +141,17 @@ def head_view(golden: GoldenCase, heads: tuple[int, int], kv: tuple[int, int]) -
         **cfg.model_dump(), "num_heads": heads[1] - heads[0], "num_kv_heads": kv[1] - kv[0],
         "head_dim": cfg.D_k, "value_head_dim": cfg.D_v, "scale": cfg.scale,
         **({} if slopes is None else {"alibi_slopes": tuple(float(x) for x in slopes[heads[0]:heads[1]])})})
-    weights = {name: _heads_slice(f"d_{name}", w, cfg, heads, kv)
+    weights = {name: _heads_slice(WEIGHT_AXES[name], w, cfg, heads, kv)
                for name, w in golden.weights.items() if name != "b_o"}
-    stages = {name: _heads_slice(name, x, cfg, heads, kv) for name, x in golden.stages.items() if name in ROW_AXIS}
+    stages = {name: _heads_slice(REGISTRY[name].axes, x, cfg, heads, kv)
+              for name, x in golden.stages.items() if name in ROW_AXIS}
     stages[STAGE.output] = mha.output_projection(stages[STAGE.concat], weights["w_o"], None)  # (B, T, d_out)
     error = golden.reference_error
     if error is not None:
         e_c = error.get(STAGE.concat, 0.0)
-        error = StageErrors({name: _heads_slice(name, e, cfg, heads, kv)
+        error = StageErrors({name: _heads_slice(REGISTRY[name].axes, e, cfg, heads, kv)
                              for name, e in error.items() if name in ROW_AXIS})
-        e_c = _heads_slice(STAGE.concat, e_c, cfg, heads, kv)
+        e_c = _heads_slice(REGISTRY[STAGE.concat].axes, e_c, cfg, heads, kv)
         error[STAGE.output] = e_c if isinstance(e_c, float) else e_c @ np.abs(weights["w_o"])  # from concat's
     return dataclasses.replace(
         golden, spec=golden.spec.model_copy(update={"config": sub}),
@@ -219,11 +221,11 @@ def ring_views(view: GoldenCase, layout: Layout, rank: int, expected: Mapping[st
         for a, b in chunks(S, layout, ring_source(layout, c, k)):
             block[a:b] = True
         blocks.append(_block_attention(s, view.visible[:, :, rows] & block, V))
-    lse = [expected[ring_stage("lse", k)] for k in range(layout.cp)]
+    lse = [expected[ring_stage(STAGE.lse, k)] for k in range(layout.cp)]
     out = [expected[ring_stage("out", k)] for k in range(layout.cp)]
     r = rounding(dtype, precision, DEFAULT_TOLERANCES)
     e_out, e_lse = rank_rules.merges(lse, out, [b[1] for b in blocks], [b[0] for b in blocks], r.u, r.acc)
-    whole_lse = view.stages.get("lse", np.zeros(view.visible.shape[:3]))
+    whole_lse = view.stages.get(STAGE.lse, np.zeros(view.visible.shape[:3]))
     views = []
     for k in range(layout.cp):
         vis = seen[k][:, :, rows]
@@ -231,9 +233,9 @@ def ring_views(view: GoldenCase, layout: Layout, rank: int, expected: Mapping[st
         p = np.where(on, np.exp(np.where(on, s - np.where(on, lse[k][..., None], 0.0), 0.0)), 0.0)
         stages = {**view.stages, STAGE.attn_weights: _rows_set(view.stages[STAGE.attn_weights], rows, p),
                   STAGE.head_outputs: _rows_set(view.stages[STAGE.head_outputs], rows, out[k]),
-                  "lse": _rows_set(whole_lse, rows, lse[k])}
+                  STAGE.lse: _rows_set(whole_lse, rows, lse[k])}
         extra = {STAGE.head_outputs: _rows_set(np.zeros(view.stages[STAGE.head_outputs].shape), rows, e_out[k]),
-                 "lse": _rows_set(np.zeros(whole_lse.shape), rows, e_lse[k])}
+                 STAGE.lse: _rows_set(np.zeros(whole_lse.shape), rows, e_lse[k])}
         views.append(dataclasses.replace(view, visible=seen[k], stages=stages,
                                          reference_error=_widened(view, extra), sha256=None, _cases={}))
     return views
@@ -310,10 +312,19 @@ def contract_problem(returned: Any, expected: Mapping[str, np.ndarray], label: s
     return ""
 
 
+def _whole(golden: GoldenCase) -> GoldenCase:
+    """``golden`` as a plain :class:`GoldenCase`: a case made one block of rows at a time
+    (fixtures.RowBlocks) would give its own blocks, not a view's; its stages are computed whole when read."""
+    if not hasattr(golden, "block"):
+        return golden
+    return GoldenCase(**{f.name: getattr(golden, f.name) for f in dataclasses.fields(GoldenCase)})
+
+
 def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[str, Any], judge: Judge,
                dtype: str, precision: str) -> list[StageResult]:
     """Rank ``rank``'s stage results, in :func:`rank_stage_names` order (already through
     :func:`contract_problem`): each stage judged against its view (module docstring)."""
+    golden = _whole(golden)
     cfg = golden.spec.config
     T, S = golden.visible.shape[2:]
     expected = rank_stages(golden.stages, golden.visible, golden.weights, cfg, layout, rank)
@@ -332,7 +343,7 @@ def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[
     heads, kv = head_range(layout, cfg, rank), kv_head_range(layout, cfg, rank)
     view = head_view(golden, heads, kv)
     ulysses = layout.cp > 1 and layout.strategy == "ulysses"
-    with_rows = [s for s in arrays if s in ("q_proj", "q_rot", STAGE.concat)]
+    with_rows = [s for s in arrays if s in (STAGE.q_proj, STAGE.q_rot, STAGE.concat)]
     if not ulysses:
         with_rows += [s for s in arrays if s in ATTENTION]
     if layout.cp == 1:
@@ -354,7 +365,7 @@ def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[
         results.update(_judge_keys(view, keys, {s: arrays[s] for s in arrays if s in KEY_SIDE}, dtype, precision))
     if layout.cp > 1 and layout.strategy == "ring" and any(step_of(s) is not None for s in arrays):
         for k, ring in enumerate(ring_views(view, layout, rank, expected, dtype, precision)):
-            names = {STAGE.head_outputs: ring_stage("out", k), "lse": ring_stage("lse", k)}
+            names = {STAGE.head_outputs: ring_stage("out", k), STAGE.lse: ring_stage(STAGE.lse, k)}
             step = {stage: arrays[name] for stage, name in names.items() if name in arrays}
             for stage, res in _judge_rows(ring, spans, step, judge).items():
                 results[names[stage]] = _renamed(res, names[stage])
@@ -363,7 +374,7 @@ def judge_rank(golden: GoldenCase, layout: Layout, rank: int, returned: Mapping[
         results.update(reduced)
     order = rank_stage_names(layout, forward_stages(cfg))
     listed = [results[s] if s in results else StageResult(s, NOT_EXPOSED) for s in order
-              if s in results or (s in expected and s != "lse" and step_of(s) is None)]
+              if s in results or (s in expected and s != STAGE.lse and step_of(s) is None)]
     return listed
 
 

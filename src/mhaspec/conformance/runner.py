@@ -14,10 +14,10 @@ from ..errors import FixtureError, MhaspecError
 from ..fixtures import GoldenCase, GoldenSet
 from ..protocol.contract import Deviation
 from ..protocol.loading import load_adapter
-from ..spec.ranks import Layout
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import REGISTRY, STAGE, compared_entries
+from ..spec.ranks import Layout
 from ..spec.stages import forward_stages, local_inputs
 from ..spec.variants import undeclared
 from . import judging

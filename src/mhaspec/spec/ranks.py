@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
+from .stages import STAGE
+
 if TYPE_CHECKING:
     from .config import MHAConfig
 
@@ -220,8 +222,8 @@ def rank_stage_names(layout: Layout, forward: tuple[str, ...]) -> tuple[str, ...
     names: list[str] = []
     for s in forward:
         names.append(s)
-        if s == "head_outputs" and layout.cp > 1 and layout.strategy == "ring":
-            names += [ring_stage(kind, k) for k in range(layout.cp) for kind in ("out", "lse")]
-        if s == "concat" and layout.tp > 1:
+        if s == STAGE.head_outputs and layout.cp > 1 and layout.strategy == "ring":
+            names += [ring_stage(kind, k) for k in range(layout.cp) for kind in ("out", STAGE.lse)]
+        if s == STAGE.concat and layout.tp > 1:
             names.append("o_partial")
     return tuple(names)

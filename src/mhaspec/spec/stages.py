@@ -100,12 +100,19 @@ def _sizes(config: MHAConfig, batch: int, tgt_len: int, src_len: int) -> dict[st
             "vdim": int(config.vdim), "d_out": config.d_out}  # type: ignore[arg-type]
 
 
+#: The axes of each weight (row-vector convention, y = x @ W + b), as the stages' are written.
+WEIGHT_AXES: dict[str, tuple[str, ...]] = {
+    "w_q": ("d_model", "H·D_k"), "w_k": ("kdim", "H_kv·D_k"), "w_v": ("vdim", "H_kv·D_v"),
+    "w_o": ("H·D_v", "d_out"),
+    "b_q": ("H·D_k",), "b_k": ("H_kv·D_k",), "b_v": ("H_kv·D_v",), "b_o": ("d_out",), "sink_logits": ("H",),
+}
+
+
 def _weight_gradients() -> list[Stage]:
-    weights = {"w_q": ("d_model", "H·D_k"), "w_k": ("kdim", "H_kv·D_k"), "w_v": ("vdim", "H_kv·D_v"),
-               "w_o": ("H·D_v", "d_out")}
-    biases = {"b_q": ("H·D_k",), "b_k": ("H_kv·D_k",), "b_v": ("H_kv·D_v",), "b_o": ("d_out",)}
-    return ([Stage(f"d_{w}", "backward", axes) for w, axes in weights.items()]
-            + [Stage(f"d_{b}", "backward", axes, only_with=b) for b, axes in biases.items()])
+    weights = ("w_q", "w_k", "w_v", "w_o")
+    biases = ("b_q", "b_k", "b_v", "b_o")
+    return ([Stage(f"d_{w}", "backward", WEIGHT_AXES[w]) for w in weights]
+            + [Stage(f"d_{b}", "backward", WEIGHT_AXES[b], only_with=b) for b in biases])
 
 
 #: Every stage, forward then backward, each in pipeline order.
