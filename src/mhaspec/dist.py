@@ -64,8 +64,10 @@ def broadcast_bytes(data: bytes | None, rank: int) -> bytes:
 
     size = torch.tensor([len(data) if rank == 0 and data is not None else 0], dtype=torch.int64)
     dist.broadcast(size, 0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 and data else torch.empty(int(size),
-                                                                                                        dtype=torch.uint8)
+    if rank == 0 and data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8)
     if int(size):
         dist.broadcast(buf, 0)
     return buf.numpy().tobytes()
@@ -142,8 +144,8 @@ def loaded_everywhere(ref: str, rank: int, world: int) -> tuple[Any, Any] | None
     errors = gather_bytes(error.encode(), rank, world)
     failed = broadcast_bytes(b"".join(errors) if errors is not None else None, rank)
     if failed:
-        if rank == 0:
-            print("mhaspec.dist: error: " + next(e.decode() for e in errors if e), file=sys.stderr)  # type: ignore[union-attr]
+        if errors is not None:  # rank 0
+            print("mhaspec.dist: error: " + next(e.decode() for e in errors if e), file=sys.stderr)
         return None
     return adapter, layout
 
@@ -153,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m mhaspec.dist",
         description="One rank of a distributed adapter under torchrun or srun; rank 0 judges every rank "
         "(docs/distributed.md, \"On a cluster\"). Every option but --backend is mhaspec run's.")
-    parser.add_argument("adapter", help="a distributed adapter: torch-tp, torch-ring, …, or module:attr, file.py:attr")
+    parser.add_argument("adapter",
+                        help="a distributed adapter: torch-tp, torch-ring, …, or module:attr, file.py:attr")
     parser.add_argument("--backend", choices=("gloo", "nccl", "cpu:gloo,cuda:nccl"), default=None,
                         help="the process group's backend (default: gloo; cpu:gloo,cuda:nccl where CUDA is available)")
     parser.add_argument("--timeout", default=None, metavar="SECONDS",

@@ -362,9 +362,11 @@ class TorchUlysses(_TorchRanks):
         with torch.no_grad():
             stages = own_projections(case, module, rows, keys)
             k, v = stages.get("k_rot", stages["k_proj"]), stages["v_proj"]  # (B, s, H_kv·D)
-            kv_heads, group, kv = cfg.H_kv, cfg.group_size, (heads[0] // cfg.group_size, (heads[1] - 1) // cfg.group_size + 1)
+            group = cfg.group_size
+            kv_heads, kv = cfg.H_kv, (heads[0] // group, (heads[1] - 1) // group + 1)  # the share's kv heads
             if cfg.H_kv % layout.cp:  # key/value heads do not split over the ranks: read per query head first
-                k, v = (merge_heads(per_query_head(split(x, cfg.H_kv), (0, cfg.H), (0, cfg.H_kv), group)) for x in (k, v))
+                every = ((0, cfg.H), (0, cfg.H_kv))
+                k, v = (merge_heads(per_query_head(split(x, cfg.H_kv), *every, group)) for x in (k, v))
                 kv_heads, group, kv = cfg.H, 1, heads
             Q = trade_rows_for_heads(ctx, stages.get("q_rot", stages["q_proj"]), cfg.H)  # (B, H/cp, T, D_k)
             K = per_query_head(trade_rows_for_heads(ctx, k, kv_heads), heads, kv, group)  # (B, H/cp, S, D_k)
