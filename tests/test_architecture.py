@@ -68,8 +68,8 @@ def test_reference_imports_no_conformance_or_adapters():
 
 
 #: Besides the spec and the contract, what an adapter may import of mhaspec: its own package's helpers
-#: the package's own helpers (backends).
-ADAPTER_MAY_IMPORT = ("mhaspec.spec", "mhaspec.protocol.contract", "mhaspec.adapters.")
+#: the package's own helpers (backends); a distributed adapter, the distributed contract (RankContext).
+ADAPTER_MAY_IMPORT = ("mhaspec.spec", "mhaspec.protocol.contract", "mhaspec.protocol.ranks", "mhaspec.adapters.")
 
 
 def test_adapters_import_only_the_spec_and_the_protocols_contract():

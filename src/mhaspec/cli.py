@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from . import __version__
@@ -175,9 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, launcher: Any = None) -> int:
+    """``launcher``: the ranks of a distributed adapter, already running (``python -m mhaspec.dist``)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    args.launcher = launcher
     keep_freed_pages()  # a block's freed temporaries are reused by the next block (mhaspec.allocator)
     if args.command is None:
         parser.print_help()
@@ -276,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         session = Session(adapter, golden=golden, timeout=timeout, precision=args.precision, backward=args.backward,
-                          isolate=not args.no_isolate, world=args.world,
+                          isolate=not args.no_isolate, world=args.world, launcher=args.launcher,
                           **({"device": args.device} if args.no_isolate else {}))
         width = Report.case_width(select_cases(session.golden, None, args.pattern))
         framework, version = session.framework

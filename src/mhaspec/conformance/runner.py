@@ -81,6 +81,7 @@ class Session:
         *,
         isolate: bool = True,
         world: int | None = None,
+        launcher: Any = None,
         **options: Any,
     ) -> None:
         if precision not in PRECISIONS:
@@ -138,14 +139,16 @@ class Session:
         self._launcher: Any = None
         self._promised: Mapping[str, int] | None = None
         try:
-            self._start_ranks(info.get("distributed"), world, adapter)
+            self._start_ranks(info.get("distributed"), world, adapter, launcher)
         except BaseException:
             self.close()
             raise
 
-    def _start_ranks(self, distributed: Mapping[str, Any] | None, world: int | None, adapter: Any) -> None:
+    def _start_ranks(self, distributed: Mapping[str, Any] | None, world: int | None, adapter: Any,
+                     launcher: Any = None) -> None:
         """For a distributed adapter, start its ranks (world ``world``, default 2) on its launcher in place of
-        the worker that described it; ``world`` for any other adapter is an error."""
+        the worker that described it — ``launcher`` where given (``python -m mhaspec.dist``: the job's ranks
+        are already running) —; ``world`` for any other adapter is an error."""
         if distributed is None:
             if world is not None:
                 raise MhaspecError(f"--world {world}: adapter {self.name} is not distributed (it has no "
@@ -157,7 +160,7 @@ class Session:
         ref = getattr(self._worker, "adapter_ref", None) if isinstance(adapter, Transport) else adapter
         self._worker.close()  # the worker only described the adapter: its ranks compute
         self._has_supports = False  # (layout.problem() decides what a layout cannot shard)
-        self._launcher = ranks.launcher_for(distributed.get("launcher", ""))
+        self._launcher = launcher or ranks.launcher_for(distributed.get("launcher", ""))
         description = self._launcher.start(ref if ref is not None else self.name, world)
         layout = description.get("layout")
         self.layout = layout if isinstance(layout, Layout) else Layout(**(layout or {}))

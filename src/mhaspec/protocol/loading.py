@@ -110,6 +110,14 @@ BUILTINS: dict[str, BuiltinAdapter] = {
                        "distributed (threads): Ulysses, all-to-all of rows for heads and back"),
         BuiltinAdapter("numpy-allgather", "mhaspec.adapters.numpy_ranks:NumpyAllgather", "numpy",
                        "distributed (threads): every rank all-gathers the keys and values"),
+        BuiltinAdapter("torch-tp", "mhaspec.adapters.torch_ranks:TorchTensorParallel", "torch",
+                       "DTensor tensor parallelism (ColwiseParallel q/k/v, RowwiseParallel out) on torch.distributed"),
+        BuiltinAdapter("torch-ring", "mhaspec.adapters.torch_ranks:TorchRing", "torch",
+                       "ring attention on torch.distributed: batch_isend_irecv, LSE merge, contiguous chunks"),
+        BuiltinAdapter("torch-ring-zigzag", "mhaspec.adapters.torch_ranks:TorchRingZigzag", "torch",
+                       "the same ring with zigzag chunks (rank c owns chunks c and 2·cp − 1 − c)"),
+        BuiltinAdapter("torch-ulysses", "mhaspec.adapters.torch_ranks:TorchUlysses", "torch",
+                       "Ulysses on torch.distributed: all_to_all_single trades rows for heads and back"),
     ]
 }
 

@@ -138,6 +138,18 @@ def encode_frame(header: Mapping[str, Any], payload: bytes | safetensors.Parts =
     return FRAME.pack(len(text), len(payload)) + text + bytes(payload)
 
 
+def decode_frame(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """(header, payload) of the bytes of one message (:func:`encode_frame`); :class:`Malformed` otherwise."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < FRAME.size:
+        raise Malformed(f"a message of {view.nbytes} bytes, shorter than its {FRAME.size}-byte frame")
+    n_header, n_payload = FRAME.unpack(view[:FRAME.size])
+    check_lengths(n_header, n_payload)
+    if view.nbytes != FRAME.size + n_header + n_payload:
+        raise Malformed(f"a message of {view.nbytes} bytes whose frame says {FRAME.size + n_header + n_payload}")
+    return decode_header(bytes(view[FRAME.size:FRAME.size + n_header])), view[FRAME.size + n_header:]
+
+
 def check_lengths(n_header: int, n_payload: int) -> None:
     if n_header > MAX_HEADER or n_payload > MAX_PAYLOAD:
         raise Malformed(f"a message of {n_header} + {n_payload} bytes")
