@@ -32,7 +32,7 @@ from mhaspec.reference.onthefly import golden_case  # noqa: E402
 from mhaspec.reference.ranks import rank_stages  # noqa: E402
 from mhaspec.spec.ranks import Layout  # noqa: E402
 
-pytestmark = [pytest.mark.jax, pytest.mark.distributed]
+pytestmark = pytest.mark.distributed  # tox's distributed env (it installs jax and flax too); not the jax env: run once
 
 GOLDEN = GoldenSet()
 MUTANTS = str(Path(__file__).with_name("jax_rank_mutants.py"))
