@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator import keep_freed_pages, release_freed_memory
+from ..allocator import (WORKER_MMAP_THRESHOLD, WORKER_TRIM_THRESHOLD, keep_freed_pages, no_huge_page_advice,
+                         release_freed_memory)
 from ..environment import describe as describe_environment
 from ..errors import AdapterError
 from ..spec import Case
@@ -69,7 +70,10 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
     ``run()`` or ``backward()`` that returned carries this process's environment
     again (``environment``): what the adapter imported or set up while computing.
     """
-    keep_freed_pages()  # the adapter's temporaries, freed, are reused by the next case (mhaspec.allocator)
+    # the adapter's temporaries, however large, freed, are reused within the case and by the next one, in
+    # pages of 4 KiB (mhaspec.allocator)
+    keep_freed_pages(WORKER_MMAP_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    no_huge_page_advice()
     case: Case | None = None
     described = False
     while True:
