@@ -94,6 +94,8 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
             reply, data = call_adapter(adapter, step, case)
             if "seq" in header:
                 reply["seq"] = header["seq"]  # which request this answers
+            if step != "supports":
+                release_freed_memory()  # the adapter's freed temporaries, not held while the reply is sent
             if not described and step != "supports" and reply["ok"]:
                 reply["environment"] = describe_environment(process="worker")
                 described = True
