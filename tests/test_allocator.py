@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,17 @@ def test_importing_mhaspec_changes_no_allocator_setting():
     out = subprocess.run([sys.executable, "-c", "import mhaspec, sys; print('mhaspec.allocator' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_no_huge_page_advice_turns_numpys_advice_off():
+    """In a fresh process: numpy advises huge pages by default (Linux), and no longer once asked."""
+    code = """
+import numpy as np
+from mhaspec import allocator
+get = np._core.multiarray._get_madvise_hugepage
+before = get()
+print(before, allocator.no_huge_page_advice(), get())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "NUMPY_MADVISE_HUGEPAGE": "1"}).stdout.split()
+    assert out == ["True", "True", "False"], out

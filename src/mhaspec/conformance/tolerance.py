@@ -29,6 +29,7 @@ import numpy as np
 
 from ..fixtures import GoldenCase
 from ..spec import STAGE, variant_ops
+from ..spec.masks import seen_keys
 from ..spec.stages import forward_stages, local_inputs
 from ..spec.tolerance import DEFAULT_TOLERANCES, ToleranceTable
 from . import judging
@@ -196,8 +197,10 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                                       (out.attn_weights, extra_p, tol_p[n, rows])):
                     inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst,
                                            buf)
-        if lse_in:
-            e_l = variant_rules.scores_lse(b[0], b[1], sN[n, rows], pN[n, rows], visN[n, rows], lse_g[n, rows], a_s, r)
+        if lse_in:  # over the keys the chunk's rows see where later ones are masked (no term; a_s keeps S)
+            k = seen_keys(visN[n, rows]) if seen_only else S
+            e_l = variant_rules.scores_lse(b[0][..., :k], b[1][..., :k], sN[n, rows, :k], pN[n, rows, :k],
+                                           visN[n, rows, :k], lse_g[n, rows], a_s, r)
             lse_var[n, rows], lse_acc[n, rows] = e_l.var, e_l.acc
 
     # the general path's arithmetic on an adapter's own NaN and inf (a deviation bound, a local
@@ -341,8 +344,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             ref_l, sig_l, wor_l = np.empty((N, T, 1)), np.empty((N, T, 1)), np.empty((N, T, 1))
 
             def lses(n: slice, rows: slice, buf: Scratch) -> None:  # per row: chunked, the same numbers
-                ref_c, b_c = variant_rules.local_lse(sL[n, rows], visN[n, rows], None if sinks is None else sinks[n],
-                                                     r, worst_case)
+                # a block's chunk over the keys its rows see (later ones are masked: no term; the sum's
+                # coefficient keeps the whole row's S)
+                k = seen_keys(visN[n, rows]) if seen_only else S
+                ref_c, b_c = variant_rules.local_lse(sL[n, rows, :k], visN[n, rows, :k],
+                                                     None if sinks is None else sinks[n], r, worst_case, length=S)
                 ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
 
             each(lses)

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator import keep_freed_pages, release_freed_memory
+from ..allocator import (WORKER_MMAP_THRESHOLD, WORKER_TRIM_THRESHOLD, keep_freed_pages, no_huge_page_advice,
+                         release_freed_memory)
 from ..environment import describe as describe_environment
 from ..errors import AdapterError
 from ..spec import Case
@@ -82,7 +83,10 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
     ``run()`` or ``backward()`` that returned carries this process's environment
     again (``environment``): what the adapter imported or set up while computing.
     """
-    keep_freed_pages()  # the adapter's temporaries, freed, are reused by the next case (mhaspec.allocator)
+    # the adapter's temporaries, however large, freed, are reused within the case and by the next one, in
+    # pages of 4 KiB (mhaspec.allocator)
+    keep_freed_pages(WORKER_MMAP_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    no_huge_page_advice()
     case: Case | None = None
     described = False
     for header, payload in requests(pipe):
@@ -97,6 +101,8 @@ def serve(pipe: wire.Pipe, adapter: Any) -> None:
             reply, data = call_adapter(adapter, step, case)
             if "seq" in header:
                 reply["seq"] = header["seq"]  # which request this answers
+            if step != "supports":
+                release_freed_memory()  # the adapter's freed temporaries, not held while the reply is sent
             if not described and step != "supports" and reply["ok"]:
                 reply["environment"] = describe_environment(process="worker")
                 described = True

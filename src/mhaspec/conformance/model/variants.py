@@ -573,9 +573,11 @@ def log_sum_exp(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None) -> np.n
 
 
 def local_lse(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None, r: Rounding,
-              worst_case: bool) -> tuple[np.ndarray, Bound]:
+              worst_case: bool, length: int | None = None) -> tuple[np.ndarray, Bound]:
     """lse recomputed in float64 from the adapter's own scores (N, T, S) (and the sink logits (N, 1, 1)):
-    :func:`lse` with the scores' storage rounding (u²·s²) as their error.  -> ((N, T, 1), its bound)."""
+    :func:`lse` with the scores' storage rounding (u²·s²) as their error.  ``length``: the rows' whole
+    length S where ``s`` holds only the first keys, those the rows see (the sum's coefficient is the whole
+    row's).  -> ((N, T, 1), its bound)."""
     from .local import local_bound
     from .softmax import softmax_visible
 
@@ -585,5 +587,6 @@ def local_lse(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None, r: Roundi
     if sink is not None:
         s_k, vis_k, ts2_k = with_sink(s, sink), with_sink(vis, np.any(vis, axis=-1, keepdims=True)), with_sink(ts2, 0.0)
     p = softmax_visible(s_k, vis_k)
-    e = lse(p, ts2_k, np.abs(np.where(vis_k, s_k, 0.0)), vis_k, ref, r.accumulation(s_k.shape[-1]), r)
+    keys = s_k.shape[-1] if length is None else length + s_k.shape[-1] - s.shape[-1]  # the sink: one more
+    e = lse(p, ts2_k, np.abs(np.where(vis_k, s_k, 0.0)), vis_k, ref, r.accumulation(keys), r)
     return ref, local_bound(e, r, worst_case)
