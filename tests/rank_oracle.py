@@ -27,8 +27,8 @@ def golden_ranks(case_id: str, layout: Layout) -> tuple[dict[str, np.ndarray], .
 
 
 def shardable(layout: Layout, *, ids: tuple[str, ...] | None = None) -> list[CaseSpec]:
-    """The catalog cases ``layout`` can shard (no decode schedule; :meth:`Layout.problem` says none)."""
-    return [s for s in CATALOG if s.schedule is None and (ids is None or s.id in ids)
+    """The catalog cases ``layout`` can shard (no decode schedule, not packed; :meth:`Layout.problem` says none)."""
+    return [s for s in CATALOG if s.schedule is None and s.seq_lens is None and (ids is None or s.id in ids)
             and layout.problem(s.config, s.tgt_len, s.src_len) is None]
 
 

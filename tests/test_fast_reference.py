@@ -37,7 +37,7 @@ def test_fast_reference_is_within_its_bound_on_every_committed_case():
     from mhaspec.reference.variants import lse
 
     for golden in GoldenSet():
-        fast = forward_fast(golden.spec.config, golden.inputs, golden.weights)
+        fast = forward_fast(golden.spec.config, golden.inputs, golden.weights, golden.spec.seq_lens)
         variant = golden.spec.config.has_variants or golden.spec.bias is not None
         exact = {s: golden.stages[s] for s in forward_stages(golden.spec.config)} if variant else {
             **{s: golden.stages[s] for s in STAGES}, "lse": lse(golden.stages["scores"], golden.visible, None)}

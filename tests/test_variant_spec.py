@@ -77,8 +77,9 @@ def test_defaults_leave_every_committed_case_json_and_manifest_unchanged():
     by_id = {entry["spec"]["id"]: entry["spec"] for entry in manifest["cases"]}
     assert set(by_id) == set(CATALOG.ids())
     assert manifest["spec_version"] == "1.2"
-    plain = [spec for spec in CATALOG if not spec.config.has_variants and spec.bias is None and spec.schedule is None]
-    assert len(plain) == 28  # the spec-1.1 catalog (a case with a schedule came later: docs/serving.md)
+    plain = [spec for spec in CATALOG if not spec.config.has_variants and spec.bias is None and spec.schedule is None
+             and spec.seq_lens is None]
+    assert len(plain) == 28  # the spec-1.1 catalog (schedules and packed cases came later: docs/serving.md)
     for spec in CATALOG:
         assert spec.model_dump(mode="json") == by_id[spec.id], spec.id
         assert CaseSpec.model_validate(by_id[spec.id]) == spec
@@ -135,8 +136,9 @@ def test_window_edges():
 
 # -- the exact reference against plain numpy ---------------------------------------------------------
 
-def naive_forward(cfg: MHAConfig, inputs: dict, weights: dict) -> dict[str, np.ndarray]:
-    """The variants written out directly in float64 numpy (np.tanh, np.cos, np.exp: not correctly rounded)."""
+def naive_forward(cfg: MHAConfig, inputs: dict, weights: dict, seq_lens=None) -> dict[str, np.ndarray]:
+    """The variants written out directly in float64 numpy (np.tanh, np.cos, np.exp: not correctly rounded);
+    ``seq_lens``: a packed case's lengths (keys j >= l_b invisible to entry b, docs/serving.md)."""
     x_q, x_k, x_v = inputs["query"], inputs["key"], inputs["value"]
     B, T, _ = x_q.shape
     S = x_k.shape[1]
@@ -187,6 +189,8 @@ def naive_forward(cfg: MHAConfig, inputs: dict, weights: dict) -> dict[str, np.n
     vis = np.broadcast_to(vis, s.shape)
     if inputs.get("mask") is not None:
         vis = vis & inputs["mask"]
+    if seq_lens is not None:
+        vis = vis & (np.arange(S)[None, None, None, :] < np.asarray(seq_lens)[:, None, None, None])
     logits = np.where(vis, s, -np.inf)
     if cfg.sinks:
         sink = np.broadcast_to(weights["sink_logits"][None, :, None, None], (B, H, T, 1))
@@ -248,7 +252,7 @@ def test_every_variant_fixture_agrees_with_plain_numpy(case_id):
 
     golden = GoldenSet().load(case_id)
     assert golden.reference_error is None  # every stage stored exactly, lse included
-    naive = naive_forward(golden.spec.config, golden.inputs, golden.weights)
+    naive = naive_forward(golden.spec.config, golden.inputs, golden.weights, golden.spec.seq_lens)
     assert set(naive) == set(forward_stages(golden.spec.config)) <= set(golden.stages)
     for stage in naive:
         _scaled_close(f"{case_id}: {stage}", golden.stages[stage], naive[stage])

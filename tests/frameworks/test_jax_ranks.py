@@ -68,7 +68,7 @@ def launcher(adapter: str, world: int) -> JaxLauncher:
 
 
 def fits(layout: Layout, spec) -> bool:
-    return spec.schedule is None and layout.problem(spec.config, spec.tgt_len, spec.src_len) is None
+    return spec.schedule is None and spec.seq_lens is None and layout.problem(spec.config, spec.tgt_len, spec.src_len) is None
 
 
 def errors(golden, layout: Layout, replies) -> dict[tuple[int, str], float]:

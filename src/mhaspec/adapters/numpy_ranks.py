@@ -159,6 +159,8 @@ class NumpyRanks:
     def supports(self, case: Case) -> bool | str:
         if case.schedule is not None:
             return f"{self.name}: decode schedules are not sharded (the forward pass only)"
+        if case.seq_lens is not None:
+            return f"{self.name}: packed cases (seq_lens) are not sharded"
         return NumpyMHA().supports(case)
 
     def run_rank(self, ctx: Any, case: Case) -> dict[str, np.ndarray]:

@@ -65,6 +65,9 @@ LAUNCHERS: dict[str, str] = {
 
 #: Why a case with a schedule is not judged with a distributed adapter.
 NO_SCHEDULE = "a case with a schedule (decode) is not sharded: a distributed adapter runs run_rank(ctx, case) only"
+#: Why a packed case is not judged with a distributed adapter (its ranks would read the NaN padding rows).
+NO_PACKED = ("a packed case (seq_lens) is not sharded: its padding rows are NaN and no layout of docs/distributed.md "
+             "cuts sequences")
 #: Why a distributed adapter's backward stages are not judged.
 FORWARD_ONLY = "a distributed adapter is judged forward only (run_rank; docs/distributed.md)"
 

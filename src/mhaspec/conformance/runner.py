@@ -318,6 +318,8 @@ class Session:
         assert layout is not None
         if spec.schedule is not None:
             return CaseResult(golden.id, dtype, UNSUPPORTED, message=ranks.NO_SCHEDULE)
+        if spec.seq_lens is not None:
+            return CaseResult(golden.id, dtype, UNSUPPORTED, message=ranks.NO_PACKED)
         problem = layout.problem(spec.config, spec.tgt_len, spec.src_len)
         if problem:
             return CaseResult(golden.id, dtype, UNSUPPORTED, message=f"layout {layout.describe()}: {problem}")
