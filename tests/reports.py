@@ -17,14 +17,13 @@ from mhaspec.spec import CATALOG
 
 _REPORTS: dict[tuple[int, str, bool], tuple[Any, Any]] = {}
 
-#: The catalog's cases without a schedule: those an implementation without ``decode(case)`` is judged on
-#: (a schedule case is ``unsupported`` there; the decode zoo proves the schedule cases: test_decode_proofs).
-WITHOUT_SCHEDULE = [case_id for case_id in CATALOG.ids() if CATALOG[case_id].schedule is None]
-
-
 def judged_cases(adapter: Any) -> list[str]:
-    """The catalog cases ``adapter`` is judged on: every case with ``decode``, else :data:`WITHOUT_SCHEDULE`."""
-    return CATALOG.ids() if callable(getattr(adapter, "decode", None)) else WITHOUT_SCHEDULE
+    """The catalog cases ``adapter`` is judged on: a case with a schedule only with ``decode(case)``, a packed case
+    (``seq_lens``) only with ``packed = True`` — elsewhere they are ``unsupported`` (docs/serving.md); the decode,
+    paged and packed zoos prove those cases (test_decode_proofs, test_paged_proofs, test_packed_proofs)."""
+    decodes, packs = callable(getattr(adapter, "decode", None)), getattr(adapter, "packed", False) is True
+    return [case_id for case_id in CATALOG.ids()
+            if (CATALOG[case_id].schedule is None or decodes) and (CATALOG[case_id].seq_lens is None or packs)]
 
 
 def report_of(adapter: Any, precision: str = "standard", backward: bool = False) -> Any:

@@ -109,7 +109,8 @@ def variant_golden():
     from mhaspec.spec.variants import variants_used
 
     # (the variant cases with a schedule are judged through decode(case): tests/test_decode_proofs.py)
-    built_in = [cid for cid in CATALOG.ids() if variants_used(CATALOG[cid]) and CATALOG[cid].schedule is None]
+    built_in = [cid for cid in CATALOG.ids() if variants_used(CATALOG[cid]) and CATALOG[cid].schedule is None
+                and CATALOG[cid].seq_lens is None]
     if built_in:
         return GoldenSet(), built_in
     with judged_variants():
