@@ -39,6 +39,7 @@ from ...spec import Case
 from ...spec.ranks import Layout
 from .. import wire
 from ..ranks import RankContext, RankReply, is_distributed
+from ..worker import requests
 from .base import AdapterCrash, CaseTimeout
 from .process import LOAD_TIMEOUT, Process, ProcessTransport
 
@@ -169,13 +170,7 @@ def load(ref: str, options: Mapping[str, Any], world: int) -> tuple[Any, Layout,
 
 def serve(pipe: wire.Pipe, adapter: Any, layout: Layout, mesh: Any) -> None:
     """Answer ``run`` requests (a case) with every rank's reply until ``close`` or the end of the pipe."""
-    while True:
-        try:
-            header, payload = pipe.recv()
-        except wire.Closed:
-            return
-        if header.get("op") == "close":
-            return
+    for header, payload in requests(pipe):
         if header.get("op") != "run":
             raise wire.Malformed(f"a request with op {header.get('op')!r} (the jax launcher's worker runs cases)")
         case, request_seq = wire.case_from_message(header["case"], payload), header.get("seq")

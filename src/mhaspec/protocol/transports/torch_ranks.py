@@ -39,6 +39,7 @@ from ...io import safetensors
 from ...spec import Case
 from .. import wire
 from ..ranks import RankContext, RankReply, is_distributed
+from ..worker import requests
 from .process import LOAD_TIMEOUT, Process, death_cause
 
 #: The collective kinds of torch's c10d ops (``torch.ops.c10d`` as ``dist.*`` dispatches them, and the
@@ -201,13 +202,7 @@ def rank_main(argv: list[str]) -> None:
 
 def serve_rank(pipe: wire.Pipe, adapter: Any, ctx: RankContext) -> None:
     """Answer ``run`` requests until ``close`` or the end of the pipe."""
-    while True:
-        try:
-            header, payload = pipe.recv()
-        except wire.Closed:
-            return
-        if header.get("op") == "close":
-            return
+    for header, payload in requests(pipe):
         if header.get("op") != "run":
             raise wire.Malformed(f"a request with op {header.get('op')!r} to a rank")
         case = wire.case_from_message(header["case"], payload)
