@@ -104,13 +104,16 @@ def test_variant_bugs_are_found_and_shrunk_to_the_variant_they_need(bug, variant
     assert [r.first_failing_stage for r in report.results] == [outcome.results[0].first_failing_stage]
 
 
-def test_fuzz_serving_draws_schedules_and_numpy_passes():
+def test_fuzz_serving_draws_schedules_packings_and_pages_and_numpy_passes():
     judged = []
-    outcome = fuzz("numpy", examples=40, seed=0, dtypes=["float32"], serving=True,
+    outcome = fuzz("numpy", examples=60, seed=0, dtypes=["float32"], serving=True,
                    progress=lambda spec, _: judged.append(spec))
-    assert not outcome.found and outcome.examples == 40
-    assert all(spec.schedule is not None and sum(spec.schedule) == spec.tgt_len for spec in judged)
-    assert any(len(spec.schedule) > 2 for spec in judged) and any(1 in spec.schedule[1:] for spec in judged)
+    assert not outcome.found and outcome.examples == 60
+    scheduled = [spec for spec in judged if spec.schedule is not None]
+    assert all(sum(spec.schedule) == spec.tgt_len for spec in scheduled)
+    assert all(spec.schedule is not None or spec.seq_lens is not None for spec in judged)
+    assert any(len(spec.schedule) > 2 for spec in scheduled) and any(1 in spec.schedule[1:] for spec in scheduled)
+    assert any(spec.page_size is not None for spec in scheduled) and any(spec.seq_lens for spec in judged)
 
 
 @pytest.mark.parametrize("bug, stage", [("offset_ignored", None), ("appended_twice", "k_proj"),
@@ -129,5 +132,55 @@ def test_decode_bugs_are_found_and_shrunk_to_a_short_schedule(bug, stage, tmp_pa
     path = tmp_path / "case.json"
     path.write_text(outcome.catalog_json())
     assert json.loads(path.read_text())[0]["schedule"] == list(spec.schedule)
+    report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
+    assert [r.first_failing_stage for r in report.results] == [result.first_failing_stage]
+
+
+def _serving_only(impl, layout: str):
+    """``impl`` (a zoo implementation of one serving path) refusing every other case: packed ones only (and no
+    explicit mask: the zoo's packed kernels do not handle a row the mask hides entirely, which the built-in
+    packed paths do) or paged ones only."""
+    class Only(type(impl)):
+        def supports(self, case):
+            if layout == "packed":
+                return True if case.seq_lens is not None and case.inputs.mask is None else "packed cases only"
+            return True if case.page_size is not None else "paged cases only"
+
+    return Only(**{f: getattr(impl, f) for f in impl.__dataclass_fields__})
+
+
+def test_fuzz_serving_draws_packings_and_page_tables_and_the_correct_paths_pass():
+    from .packed_zoo import CORRECT
+    from .paged_zoo import CORRECT_PAGED
+
+    for impl, layout in ((CORRECT["packed"], "packed"), (next(iter(CORRECT_PAGED.values())), "paged")):
+        judged = []
+        outcome = fuzz(_serving_only(impl, layout), examples=30, seed=0, dtypes=["float32"], serving=True,
+                       progress=lambda spec, _: judged.append(spec))
+        assert not outcome.found, (layout, outcome.catalog_json() if outcome.found else "")
+        assert judged and all((s.seq_lens if layout == "packed" else s.block_table) is not None for s in judged)
+        if layout == "paged":
+            assert {s.page_size for s in judged} != {1} and all(len(t) == -(-s.src_len // s.page_size)
+                                                                for s in judged for t in s.block_table)
+
+
+@pytest.mark.parametrize("bug, layout, unit", [("cu_seqlens_off_by_one", "packed", "sequence"),
+                                               ("rope_continues", "packed", "sequence"),
+                                               ("page_off_by_one", "paged", "call"),
+                                               ("stale_page", "paged", "call")])
+def test_packed_and_paged_bugs_are_found_and_shrunk(bug, layout, unit, tmp_path):
+    from .packed_zoo import KILL_LIST
+    from .paged_zoo import PAGED_KILL_LIST
+
+    adapter = _serving_only((KILL_LIST if layout == "packed" else PAGED_KILL_LIST)[bug], layout)
+    outcome = fuzz(adapter, examples=150, seed=0, dtypes=["float32"], serving=True)
+    assert outcome.found, bug
+    spec, result = outcome.spec, outcome.results[0]
+    assert result.message.startswith(f"{unit} "), result.message
+    assert spec.tgt_len <= 4 and spec.batch <= 2, spec
+    path = tmp_path / "case.json"
+    path.write_text(outcome.catalog_json())
+    drawn = json.loads(path.read_text())[0]
+    assert ("seq_lens" if layout == "packed" else "block_table") in drawn, drawn
     report = mhaspec.check(adapter, dtypes=["float32"], golden=OnTheFlyGolden(path), timeout=None)
     assert [r.first_failing_stage for r in report.results] == [result.first_failing_stage]

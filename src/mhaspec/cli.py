@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         help="judge an adapter on random configurations (hypothesis); shrink a failure to a minimal case",
         description="Draw random MHA configurations (sizes including 1, T != S and T = S, head sizes 1-256, "
         "GQA/MQA, kdim/vdim, bias, causal in both alignments, masks with fully masked rows, self-/cross-attention "
-        "with key = value or distinct, the attention variants, schedules of calls against a KV cache), compute "
+        "with key = value or distinct, the attention variants, schedules of calls against a KV cache, paged caches, packed sequences), compute "
         "each with the fast float64 reference and judge it like a catalog case. Cases the adapter's supports() refuses are skipped. On a failure, shrink it to a minimal case "
         "and print it as catalog JSON that `mhaspec run ADAPTER --catalog FILE.json` reproduces. Needs the "
         "extra `fuzz` (hypothesis).",
@@ -133,8 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     fz.add_argument("--dtype", action="append", metavar="DTYPE",
                     help="dtypes to judge each case in; repeat or comma-separate (default: all four)")
     fz.add_argument("--serving", action="store_true",
-                    help="every case has a schedule (prefill, decode steps, chunks against the adapter's KV cache), "
-                    "judged call by call through its decode(case) (docs/serving.md); a failure shrinks to fewer calls")
+                    help="every case has a serving layout: a schedule (prefill, decode steps, chunks against the adapter's "
+                    "KV cache, paged or not), judged call by call through its decode(case), or packed sequences "
+                    "(seq_lens) (docs/serving.md); a failure shrinks to fewer calls and shorter sequences")
     fz.add_argument("--device", help="device for adapters that take one")
     fz.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                     help="per-case timeout for the adapter (default 300; 0 = none)")

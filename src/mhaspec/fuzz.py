@@ -9,9 +9,11 @@ attention variants of docs/spec.md §2a that are judged (windows of 0 to S + 1
 keys, softcap, standard and custom ALiBi, an additive bias input, sinks, RoPE in
 both styles with partial rotary_dim and position offsets), each off unless drawn
 on, so that a shrunk case keeps only the variants its failure needs; and the serving
-layouts of docs/serving.md: a schedule of calls against the adapter's KV cache (judged
-through ``decode(case)``; an adapter without it reports such a case unsupported, which is
-then not an example), shrunk towards fewer calls.  Each is
+layouts of docs/serving.md: packed sequences (``seq_lens``), a schedule of calls against
+the adapter's KV cache (judged through ``decode(case)``), paged or not (``page_size``, a
+block table drawn from the seed); an adapter without the path reports such a case
+unsupported, which is then not an example; shrunk towards shorter sequences, fewer calls,
+no pages.  Each is
 computed by the fast reference (:mod:`mhaspec.reference.onthefly`) and judged
 through the same :class:`~mhaspec.conformance.Session` as ``mhaspec run``.
 
@@ -50,7 +52,8 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
                max_features: int = 512, serving: bool = False) -> Any:
     """A hypothesis strategy of valid :class:`CaseSpec` (id ``fuzz``).
 
-    ``serving``: every case has a schedule (docs/serving.md), so causal aligned bottom-right with S >= T.
+    ``serving``: every case is packed (``seq_lens``) or has a schedule (docs/serving.md), so causal aligned
+    bottom-right with S >= T.
 
     Shrinks towards one batch entry, T = S = 1, one head, head_dim 1, no bias,
     no mask, self-attention, seed 0.  ``max_features`` caps H·D_k and every
@@ -111,7 +114,7 @@ def case_specs(max_len: int = 24, max_batch: int = 3, max_heads: int = 8, max_he
         if judged("bias") and draw(st.booleans()):
             bias = BiasSpec(per_batch=draw(st.booleans()), per_head=draw(st.booleans()),
                             exponent=draw(st.sampled_from([4, 2, 6])))
-        layout = draw_serving(draw, st, config, T, S, always=serving)
+        layout = draw_serving(draw, st, config, batch, T, S, always=serving)
         return CaseSpec(
             id="fuzz", description="found by mhaspec fuzz", config=MHAConfig(**config),
             batch=batch, tgt_len=T, src_len=S, inputs=inputs, mask=mask,
@@ -164,13 +167,18 @@ def draw_schedule(draw: Callable[[Any], Any], st: Any, T: int) -> tuple[int, ...
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def draw_serving(draw: Callable[[Any], Any], st: Any, config: dict[str, Any], T: int, S: int,
+def draw_serving(draw: Callable[[Any], Any], st: Any, config: dict[str, Any], batch: int, T: int, S: int,
                  always: bool = False) -> dict[str, Any]:
-    """The serving layout of the case (docs/serving.md), off unless a boolean says on (or ``always``): a
-    schedule where the case allows one (causal aligned bottom-right, S >= T)."""
+    """The serving layout of the case (docs/serving.md), off unless a boolean says on (or ``always``): packed
+    sequences (``seq_lens``, one length in [1, T] per batch entry) where T = S; else a schedule where the case
+    allows one (causal aligned bottom-right, S >= T), its cache paged (``page_size`` 1 … S; the block table
+    drawn from the case's seed) or not.  Each shrinks towards off: lengths towards 1, fewer calls, no pages."""
+    if T == S and draw(st.booleans()):
+        return {"seq_lens": tuple(draw(st.integers(1, T)) for _ in range(batch))}
     allowed = config.get("causal") and config.get("causal_alignment") == "bottom_right" and S >= T
     if allowed and (always or draw(st.booleans())):
-        return {"schedule": draw_schedule(draw, st, T)}
+        paging = {"page_size": draw(st.integers(1, S))} if draw(st.booleans()) else {}
+        return {"schedule": draw_schedule(draw, st, T), **paging}
     return {}
 
 
@@ -219,7 +227,7 @@ def fuzz(
 
     ``adapter`` is anything :class:`~mhaspec.conformance.Session` takes; one session (one
     worker process) judges every example.  ``serving``: every case has a schedule, judged call by call
-    through the adapter's ``decode(case)`` (docs/serving.md).
+    through the adapter's ``decode(case)``, paged or not, or is packed (docs/serving.md).
     """
     hypothesis = _hypothesis()
     from .conformance import Session
