@@ -108,9 +108,9 @@ def decodes(name: str, case_id: str) -> bool:
 
 
 #: Why a schedule case is unsupported: no decode(), an undeclared variant, no paged cache, torch-flex's
-#: decode of paged cases only
+#: decode of paged cases only, onnxruntime's missing bfloat16 kernels (its answer in bfloat16, paged or not)
 REFUSALS = (NO_DECODE, "does not declare the variant", not_paged(CATALOG[PAGED_CASES[0]].case()),
-            "torch-flex decodes a paged case only")
+            "torch-flex decodes a paged case only", "has no bfloat16 kernel")
 
 #: The adapters that declare ``packed = True`` (docs/serving.md): they pass every packed case (``seq_lens``) in every
 #: dtype; every other adapter leaves them unsupported (packed.NOT_PACKED, or a variant it does not declare).  Like a
