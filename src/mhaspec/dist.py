@@ -1,5 +1,6 @@
 """``python -m mhaspec.dist ADAPTER [mhaspec run's options]``: a distributed adapter judged under torchrun or
-srun, one process per rank (docs/distributed.md, "On a cluster").
+srun, one process per rank, or (an adapter of the ``jax`` launcher) under ``jax.distributed.initialize``, one
+process per host (docs/distributed.md, "On a cluster").
 
 Every process of the job runs this module.  Each reads its place from the environment — torchrun's
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (or Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS`` with
@@ -15,7 +16,15 @@ adapter, and then:
 * every other rank follows: a case, its rank, its reply, until rank 0 says it is done.
 
 The exit status is ``mhaspec run``'s (0 conforms, 1 fails, 2 a usage error), rank 0's, sent to every rank
-so that every process exits with it.  A rank that hangs is bounded by the group's timeout (``--timeout``,
+so that every process exits with it.
+
+A JAX adapter (``launcher = "jax"``) takes :func:`jax_main` instead: every process calls
+``jax.distributed.initialize`` (``--coordinator``, ``--num-processes``, ``--process-id``, or what JAX reads from
+the cluster's environment, e.g. Slurm's), and every process runs the same ``mhaspec run ADAPTER --world N``
+(N = ``jax.device_count()``, every process's devices) with :class:`JaxClusterLauncher`: the case selection is
+the same everywhere, so every process issues the same SPMD programs in the same order, and each gets every
+rank's stages (the built-in adapters gather them across processes).  Process 0 prints and writes the report;
+the others compute in silence.  A rank that hangs is bounded by the group's timeout (``--timeout``,
 default :data:`~mhaspec.protocol.transports.torch_ranks.GROUP_TIMEOUT`), not killed: the processes are
 torchrun's or srun's.
 """
@@ -150,15 +159,99 @@ def loaded_everywhere(ref: str, rank: int, world: int) -> tuple[Any, Any] | None
     return adapter, layout
 
 
+class JaxClusterLauncher:
+    """A :class:`~mhaspec.protocol.ranks.RankLauncher` for one process of a JAX job (:func:`jax_main`): every
+    rank of a case through the one SPMD program on the job's global mesh
+    (:func:`~mhaspec.protocol.transports.jax_ranks.run_ranks`)."""
+
+    def __init__(self, adapter: Any, layout: Any, mesh: Any, info: dict[str, Any]) -> None:
+        self.adapter, self.layout, self.mesh, self.info = adapter, layout, mesh, info
+
+    def start(self, adapter: Any, world: int) -> dict[str, Any]:
+        if world != self.layout.world:
+            raise ValueError(f"--world {world}: this job has {self.layout.world} devices")
+        return self.info
+
+    def run(self, case: Case, timeout: float | None) -> list[RankReply]:
+        from .protocol.transports.jax_ranks import run_ranks
+
+        return run_ranks(self.adapter, self.layout, self.mesh, case)
+
+    def close(self) -> None:
+        """Nothing: the processes are the job's."""
+
+
+def without_report(options: Sequence[str]) -> list[str]:
+    """``options`` without ``--report FILE`` / ``--report=FILE`` (only process 0 writes the report)."""
+    out, skip = [], False
+    for option in options:
+        if skip:
+            skip = False
+        elif option == "--report":
+            skip = True
+        elif not option.startswith("--report="):
+            out.append(option)
+    return out
+
+
+def jax_main(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    """Every process of a JAX job (module docstring): the same run everywhere, process 0's output and status."""
+    import contextlib
+    import io
+
+    import jax
+
+    from . import cli
+    from .protocol.loading import load_adapter
+    from .protocol.transports.jax_ranks import checked_layout, mesh_for
+
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+    world = jax.device_count()
+    try:
+        adapter = load_adapter(args.adapter)
+        layout = checked_layout(adapter, world)
+    except Exception as exc:  # noqa: BLE001 - a usage error, named, on every process
+        usage(f"process {jax.process_index()}: {exc}")
+    info = {**describe_ranks(adapter, layout, world), "launcher": "jax"}
+    launcher = JaxClusterLauncher(adapter, layout, mesh_for(layout, jax.devices()), info)
+    given = ["--timeout", args.timeout] if args.timeout is not None else []
+    argv = ["run", args.adapter, "--no-isolate", "--world", str(world), *given, *rest]
+    if jax.process_index() == 0:
+        return cli.main(argv, launcher=launcher)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return cli.main(without_report(argv), launcher=launcher)
+
+
+def _jax_adapter(ref: str) -> bool:
+    """Whether ``ref`` names an adapter of the ``jax`` launcher (a built-in's module is not imported to tell)."""
+    from .protocol.loading import BUILTINS, load_adapter
+
+    if ref in BUILTINS:
+        return BUILTINS[ref].target.startswith("mhaspec.adapters.jax_ranks:")
+    try:
+        return getattr(load_adapter(ref), "launcher", None) == "jax"
+    except Exception:  # noqa: BLE001 - the torch path reports a broken adapter, naming the rank
+        return False
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mhaspec.dist",
-        description="One rank of a distributed adapter under torchrun or srun; rank 0 judges every rank "
-        "(docs/distributed.md, \"On a cluster\"). Every option but --backend is mhaspec run's.")
+        description="One rank of a distributed adapter under torchrun or srun (a JAX adapter: one process per "
+        "host under jax.distributed.initialize); rank 0 judges every rank (docs/distributed.md, \"On a cluster\"). "
+        "Every option but --backend, --coordinator, --num-processes and --process-id is mhaspec run's.")
     parser.add_argument("adapter",
                         help="a distributed adapter: torch-tp, torch-ring, …, or module:attr, file.py:attr")
     parser.add_argument("--backend", choices=("gloo", "nccl", "cpu:gloo,cuda:nccl"), default=None,
                         help="the process group's backend (default: gloo; cpu:gloo,cuda:nccl where CUDA is available)")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="a JAX adapter: jax.distributed.initialize's coordinator address (default: from the "
+                        "cluster's environment, e.g. Slurm's)")
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N",
+                        help="a JAX adapter: the job's processes (default: from the cluster's environment)")
+    parser.add_argument("--process-id", type=int, default=None, metavar="I",
+                        help="a JAX adapter: this process's index (default: from the cluster's environment)")
     parser.add_argument("--timeout", default=None, metavar="SECONDS",
                         help="how long a collective waits for its peers (the group's timeout), and mhaspec run's "
                         "per-case timeout")
@@ -167,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
+    if _jax_adapter(args.adapter):
+        return jax_main(args, rest)
     rank, world = place()
     import torch
 

@@ -277,3 +277,28 @@ def test_the_judge_passes_every_rank_in_every_dtype(adapter, world, case_id):
     for res in report.results:
         assert res.verdict == PASS and [r.rank for r in res.ranks] == list(range(world))
         assert all(r.verdict == PASS and r.issued == promised and not r.collectives for r in res.ranks)
+
+
+def test_python_m_mhaspec_dist_runs_a_jax_adapter_in_two_processes(tmp_path):
+    """``python -m mhaspec.dist jax-tp`` in two local processes (one host device each) under
+    ``jax.distributed.initialize``: the same run in both, process 0 prints the verdict and writes the report."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    report = tmp_path / "r.json"
+    procs = [subprocess.Popen([sys.executable, "-m", "mhaspec.dist", "jax-tp", "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(p), "-k", "gqa_self", "--dtype", "float32",
+                               "--report", str(report)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "jax-tp: CONFORMS — 1 pass, 0 fail" in outs[0][0], outs[0][0][-2000:]
+    assert "CONFORMS" not in outs[1][0]
+    ranks = json.loads(report.read_text())["results"][0]["ranks"]
+    assert [(r["rank"], r["verdict"]) for r in ranks] == [(0, "pass"), (1, "pass")]
