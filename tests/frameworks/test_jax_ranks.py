@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,22 +231,29 @@ if process == 0:
 """
 
 
-@pytest.mark.parametrize("adapter, case_id", [("jax-tp", "gqa_self"), ("jax-ring", "self_masked_rows_d8")])
-def test_cluster_path_two_processes(adapter, case_id, tmp_path):
-    """``cluster_ranks`` in two local processes (one host device each) under ``jax.distributed.initialize``:
-    process 0 gets both ranks' stages, exact to float64."""
+def two_processes(argv: Any, env: dict[str, str] | None = None, cwd: Any = None) -> list[tuple[str, str]]:
+    """Run ``argv(process_id, port)`` as processes 0 and 1 of a local JAX job (a free coordinator port); both
+    must exit 0; their (stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, "-c", CLUSTER, str(p), port, adapter, case_id], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in (0, 1)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+    procs = [subprocess.Popen(argv(p, port), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for p in (0, 1)]
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    return outs
+
+
+@pytest.mark.parametrize("adapter, case_id", [("jax-tp", "gqa_self"), ("jax-ring", "self_masked_rows_d8")])
+def test_cluster_path_two_processes(adapter, case_id, tmp_path):
+    """``cluster_ranks`` in two local processes (one host device each) under ``jax.distributed.initialize``:
+    process 0 gets both ranks' stages, exact to float64."""
+    outs = two_processes(lambda p, port: [sys.executable, "-c", CLUSTER, str(p), port, adapter, case_id])
     line = [x for x in outs[0][0].splitlines() if x.startswith("REPLIES ")]
     assert line, outs[0]
     replies = json.loads(line[0][len("REPLIES "):])[case_id]
@@ -282,22 +290,11 @@ def test_the_judge_passes_every_rank_in_every_dtype(adapter, world, case_id):
 def test_python_m_mhaspec_dist_runs_a_jax_adapter_in_two_processes(tmp_path):
     """``python -m mhaspec.dist jax-tp`` in two local processes (one host device each) under
     ``jax.distributed.initialize``: the same run in both, process 0 prints the verdict and writes the report."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     report = tmp_path / "r.json"
-    procs = [subprocess.Popen([sys.executable, "-m", "mhaspec.dist", "jax-tp", "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(p), "-k", "gqa_self", "--dtype", "float32",
-                               "--report", str(report)], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    outs = two_processes(lambda p, port: [
+        sys.executable, "-m", "mhaspec.dist", "jax-tp", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+        "--process-id", str(p), "-k", "gqa_self", "--dtype", "float32", "--report", str(report)],
+        env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, cwd=tmp_path)
     assert "jax-tp: CONFORMS — 1 pass, 0 fail" in outs[0][0], outs[0][0][-2000:]
     assert "CONFORMS" not in outs[1][0]
     ranks = json.loads(report.read_text())["results"][0]["ranks"]
