@@ -87,7 +87,7 @@ def call(kernels: Any, name: str, *args: Any) -> Any:
     if _COMPILE_FAILED:  # an earlier chunk's: numba would try (and fail) to compile it again
         return _FAILED
     try:
-        return getattr(kernels, name)(*args)
+        return kernels.call(name, *args)
     except kernels.ERRORS as exc:
         with _COMPILE_LOCK:
             if not _COMPILE_FAILED:

@@ -22,11 +22,14 @@ Everything here is imported only when a large case is judged and numba is instal
 """
 
 import math
+import threading
+from typing import Any
 
 import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core.dispatcher import Dispatcher
 from numba.core.errors import NumbaError
 from numba.extending import intrinsic
 
@@ -466,3 +469,66 @@ def ordinary_stage(v, g, tol, sig, wor, vis, use_vis, want_z, check_float32):
                     elif not s == 0.0:
                         return False, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, False
     return True, compared, max_err, rel_max, worst, at, z2, n_z, above
+
+
+def _array(dtype: Any, ndim: int, layout: str = "C", readonly: bool = False) -> types.Array:
+    """numba's type of an aligned ``ndim``-dimensional ``dtype`` array (``layout`` "A": any strides)."""
+    return types.Array(dtype, ndim, layout, readonly=readonly)
+
+
+_F8, _F4, _B1, _I8 = types.float64, types.float32, types.boolean, types.int64
+_RO64, _RO32, _RW64, _RW32 = _array(_F8, 3, readonly=True), _array(_F4, 3, readonly=True), _array(_F8, 3), _array(_F4, 3)
+_ROWS = _array(_F8, 2)
+#: an operand a call site may pass broadcast or strided (a visibility, a reference error): any strides
+_ANY64, _ANY_BOOL = _array(_F8, 3, "A", readonly=True), _array(_B1, 3, "A", readonly=True)
+
+#: Each kernel's one signature, compiled on its first use (:func:`declared`) so that numba compiles
+#: it, and each helper it calls, once per process: the argument types of compiled.py's call sites,
+#: read-only where the kernel only reads (a writeable array converts to it; not where the kernel
+#: hands the array's rows to a helper that another kernel calls with writeable ones, which would
+#: compile the helper twice), any strides where a call site may pass a broadcast view (a contiguous
+#: array converts to it).  Typed by their arguments instead, the kernels compiled once per layout
+#: and write flag met: 12 signatures in a float32 run, ``_emit`` and ``ordinary_stage`` twice each.
+SIGNATURES = {
+    "attention_chunk": (_RW64, _RW64, _ANY_BOOL, _RO32, _RO32, *(_F8,) * 10,
+                        _B1, _RW64, _RW64, _RW64, _RW64,
+                        _B1, _B1, _ANY64, _F8, _ANY64, _F8, _RW64, _RW64,
+                        _RW64, _RW64, _RW32, _RW32, _ROWS, _ROWS, _I8),
+    "local_weights_chunk": (_RO64, _array(_B1, 3, readonly=True), *(_F8,) * 5, _RW64, _RW64, _RW64, _ROWS, _I8),
+    "local_scores_chunk": (_RW64, _RO32, _RO32, *(_F8,) * 6, _RW64, _RW64, _I8),
+    "local_outputs_operands": (_RO64, _RW32, _RW32),
+    "ordinary_stage": (*(_RO64,) * 5, _array(types.uint8, 3, "A", readonly=True), _B1, _B1, _B1),
+}
+
+
+def declared(name: str) -> Any:
+    """The kernel ``name``, compiled for its signature in :data:`SIGNATURES` on the first call and then
+    held to it (numba converts the arguments: a writeable or contiguous array to the read-only or
+    any-strides type), so that a second layout met compiles nothing.  Arguments that do not convert
+    (an array of other strides where the signature says contiguous) make numba compile their own
+    types after all (:func:`call`): slower to start, the same loop."""
+    fn = globals()[name]
+    if isinstance(fn, Dispatcher) and name not in _DECLARED:
+        with _DECLARE_LOCK:
+            if name not in _DECLARED:
+                fn.compile(SIGNATURES[name])
+                fn.disable_compile()
+                _DECLARED.add(name)
+    return fn
+
+
+def call(name: str, *args: Any) -> Any:
+    """``name(*args)`` by its declared signature (:func:`declared`), or by the arguments' own types
+    where they do not convert to it (numba then compiles them)."""
+    fn = declared(name)
+    try:
+        return fn(*args)
+    except TypeError:  # no matching definition: the types of these arguments, compiled once more
+        if not isinstance(fn, Dispatcher) or fn._can_compile:
+            raise
+        fn.disable_compile(False)
+        return fn(*args)
+
+
+_DECLARED: set[str] = set()
+_DECLARE_LOCK = threading.Lock()
