@@ -437,3 +437,54 @@ def test_the_compiled_comparison_gives_the_numpy_figures(shape, monkeypatch):
         assert swept == by_numpy
         verdicts.add(swept["verdict"])
     assert verdicts == {"pass", "fail"}
+
+
+def test_every_kernel_call_of_a_judged_case_converts_to_the_kernels_declared_signature(goldens, monkeypatch):
+    """The golden bounds and tolerances, the local references and the comparison of a case, in every
+    dtype: each kernel call's argument types convert to the kernel's one declared signature
+    (kernels.SIGNATURES), so that numba compiles each kernel, and each helper it calls, once per
+    process (lazily typed, _emit and ordinary_stage compiled twice in a float32 run)."""
+    from mhaspec.conformance import compare
+
+    seen: list[tuple[str, bool]] = []
+    real = kernels.call
+
+    def recorded(name, *args):
+        seen.append((name, kernels._converts(args, kernels.SIGNATURES[name])))
+        return real(name, *args)
+
+    monkeypatch.setattr(kernels, "call", recorded)
+    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    golden = goldens["self_causal"]
+    scores = golden.stages["scores"].astype(np.float32).astype(np.float64)
+    own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
+           for stage in ("q_proj", "k_proj", "v_proj", "scores", "attn_weights")}
+    for dtype in DTYPES:
+        tol.stage_tolerances(golden, dtype, reference_error=True)
+        tol.judging_bounds(golden, dtype)
+        tol.local_references(golden, own, dtype)
+        limit = np.abs(golden.stages["scores"]) * 1e-3 + 1e-6
+        for visible in (None, golden.visible):
+            compare.compare_stage("scores", scores, golden.stages["scores"], limit, "float32", visible)
+    assert {name for name, _ in seen} == set(kernels.SIGNATURES)
+    assert all(converts for _, converts in seen), sorted({name for name, converts in seen if not converts})
+
+
+def test_arguments_that_do_not_convert_to_the_declared_signature_compile_their_own_types():
+    """A view of other strides where the declared signature says contiguous (an adapter's array, say):
+    numba compiles the arguments' own types once, and the loop gives the same numbers."""
+    rng = np.random.default_rng(11)
+    whole = rng.standard_normal((2, 5, 34))
+    strided = whole[:, :, ::2]
+    assert not kernels._converts((strided,), kernels.SIGNATURES["local_outputs_operands"][:1])
+    fn = kernels.local_outputs_operands
+    results, compiled_for = [], []
+    for pc in (np.ascontiguousarray(strided), strided, strided):
+        sq, ab = np.empty(pc.shape, np.float32), np.empty(pc.shape, np.float32)
+        assert kernels.call("local_outputs_operands", pc, sq, ab)
+        results.append((sq, ab))
+        compiled_for.append(len(fn.signatures))
+    assert compiled_for[1] <= compiled_for[0] + 1 and compiled_for[2] == compiled_for[1]  # compiled once
+    for sq, ab in results:
+        assert np.array_equal(sq, (strided * strided).astype(np.float32))
+        assert np.array_equal(ab, np.abs(strided).astype(np.float32))

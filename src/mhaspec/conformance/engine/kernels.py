@@ -31,6 +31,7 @@ from llvmlite import ir
 from numba import types
 from numba.core.dispatcher import Dispatcher
 from numba.core.errors import NumbaError
+from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 #: What a failed compilation raises: the caller then switches to the NumPy loops (same bounds).
@@ -501,32 +502,46 @@ SIGNATURES = {
 }
 
 
-def declared(name: str) -> Any:
-    """The kernel ``name``, compiled for its signature in :data:`SIGNATURES` on the first call and then
-    held to it (numba converts the arguments: a writeable or contiguous array to the read-only or
-    any-strides type), so that a second layout met compiles nothing.  Arguments that do not convert
-    (an array of other strides where the signature says contiguous) make numba compile their own
-    types after all (:func:`call`): slower to start, the same loop."""
+def declared(name: str, args: tuple[Any, ...]) -> Any:
+    """The kernel ``name``; on its first call, compiled for its signature in :data:`SIGNATURES` and held
+    to it where ``args`` convert to it (numba converts a writeable or contiguous array to the read-only
+    or any-strides type), so that another layout met later compiles nothing.  Where the first call's
+    arguments do not convert (an array of other strides where the signature says contiguous: a view
+    an adapter returned, say), numba types each call's arguments as it comes, as without a signature."""
     fn = globals()[name]
     if isinstance(fn, Dispatcher) and name not in _DECLARED:
         with _DECLARE_LOCK:
             if name not in _DECLARED:
-                fn.compile(SIGNATURES[name])
-                fn.disable_compile()
+                signature = SIGNATURES[name]
+                if _converts(args, signature):
+                    fn.compile(signature)
+                    fn.disable_compile()
                 _DECLARED.add(name)
     return fn
 
 
+def _converts(args: tuple[Any, ...], signature: tuple[Any, ...]) -> bool:
+    """Whether numba converts the values ``args`` to the types ``signature``."""
+    typing = cpu_target.typing_context
+    return len(args) == len(signature) and all(typing.can_convert(nb.typeof(a), t) is not None
+                                               for a, t in zip(args, signature))
+
+
 def call(name: str, *args: Any) -> Any:
-    """``name(*args)`` by its declared signature (:func:`declared`), or by the arguments' own types
-    where they do not convert to it (numba then compiles them)."""
-    fn = declared(name)
+    """``name(*args)`` by its declared signature (:func:`declared`), or, where they do not convert to it or
+    to another signature compiled already, by the arguments' own types, compiled then."""
+    fn = declared(name, args)
     try:
         return fn(*args)
-    except TypeError:  # no matching definition: the types of these arguments, compiled once more
+    except TypeError:  # no matching definition (compilation held): these arguments' types, compiled once
         if not isinstance(fn, Dispatcher) or fn._can_compile:
             raise
-        fn.disable_compile(False)
+        with _DECLARE_LOCK:
+            fn.disable_compile(False)
+            try:
+                fn.compile(tuple(nb.typeof(a) for a in args))
+            finally:
+                fn.disable_compile()
         return fn(*args)
 
 
