@@ -29,11 +29,11 @@ from . import inplace
 #: also where it is judged in blocks of query rows) takes the compiled chunk loops when numba is
 #: installed (:func:`kernels_for`).  Numba compiles them once per process: 4.1–4.3 s of CPU with its
 #: import (``python benchmarks/bench_compile.py``).  Against the NumPy loops they save, in a float32
-#: run, 1.4·10^-7 s of CPU per element at T = S = 1024, H = 8 (2^23; the runner's CPU: 3.65 s with the
-#: NumPy loops, 6.8 s compiled, compilation included) and 1.0·10^-7 at T = S = 4096 (2^27: 45.7 s and
-#: 36.3 s), so a one-dtype run breaks even at 2^24.9–2^25.4 elements: this threshold.  A four-dtype
-#: run breaks even from about 2^23 on, and leaves 9–14 s unsaved at 2^25 (docs/tolerances.md).  The
-#: committed catalog's cases (at most 2^15) never take it.
+#: run, 1.1–1.4·10^-7 s of CPU per element at T = S = 1024, H = 8 (2^23; the runner's CPU: 3.65 s
+#: with the NumPy loops, 6.8 s compiled, compilation included) and 0.93–1.02·10^-7 at T = S = 4096
+#: (2^27: 45.7 s and 36.3–37.3 s), so a one-dtype run breaks even at 2^24.9–2^25.5 elements: this
+#: threshold.  A four-dtype run breaks even from about 2^23 on, and leaves 8–14 s unsaved at 2^25
+#: (docs/tolerances.md).  The committed catalog's cases (at most 2^15) never take it.
 COMPILED_MIN_ELEMENTS = 1 << 25
 
 #: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
