@@ -516,6 +516,7 @@ def declared(name: str, args: tuple[Any, ...]) -> Any:
                 if _converts(args, signature):
                     fn.compile(signature)
                     fn.disable_compile()
+                    _HELD.add(name)
                 _DECLARED.add(name)
     return fn
 
@@ -534,7 +535,7 @@ def call(name: str, *args: Any) -> Any:
     try:
         return fn(*args)
     except TypeError:  # no matching definition (compilation held): these arguments' types, compiled once
-        if not isinstance(fn, Dispatcher) or fn._can_compile:
+        if name not in _HELD or not isinstance(fn, Dispatcher):
             raise
         with _DECLARE_LOCK:
             fn.disable_compile(False)
@@ -545,5 +546,7 @@ def call(name: str, *args: Any) -> Any:
         return fn(*args)
 
 
+#: The kernels past their first call (:func:`declared`), and those of them held to their declared signature
 _DECLARED: set[str] = set()
+_HELD: set[str] = set()
 _DECLARE_LOCK = threading.Lock()
