@@ -25,16 +25,18 @@ from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored,
 from . import inplace
 
 
-#: A case with more elements than this per (B, H, T, S) stage (8·2048², 2^25; the whole case's,
-#: also where it is judged in blocks of query rows) takes the compiled chunk loops when numba is
-#: installed (:func:`kernels_for`).  Numba compiles them once per process: 4.1–4.3 s of CPU with its
-#: import (``python benchmarks/bench_compile.py``).  Against the NumPy loops they save, in a float32
-#: run, 1.1–1.4·10^-7 s of CPU per element at T = S = 1024, H = 8 (2^23; the runner's CPU: 3.65 s
-#: with the NumPy loops, 6.8 s compiled, compilation included) and 0.93–1.02·10^-7 at T = S = 4096
-#: (2^27: 45.7 s and 36.3–37.3 s), so a one-dtype run breaks even at 2^24.9–2^25.5 elements: this
-#: threshold.  A four-dtype run breaks even from about 2^23 on, and leaves 8–14 s unsaved at 2^25
-#: (docs/tolerances.md).  The committed catalog's cases (at most 2^15) never take it.
-COMPILED_MIN_ELEMENTS = 1 << 25
+#: A case with more elements than this per (B, H, T, S) stage (30·2^20 ≈ 2^24.9, H = 8, T = S = 1983;
+#: the whole case's, also where it is judged in blocks of query rows) takes the compiled chunk loops
+#: when numba is installed (:func:`kernels_for`).  Numba compiles them once per process: 4.1–4.3 s
+#: of CPU with its import (``python benchmarks/bench_compile.py``).  Against the NumPy loops they save,
+#: in a float32 run, 1.1–1.4·10^-7 s of CPU per element at T = S = 1024, H = 8 (2^23; the runner's CPU:
+#: 3.65 s with the NumPy loops, 6.8 s compiled, compilation included) and 0.93–1.02·10^-7 at
+#: T = S = 4096 (2^27: 45.7 s and 36.3–37.3 s), so a one-dtype run breaks even at 2^24.9–2^25.5
+#: elements: this threshold is its lower end (4.3 s / 1.4·10^-7), which keeps T = S = 2048 (2^25,
+#: within the range: a one-dtype run there gains or loses about a second) on the compiled loops that
+#: a four-dtype run wins from about 2^23 on (docs/tolerances.md).  The committed catalog's cases (at
+#: most 2^15) never take it.
+COMPILED_MIN_ELEMENTS = 30 << 20
 
 #: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
 #: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
