@@ -385,15 +385,22 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.nda
     return total
 
 
-def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None) -> float:
+def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None,
+                       cut: dict[int, tuple[np.ndarray, np.ndarray | None, float]]) -> float:
     """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it), where ``plain`` may stop
     at the last key the rows see (:func:`plain_forward`'s ``keys``): beyond it a plain weight is 0,
-    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected."""
+    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected.
+    ``cut`` (the stage's, shared by every plain order): by ``keys``, the golden's elements up to there
+    (gathered once), their selection, and the sum beyond."""
     k = plain.shape[-1] if plain.ndim else 0
     if plain.shape == g.shape:
         return _sum_squares(plain, g_sel, selected, golden_selected=True)
-    return (_sum_squares(plain, g[..., :k], None if selected is None else selected[..., :k])
-            + _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+    if k not in cut:
+        head = None if selected is None else selected[..., :k]
+        cut[k] = (np.ascontiguousarray(g[..., :k] if head is None else g[..., :k][head]), head,
+                  _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+    g_head, head, beyond = cut[k]
+    return _sum_squares(plain, g_head, head, golden_selected=True) + beyond
 
 
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
@@ -440,6 +447,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
             floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel)
         out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
                                    dtype=dtype)
+    cuts: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None, float]]] = {stage: {} for stage in out}
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
     # its sum (the array held, so that its id stays its own); a block of rows of a larger case: the plain
     # scores and weights over the keys its rows see (plain_forward's keys; the scores compared up to there)
@@ -447,7 +455,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage])
+                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage], cuts[stage])
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out
