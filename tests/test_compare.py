@@ -206,3 +206,54 @@ def test_masked_attention_weights_are_judged_in_chunks_with_the_whole_stage_figu
         assert whole == chunked
     assert [t is not None for t in taken] == [True, False]
     assert results[0]["verdict"] == FAIL
+
+
+@pytest.mark.parametrize("chunk", [1 << 40, 50])
+def test_a_block_judged_up_to_the_keys_its_rows_see_gets_the_whole_stage_result(monkeypatch, chunk):
+    """``keys`` (a causal block's rows see no key from there on): scores and attention weights are
+    judged on their first ``keys`` keys, with the result of the whole stage (the same elements
+    compared, the same worst index, the count of every compared element); where an entry beyond is
+    not what the hint promises (a visible score, a nonzero weight), the stage is judged whole, with
+    the whole stage's message."""
+    from mhaspec.conformance.engine import compiled
+
+    monkeypatch.setattr(compiled, "loaded_kernels", lambda: None)
+    monkeypatch.setattr(compare, "COMPARE_CHUNK", chunk)
+    rng = np.random.default_rng(17)
+    B, H, T, S = 1, 3, 11, 29
+    keys = 19  # rows 8..18 of a causal case: the last row sees key 18
+    visible = (np.arange(S)[None, :] <= np.arange(8, 8 + T)[:, None])[None, None]  # (1, 1, T, S)
+    shape = (B, H, T, S)
+    full = np.broadcast_to(visible, shape)
+    scores_g = rng.normal(size=shape).astype(np.float32).astype(np.float64)
+    weights_g = np.where(full, rng.uniform(1e-3, 1e-1, size=shape).astype(np.float32), 0.0)
+    sigma = np.where(full, rng.uniform(1e-7, 1e-6, size=shape), 0.0)
+    worst_part = np.where(full, rng.uniform(0, 1e-7, size=shape), 0.0)
+    tol = 8 * sigma + worst_part
+    noise = rng.normal(scale=1e-7, size=shape)
+    scores_got = np.where(full, (scores_g + noise).astype(np.float32), -np.inf)  # masked: anything
+    weights_got = np.where(full, (weights_g + noise).astype(np.float32), 0.0)
+    far = weights_got.copy()
+    far[0, 2, 9, 3] += 0.5  # over its tolerance, within the keys
+    leak = weights_got.copy()
+    leak[0, 1, 2, 25] = 2.0**-20  # a masked weight beyond the keys that is not 0
+    seen_score = full.copy()
+    seen_score[0, 0, 0, 20] = True  # a selection that compares a score beyond the keys
+
+    def judged(stage, got, golden, selected, hint):
+        return compare_stage(stage, got, golden, tol, "float32", selected, noise=(sigma, worst_part),
+                             rms_limit=1.0, rms_min_elements=16, keys=hint).to_json()
+
+    cases = [("scores", scores_got, scores_g, visible), ("scores", scores_got, scores_g, seen_score),
+             ("attn_weights", weights_got, weights_g, None), ("attn_weights", far, weights_g, None),
+             ("attn_weights", leak, weights_g, None)]
+    for stage, got, golden, selected in cases:
+        whole, seen = judged(stage, got, golden, selected, None), judged(stage, got, golden, selected, keys)
+        assert whole.pop("rms_ratio") == pytest.approx(seen.pop("rms_ratio"), rel=1e-12)
+        assert seen == whole
+    assert judged("scores", scores_got, scores_g, visible, keys)["compared"] == int(np.count_nonzero(full))
+    assert judged("attn_weights", weights_got, weights_g, None, keys)["compared"] == weights_g.size
+    assert [judged("attn_weights", got, weights_g, None, keys)["verdict"] for got in (weights_got, far, leak)] \
+        == [PASS, FAIL, FAIL]
+    assert f"of {weights_g.size} elements exceed the tolerance" in judged("attn_weights", far, weights_g, None,
+                                                                          keys)["message"]

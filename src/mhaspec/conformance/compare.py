@@ -192,6 +192,7 @@ def compare_stage(
     rms_limit: float | None = None,
     rms_min_elements: int = 16,
     value_checks: bool = True,
+    keys: int | None = None,
 ) -> StageResult:
     """Judge ``got`` against ``golden`` (or a local recomputation) element-wise.
 
@@ -207,13 +208,30 @@ def compare_stage(
     zero result would pass is ``uninformative``, never a pass.
     ``value_checks=False`` skips the shape-independent value checks
     (finiteness is still required; representability and the narrow-precision
-    fingerprint are the golden check's).
+    fingerprint are the golden check's).  ``keys`` (a block of query rows of a causal or windowed
+    case: :func:`~mhaspec.spec.masks.seen_keys`): no row sees a key from ``keys`` on, so a (…, T, S)
+    stage is judged on its first ``keys`` keys (:func:`_seen_keys_only`) — the same verdict and
+    figures without the NumPy passes over the entries beyond.  Not where the compiled sweep judges
+    the stage (a large case, :func:`_compiled_sweep`): it reads each element once, as checking the
+    entries beyond would (measured at T = S = 4096: no faster cut, and the check on top).
     """
     values, why = as_float_array(got)
     if values is None:
         return StageResult(stage, FAIL, message=why)
     if values.shape != golden.shape:
         return StageResult(stage, FAIL, message=f"shape {values.shape}, expected {golden.shape}")
+    if keys is not None and 0 < keys < golden.shape[-1] and not _compiled_loops():
+        seen = _seen_keys_only(values, golden, tolerance, visible, noise, keys)
+        if seen is not None:
+            v_seen, g_seen, tol_seen, visible_seen, noise_seen = seen
+            res = compare_stage(stage, v_seen, g_seen, tol_seen, dtype, visible_seen, noise=noise_seen,
+                                rms_limit=rms_limit, rms_min_elements=rms_min_elements, value_checks=value_checks)
+            if visible is not None:  # the same elements compared, in the same order: the same result
+                return res
+            if res.verdict == PASS:  # every entry beyond is 0 with a zero tolerance: exact, out of the RMS
+                res.compared = golden.size
+                return res
+            # not a pass: judged whole below, so that its message counts every entry
 
     if visible is not None and visible.all():
         visible = None  # the same elements in the same order, without the gathers
@@ -223,15 +241,15 @@ def compare_stage(
         if swept is not None:
             return swept
     if visible is None:  # every element, in the stage's shape: no copy of a strided block's view
-        flat = None
+        compared = None
 
         def pick(a: np.ndarray) -> np.ndarray:
             return a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)
-    else:
-        flat = np.flatnonzero(np.broadcast_to(visible, golden.shape))
+    else:  # the compared elements in C order, by a boolean mask of the stage's shape (no copy of a strided view first)
+        compared = np.ascontiguousarray(np.broadcast_to(visible, golden.shape))
 
         def pick(a: np.ndarray) -> np.ndarray:
-            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape)).reshape(-1)[flat]
+            return (a if a.shape == golden.shape else np.broadcast_to(a, golden.shape))[compared]
 
     v, g, tol = pick(values), pick(golden), pick(tolerance)
     result = StageResult(stage, PASS, compared=int(v.size))
@@ -241,7 +259,7 @@ def compare_stage(
 
     sigma, worst_part = (None, None) if noise is None else (pick(a) for a in noise)
     chunked = None
-    if flat is None and v.size > COMPARE_CHUNK:
+    if compared is None and v.size > COMPARE_CHUNK:
         chunked = _passing_in_chunks(v, g, tol, None if sigma is None or rms_limit is None else (sigma, worst_part),
                                      dtype if value_checks else "float64")
     if chunked is not None:  # every element ordinary and within its tolerance: the figures, chunk by chunk
@@ -302,7 +320,8 @@ def compare_stage(
     result.max_abs_err = float(max_err)
     result.max_rel_err = float(rel_max)
     result.worst_ratio = float(ratio.flat[worst])
-    result.worst_index = tuple(int(i) for i in np.unravel_index(worst if flat is None else flat[worst], golden.shape))
+    worst_flat = worst if compared is None else np.flatnonzero(compared)[worst]
+    result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
         at = result.worst_index
@@ -327,6 +346,40 @@ def compare_stage(
                 problems.append(_systematic(result.rms_ratio, n_rms, rms_limit))
     return _conclude(result, problems, g, tol, None if noise is None else (sigma, worst_part), rms_limit,
                      rms_min_elements)
+
+
+def _compiled_loops() -> bool:
+    """Whether a large case has brought the compiled loops into this process (:func:`_compiled_sweep`)."""
+    from .engine import compiled  # (imports this module)
+
+    return compiled.loaded_kernels() is not None
+
+
+def _up_to(a: np.ndarray, keys: int) -> np.ndarray:
+    """``a``'s first ``keys`` entries along its last (key) axis (a view; an axis of 1 is broadcast)."""
+    return a[..., :keys] if a.shape[-1] > 1 else a
+
+
+def _beyond(a: np.ndarray, keys: int) -> np.ndarray:
+    """``a``'s entries from key ``keys`` on (a view; an axis of 1 is broadcast: all of it)."""
+    return a[..., keys:] if a.shape[-1] > 1 else a
+
+
+def _seen_keys_only(values: np.ndarray, golden: np.ndarray, tolerance: np.ndarray, visible: np.ndarray | None,
+                    noise: tuple[np.ndarray, np.ndarray] | None, keys: int) -> tuple[Any, ...] | None:
+    """(values, golden, tolerance, visible, noise) on the first ``keys`` keys when the entries beyond
+    change nothing in :func:`compare_stage`'s result but its count; None otherwise.  With ``visible``
+    (masked entries not compared): none beyond is visible.  Without (every entry compared, masked
+    weights exactly 0): every value, golden value, tolerance and noise part beyond is 0 — an exact
+    entry with a zero tolerance, whose ratio is 0 and which the root mean square leaves out."""
+    if visible is not None:
+        if np.any(_beyond(np.broadcast_to(visible, golden.shape), keys)):
+            return None
+    elif any(np.any(_beyond(a, keys)) for a in (values, golden, tolerance, *(noise or ()))):
+        return None
+    cut = None if noise is None else (_up_to(noise[0], keys), _up_to(noise[1], keys))
+    return (_up_to(values, keys), _up_to(golden, keys), _up_to(tolerance, keys),
+            None if visible is None else _up_to(np.broadcast_to(visible, golden.shape), keys), cut)
 
 
 def _compiled_sweep(stage: str, values: np.ndarray, golden: np.ndarray, tolerance: np.ndarray,

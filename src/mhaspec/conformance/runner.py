@@ -17,6 +17,7 @@ from ..protocol.loading import load_adapter
 from ..protocol.transports import (AdapterCrash, CaseTimeout, InProcess, Transport, Worker, for_name, is_program,  # noqa: F401 (re-exported)
                                    validate_timeout)
 from ..spec import REGISTRY, STAGE, compared_entries
+from ..spec.masks import seen_keys
 from ..spec.ranks import Layout
 from ..spec.stages import forward_stages, local_inputs
 from ..spec.variants import undeclared
@@ -421,6 +422,8 @@ class Session:
                                local_inputs(stage, golden.spec.config, own))
             return res
 
+        # a block of rows that sees no key from ``seen`` on (causal, windows): its (…, T, S) stages judged up to there
+        seen = seen_keys(golden.visible)
         stages: list[StageResult] = []
         # the forward stages of this case its golden holds (lse: not judged where the golden lacks it)
         for stage in (n for n in forward_stages(golden.spec.config) if n in golden.stages):
@@ -433,13 +436,16 @@ class Session:
 
             def judge(selected: np.ndarray | None, stage: str = stage) -> StageResult:
                 got = own.get(stage, returned[stage])  # converted to float64 once
+                keys = seen if REGISTRY[stage].axes[-1:] == ("S",) else None
                 res = compare_stage(stage, got, golden.stages[stage], tolerances[stage], dtype, selected,
-                                    noise=bounds[stage], rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS)
+                                    noise=bounds[stage], rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS,
+                                    keys=keys)
                 if stage in local:
                     ref, bound = local[stage]
                     fold_local(res, compare_stage(stage, got, ref, bound.tolerance(LAMBDA), dtype,
                                                       selected, noise=bound, rms_limit=rms_limit,
-                                                      rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False),
+                                                      rms_min_elements=KAPPA_MIN_ELEMENTS, value_checks=False,
+                                                      keys=keys),
                                local_inputs(stage, golden.spec.config, own))
                 if res.verdict == FAIL and not res.failed_check:
                     res.failed_check = "golden"

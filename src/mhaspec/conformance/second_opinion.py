@@ -217,12 +217,15 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     def cast(x: np.ndarray) -> np.ndarray:
         return rnd(np.asarray(x, dtype=work))
 
+    def weight(name: str) -> np.ndarray:
+        """The weight ``name`` in the dtype, converted once for every block of rows of a batch entry."""
+        return memoised(golden, ("second opinion weight", dtype, name), lambda: cast(w[name]))
+
     def linear(x: np.ndarray, name: str, separate: bool) -> np.ndarray:
         """x @ w + b: the bias added in the sum (one rounding), or to the stored product (two)."""
-        y = cast(x) @ cast(w[f"w_{name}"])
-        b = w.get(f"b_{name}")
-        if b is not None:
-            y = (rnd(y) if separate else y) + cast(b)
+        y = cast(x) @ weight(f"w_{name}")
+        if w.get(f"b_{name}") is not None:
+            y = (rnd(y) if separate else y) + weight(f"b_{name}")
         return rnd(y)
 
     query, key, value = golden.inputs["query"], golden.inputs["key"], golden.inputs["value"]
@@ -309,20 +312,28 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             return rnd(rnd(Q @ np.swapaxes(K, -1, -2)) * scale_d)
         return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)
 
-    def softmax(s: np.ndarray, lse: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(P, LSE): the sink logit, if any, in each denominator; a row that sees no key: 0 and −inf."""
+    Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (peak, seen, total, log total) of each row
+
+    def softmax(s: np.ndarray, lse: bool, rows: Rows | None = None) -> tuple[np.ndarray, np.ndarray, Rows]:
+        """(P, LSE, the rows' figures): the sink logit, if any, in each denominator; a row that sees no key:
+        0 and −inf.  ``rows``: those of the same ``s`` (the scale-after order's, for the log-sum-exp order:
+        the same numbers, without the exponentials' second pass)."""
         logits = np.where(visible, s, -np.inf)
-        peak = logits.max(axis=-1, keepdims=True)
-        seen = np.isfinite(peak)
-        if sink is not None:
-            peak = np.maximum(peak, sink)
-        peak = np.where(seen, peak, 0).astype(work)
-        with np.errstate(divide="ignore"):
-            e = np.exp(logits - peak) if lse else np.exp(np.subtract(logits, peak, out=logits), out=logits)
-            total = e.sum(axis=-1, keepdims=True)
+        if rows is None:
+            peak = logits.max(axis=-1, keepdims=True)
+            seen = np.isfinite(peak)
             if sink is not None:
-                total = np.where(seen, total + np.exp(sink - peak), 0).astype(work)
-            log_total = np.log(np.where(total > 0, total, 1).astype(work))
+                peak = np.maximum(peak, sink)
+            peak = np.where(seen, peak, 0).astype(work)
+        with np.errstate(divide="ignore"):
+            if rows is None:
+                e = np.exp(logits - peak) if lse else np.exp(np.subtract(logits, peak, out=logits), out=logits)
+                total = e.sum(axis=-1, keepdims=True)
+                if sink is not None:
+                    total = np.where(seen, total + np.exp(sink - peak), 0).astype(work)
+                log_total = np.log(np.where(total > 0, total, 1).astype(work))
+                rows = peak, seen, total, log_total
+            peak, seen, total, log_total = rows
             if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
                 p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
             else:  # e / total, 0 in a row whose total is not positive (in place: the same numbers)
@@ -330,10 +341,12 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
                 p = np.divide(e, total, out=e, where=positive)
                 if not positive.all():
                     np.copyto(p, 0, where=~positive)
-        return rnd(p.astype(work, copy=False)), rnd(np.where(seen, peak + log_total, -np.inf)[..., 0].astype(work))
+        return (rnd(p.astype(work, copy=False)), rnd(np.where(seen, peak + log_total, -np.inf)[..., 0].astype(work)),
+                rows)
 
     exact = dtype in ("float64", "float32")  # storing is exact: the bias's and the scores' rounding add nothing
     computed: dict[tuple[bool, str], dict[str, np.ndarray]] = {}
+    softmax_rows: dict[bool, Rows] = {}  # the scale-after order's, by ``separate``
     for order in orders:
         separate = order in SEPARATE_BIAS and not exact
         kind = "scale-after" if exact and order == "scores-stored" else order
@@ -342,7 +355,9 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             K, V = K[:, :, :keys], V[:, :, :keys]  # (B, H, keys, ·): the keys the rows see (all but with ``keys``)
             same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
             s = modified(scores(kind, Q, K)) if same is None else same[STAGE.scores]  # (the same formula: the same array)
-            p, lse = softmax(s, kind == "log-sum-exp")
+            p, lse, rows = softmax(s, kind == "log-sum-exp", None if same is None else softmax_rows.get(separate))
+            if kind == "scale-after":
+                softmax_rows[separate] = rows
             o = rnd(p @ V)  # (B, H, T, E)
             c = o.transpose(0, 2, 1, 3).reshape(B, T, H * E)
             y = linear(c, "o", separate)
@@ -385,15 +400,22 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.nda
     return total
 
 
-def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None) -> float:
+def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None,
+                       cut: dict[int, tuple[np.ndarray, np.ndarray | None, float]]) -> float:
     """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it), where ``plain`` may stop
     at the last key the rows see (:func:`plain_forward`'s ``keys``): beyond it a plain weight is 0,
-    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected."""
+    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected.
+    ``cut`` (the stage's, shared by every plain order): by ``keys``, the golden's elements up to there
+    (gathered once), their selection, and the sum beyond."""
     k = plain.shape[-1] if plain.ndim else 0
     if plain.shape == g.shape:
         return _sum_squares(plain, g_sel, selected, golden_selected=True)
-    return (_sum_squares(plain, g[..., :k], None if selected is None else selected[..., :k])
-            + _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+    if k not in cut:
+        head = None if selected is None else selected[..., :k]
+        cut[k] = (np.ascontiguousarray(g[..., :k] if head is None else g[..., :k][head]), head,
+                  _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+    g_head, head, beyond = cut[k]
+    return _sum_squares(plain, g_head, head, golden_selected=True) + beyond
 
 
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
@@ -429,6 +451,8 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
             sel = finite if sel is None else sel & finite
         if sel is not None and sel.all():
             sel = None
+        if sel is not None:  # a boolean array of the stage's shape: every gather by it, without a broadcast view
+            sel = np.ascontiguousarray(sel)
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
@@ -440,6 +464,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
             floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel)
         out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
                                    dtype=dtype)
+    cuts: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None, float]]] = {stage: {} for stage in out}
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
     # its sum (the array held, so that its id stays its own); a block of rows of a larger case: the plain
     # scores and weights over the keys its rows see (plain_forward's keys; the scores compared up to there)
@@ -447,7 +472,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage])
+                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage], cuts[stage])
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out

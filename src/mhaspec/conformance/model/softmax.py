@@ -25,6 +25,11 @@ def softmax_visible(s: np.ndarray, visible: np.ndarray) -> np.ndarray:
     peak = np.where(np.isfinite(peak), peak, 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.where(visible, np.exp(np.minimum(x - peak, 0.0)), 0.0)
+    return normalised(e)
+
+
+def normalised(e: np.ndarray) -> np.ndarray:
+    """``e`` (…, S) divided by its row sums; 0 in a row whose sum is not positive."""
     total = np.sum(e, axis=-1, keepdims=True)
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
 
@@ -55,8 +60,11 @@ def weights_sigma(p: np.ndarray, sigma2_s: np.ndarray, u: float, sum_sigma: floa
 
 
 def visible_row_max(abs_s: np.ndarray, visible: np.ndarray) -> np.ndarray:
-    """max_k |s_k| over the visible keys of each row (0 where none)."""
-    return np.max(np.where(visible, abs_s, 0.0), axis=-1, keepdims=True)
+    """max_k |s_k| over the visible keys of each row (0 where none; the maximum of the visible ones and 0,
+    without a masked copy of ``abs_s``)."""
+    shape = np.broadcast_shapes(np.shape(abs_s), np.shape(visible))
+    return np.max(np.broadcast_to(abs_s, shape), axis=-1, keepdims=True, where=np.broadcast_to(visible, shape),
+                  initial=0.0)
 
 
 def softmax_rounding(abs_s: np.ndarray, row_max: np.ndarray, a_s: float, u_acc: float) -> np.ndarray:

@@ -247,9 +247,13 @@ def lse_move(p: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     log(1 + Σ p_k (e^{τ_k} − 1))] (p over the visible keys and the sink sum to 1)."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # log1p(−1): a row that may vanish
         t = np.minimum(tau, 350.0)
-        up = np.log1p(np.sum(p * np.expm1(t), axis=-1, keepdims=True))
-        down = -np.log1p(np.sum(p * np.expm1(-t), axis=-1, keepdims=True))
-    return np.sum(p * tau, axis=-1, keepdims=True), np.fmax(up, down)
+        w = np.expm1(t)  # (two work arrays for every (…, S) term: the same numbers, no temporary per product)
+        w *= p
+        up = np.log1p(np.sum(w, axis=-1, keepdims=True))
+        np.expm1(np.negative(t, out=t), out=t)
+        t *= p
+        down = -np.log1p(np.sum(t, axis=-1, keepdims=True))
+    return np.sum(np.multiply(p, tau, out=w), axis=-1, keepdims=True), np.fmax(up, down)
 
 
 def lse_own(abs_s: np.ndarray, vis: np.ndarray, lse_: np.ndarray, a_worst: float, u_acc: float) -> np.ndarray:
@@ -270,9 +274,13 @@ def lse(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray, lse_
     var = Σ_j p_j²·T²_sj + σ_S² + u²·lse² + U64²·lse²  (the sum's relative error is lse's absolute one),
     acc = :func:`lse_own` + (exact − first order of :func:`lse_move`, τ = LAMBDA·T_s) — 0 where no key is
     visible (lse = −inf, exact).  -> (…, 1)."""
-    first, exact = lse_move(p, np.where(vis, LAMBDA * np.sqrt(ts2), 0.0))
+    tau = np.sqrt(ts2)  # τ = LAMBDA·T_s on the visible keys, 0 elsewhere (one work array, then p²·T_s²'s)
+    tau *= LAMBDA
+    np.copyto(tau, 0.0, where=~vis)
+    first, exact = lse_move(p, tau)
     fin = np.where(np.isfinite(lse_), lse_, 0.0)
-    var = np.sum(p * p * ts2, axis=-1, keepdims=True) + a_s.sigma**2 + stored(r.u, fin)
+    var = np.sum(np.multiply(np.multiply(p, p, out=tau), ts2, out=tau), axis=-1, keepdims=True) + a_s.sigma**2 \
+        + stored(r.u, fin)
     acc = lse_own(abs_s, vis, lse_, a_s.worst, r.acc) + inf_for_nan(np.maximum(exact - first, 0.0))
     seen = np.isfinite(lse_)
     return Error(np.where(seen, var, 0.0), np.where(seen, acc, 0.0))
@@ -409,8 +417,11 @@ def scores_lse(sig: np.ndarray, worst: np.ndarray, s: np.ndarray, p: np.ndarray,
     """:func:`lse` of rows (…, S) of golden scores ``s`` and weights ``p`` from the scores' bound (``sigma``,
     ``worst``; the worst part less the floor is their ``acc``, T_s² = sigma² + acc²): every term is per row,
     so rows may be taken a chunk at a time (:func:`.tolerance._standard`).  -> (…, 1)."""
-    acc = np.maximum(worst - r.floor, 0.0)
-    ts2 = np.where(vis, sig * sig + acc * acc, 0.0)
+    acc = np.subtract(worst, r.floor)  # (in place from here: the same numbers)
+    np.maximum(acc, 0.0, out=acc)
+    ts2 = np.multiply(sig, sig)
+    ts2 += np.multiply(acc, acc, out=acc)
+    np.copyto(ts2, 0.0, where=~vis)
     return lse(p, ts2, np.abs(s), vis, lse_, a_s, r)
 
 
@@ -559,17 +570,25 @@ def local_weights(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None, r: Ro
 
 def log_sum_exp(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None) -> np.ndarray:
     """(…, T, 1) ln(Σ_visible e^{s_j} [+ e^z]) in float64; −inf where no key is visible (sink or not)."""
+    return _log_sum_exp(s, vis, sink)[0]
+
+
+def _log_sum_exp(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(:func:`log_sum_exp`, the rows' maxima over the visible keys (before the sink; −inf where none),
+    the shifted exponentials e^{s_j − peak} (0 where masked), and the peak subtracted): what
+    :func:`~.softmax.softmax_visible` computes too, where its peak is the same."""
     x = np.where(vis, s, -np.inf)
-    peak = np.max(x, axis=-1, keepdims=True)
-    if sink is not None:
-        peak = np.maximum(peak, sink)
+    row_max = np.max(x, axis=-1, keepdims=True)
+    peak = row_max if sink is None else np.maximum(row_max, sink)
     seen = np.any(vis, axis=-1, keepdims=True)
     peak = np.where(seen, peak, 0.0)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        total = np.sum(np.where(vis, np.exp(np.minimum(x - peak, 0.0)), 0.0), axis=-1, keepdims=True)
+        e = np.where(vis, np.exp(np.minimum(np.subtract(x, peak, out=x), 0.0, out=x), out=x), 0.0)
+        total = np.sum(e, axis=-1, keepdims=True)
         if sink is not None:
             total = total + np.exp(np.minimum(sink - peak, 0.0))
-        return np.where(seen, peak + np.log(total), -np.inf)
+        return np.where(seen, peak + np.log(total), -np.inf), row_max, e, peak
 
 
 def local_lse(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None, r: Rounding,
@@ -579,14 +598,18 @@ def local_lse(s: np.ndarray, vis: np.ndarray, sink: np.ndarray | None, r: Roundi
     length S where ``s`` holds only the first keys, those the rows see (the sum's coefficient is the whole
     row's).  -> ((N, T, 1), its bound)."""
     from .local import local_bound
-    from .softmax import softmax_visible
+    from .softmax import normalised, softmax_visible
 
-    ref = log_sum_exp(s, vis, sink)
+    ref, row_max, e, peak = _log_sum_exp(s, vis, sink)
     ts2 = np.where(vis, stored(r.u, s), 0.0)
     s_k, vis_k, ts2_k = s, vis, ts2
     if sink is not None:
         s_k, vis_k, ts2_k = with_sink(s, sink), with_sink(vis, np.any(vis, axis=-1, keepdims=True)), with_sink(ts2, 0.0)
-    p = softmax_visible(s_k, vis_k)
+        p = softmax_visible(s_k, vis_k)
+    elif np.array_equal(peak, np.where(np.isfinite(row_max), row_max, 0.0)):  # softmax_visible's peak: its e too
+        p = normalised(e)
+    else:  # (an adapter's own inf or NaN score)
+        p = softmax_visible(s_k, vis_k)
     keys = s_k.shape[-1] if length is None else length + s_k.shape[-1] - s.shape[-1]  # the sink: one more
     e = lse(p, ts2_k, np.abs(np.where(vis_k, s_k, 0.0)), vis_k, ref, r.accumulation(keys), r)
     return ref, local_bound(e, r, worst_case)
