@@ -300,7 +300,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         elif has(*score_inputs):
             def key_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
                 K = heads(own[STAGE.k_proj], G, group).reshape(N, S, -1)
-                return K, Pair.of(swap(K * K)), Pair.of(swap(np.abs(K)))
+                return K, Pair.lazy(lambda: swap(K * K)), Pair.lazy(lambda: swap(np.abs(K)))
 
             Q = heads(own[STAGE.q_proj], H).reshape(N, T, -1)
             K, K2, aK = judging.memoised(golden, ("local keys",), key_operands)
@@ -360,7 +360,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         if has(*LOCAL_INPUTS[STAGE.head_outputs]):
             def value_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
                 V = heads(own[STAGE.v_proj], G, group).reshape(N, S, -1)
-                return V, Pair.of(V * V), Pair.of(np.abs(V))
+                return V, Pair.lazy(lambda: V * V), Pair.of(np.abs(V))  # |V| in float64 too: the route's product
 
             P = own[STAGE.attn_weights].reshape(N, T, S)
             V, V2, aV = judging.memoised(golden, ("local values",), value_operands)
@@ -370,21 +370,30 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                                                           lambda: bool(np.isfinite(V).all()))
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
+            # the weights' route allowance (local_rules.weights_route): from the adapter's own softmax, else
+            # from the golden's, formed here before the chunks share it
+            softmax = weights_local if weights_local is not None else softmax_pass(golden.stages[STAGE.scores])
 
             def outputs(n: slice, rows: slice, buf: Scratch) -> None:
                 pc, dst = P[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s, floor,
-                                                                  dst, buf, nonzero_only):
-                    return
-                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
-                                                  nonzero_only=nonzero_only):
-                    return
-                x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
-                ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
+                if not (kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s,
+                                                                       floor, dst, buf, nonzero_only)
+                        or fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
+                                                          nonzero_only=nonzero_only)):
+                    x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
+                    ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
+                wor[n, rows] += route_product(pc, tuple(x[n, rows] for x in softmax), aV.f64[n])
+
+            def route_product(pc: np.ndarray, softmax_c: tuple[np.ndarray, ...], aV_c: np.ndarray) -> np.ndarray:
+                """The chunk's route allowance through |V| (the whole stage's numbers, a chunk at a time, while its
+                weights are in the cache); a block's over the keys up to the last nonzero route (0 · a finite
+                value adds nothing), the sum's coefficient of the whole row's S."""
+                own_c = softmax_c if weights_local is not None else None
+                route = local_rules.weights_route(pc, own_c, lambda: softmax_c)
+                k = seen_keys(route != 0) if nonzero_only else S
+                return nonnegative_product(route[..., :k], aV_c[:, :k], length=S)
 
             each(outputs)
-            route = local_rules.weights_route(P, weights_local, lambda: softmax_pass(golden.stages[STAGE.scores]))
-            wor += nonnegative_product(route, aV.f64)
             out[STAGE.head_outputs] = finish(ref, sig, wor, (B, H, T, E))
         if has(*LOCAL_INPUTS[STAGE.concat]):
             out[STAGE.concat] = local_rules.concat(own[STAGE.head_outputs], r, worst_case)

@@ -19,7 +19,7 @@ import numpy as np
 from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
-from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others
 from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
 
 
@@ -308,12 +308,12 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
         np.exp(ref, out=ref)
         ref /= ref.sum(axis=-1, keepdims=True)  # >= 1: the row's peak
     else:
-        ref[...] = softmax_visible(s, vis)
-        clean = buf("lw_s", s.shape)
+        clean, masked = buf("lw_s", s.shape), np.logical_not(vis, out=buf("lw_masked", s.shape, bool))
         np.copyto(clean, s)
-        np.copyto(clean, 0.0, where=~vis)  # masked scores (often -inf) take no part in the bounds
+        np.copyto(clean, 0.0, where=masked)  # masked scores (often -inf) take no part in the bounds
         if not finite(clean):
             return False
+        visible_softmax_into(clean, masked, ref)
         s, visf = clean, vis.astype(np.float64)
     ts2, abs_s = buf("lw_ts2", s.shape), buf("lw_abs", s.shape)
     np.multiply(s, s, out=ts2)
@@ -321,6 +321,21 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
     np.abs(s, out=abs_s)
     weights_into(ref, ts2, abs_s, visf, u, ua, a_s, floor, False, sig, wor, buf)
     return finite(sig, wor)
+
+
+def visible_softmax_into(s: np.ndarray, masked: np.ndarray, out: np.ndarray) -> None:
+    """:func:`~mhaspec.conformance.model.softmax.softmax_visible` of the finite ``s`` in place into ``out``
+    (the same numbers: masked entries and blind rows 0), without its five full-size temporaries."""
+    np.copyto(out, s)
+    np.copyto(out, -np.inf, where=masked)
+    peak = out.max(axis=-1, keepdims=True)
+    np.copyto(peak, 0.0, where=~np.isfinite(peak))  # a blind row: all -inf, exp 0
+    out -= peak
+    np.minimum(out, 0.0, out=out)
+    np.exp(out, out=out)
+    total = out.sum(axis=-1, keepdims=True)
+    np.copyto(total, 1.0, where=total <= 0)  # a row of zeros stays 0
+    out /= total
 
 
 def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,
