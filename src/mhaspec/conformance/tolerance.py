@@ -322,24 +322,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             out[STAGE.scores] = finish(ref, sig, wor, (B, H, T, S))
         a_s = r.accumulation(S)
 
-        def softmax_pass(scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst)."""
-            sO = scores_.reshape(N, T, S)
-            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
-
-            def weights(n: slice, rows: slice, buf: Scratch) -> None:
-                s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
-                    return
-                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only):
-                    return
-                ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
-                    s_, vis, None if sinks is None else sinks[n], r, worst_case)
-
-            each(weights)
-            return ref, sig, wor
-
-        if has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages:
+        lse_in = has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages
+        if lse_in:
             sL = own[STAGE.scores].reshape(N, T, S)
             ref_l, sig_l, wor_l = np.empty((N, T, 1)), np.empty((N, T, 1)), np.empty((N, T, 1))
 
@@ -351,11 +335,45 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                                                      None if sinks is None else sinks[n], r, worst_case, length=S)
                 ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
 
-            each(lses)
-            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
+            def lse_shared(n: slice, rows: slice) -> Any:
+                """The lse check of a chunk from the operands the weights check formed (inplace.local_weights):
+                :func:`.model.variants.local_lse`'s formulas on the same numbers."""
+                def into(p_: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray, ref_c: np.ndarray) -> None:
+                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r), r, False)
+                    ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
+                return into
+
+        def softmax_pass(scores_: np.ndarray, with_lse: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst); ``with_lse``
+            (the adapter's own scores): the local lse check too, from the same work where the in-place path takes
+            the chunk."""
+            sO = scores_.reshape(N, T, S)
+            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
+
+            def weights(n: slice, rows: slice, buf: Scratch) -> None:
+                s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
+                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
+                    pass
+                elif fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only,
+                                                    lse=lse_shared(n, rows) if with_lse else None):
+                    return
+                else:
+                    ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
+                        s_, vis, None if sinks is None else sinks[n], r, worst_case)
+                if with_lse:
+                    lses(n, rows, buf)
+
+            each(weights)
+            return ref, sig, wor
+
         weights_local = None
-        if has(*LOCAL_INPUTS[STAGE.attn_weights]):
-            weights_local = softmax_pass(own[STAGE.scores])
+        if has(*LOCAL_INPUTS[STAGE.attn_weights]):  # with the lse check where it is asked (the same scores)
+            weights_local = softmax_pass(own[STAGE.scores], with_lse=lse_in)
+        elif lse_in:
+            each(lses)
+        if lse_in:
+            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
+        if weights_local is not None:
             out[STAGE.attn_weights] = finish(*weights_local, (B, H, T, S))
         if has(*LOCAL_INPUTS[STAGE.head_outputs]):
             def value_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
