@@ -300,7 +300,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         elif has(*score_inputs):
             def key_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
                 K = heads(own[STAGE.k_proj], G, group).reshape(N, S, -1)
-                return K, Pair.of(swap(K * K)), Pair.of(swap(np.abs(K)))
+                return K, Pair.lazy(lambda: swap(K * K)), Pair.lazy(lambda: swap(np.abs(K)))
 
             Q = heads(own[STAGE.q_proj], H).reshape(N, T, -1)
             K, K2, aK = judging.memoised(golden, ("local keys",), key_operands)
@@ -322,24 +322,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             out[STAGE.scores] = finish(ref, sig, wor, (B, H, T, S))
         a_s = r.accumulation(S)
 
-        def softmax_pass(scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst)."""
-            sO = scores_.reshape(N, T, S)
-            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
-
-            def weights(n: slice, rows: slice, buf: Scratch) -> None:
-                s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
-                    return
-                if fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only):
-                    return
-                ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
-                    s_, vis, None if sinks is None else sinks[n], r, worst_case)
-
-            each(weights)
-            return ref, sig, wor
-
-        if has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages:
+        lse_in = has(*local_inputs(STAGE.lse)) and STAGE.lse in golden.stages
+        if lse_in:
             sL = own[STAGE.scores].reshape(N, T, S)
             ref_l, sig_l, wor_l = np.empty((N, T, 1)), np.empty((N, T, 1)), np.empty((N, T, 1))
 
@@ -351,16 +335,51 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                                                      None if sinks is None else sinks[n], r, worst_case, length=S)
                 ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
 
-            each(lses)
-            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
+            def lse_shared(n: slice, rows: slice) -> Any:
+                """The lse check of a chunk from the operands the weights check formed (inplace.local_weights):
+                :func:`.model.variants.local_lse`'s formulas on the same numbers."""
+                def into(p_: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray,
+                         ref_c: np.ndarray) -> None:
+                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r), r, False)
+                    ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
+                return into
+
+        def softmax_pass(scores_: np.ndarray, with_lse: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst); ``with_lse``
+            (the adapter's own scores): the local lse check too, from the same work where the in-place path takes
+            the chunk."""
+            sO = scores_.reshape(N, T, S)
+            ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
+
+            def weights(n: slice, rows: slice, buf: Scratch) -> None:
+                s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
+                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
+                    pass
+                elif fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only,
+                                                    lse=lse_shared(n, rows) if with_lse else None):
+                    return
+                else:
+                    ref[n, rows], sig[n, rows], wor[n, rows] = variant_rules.local_weights(
+                        s_, vis, None if sinks is None else sinks[n], r, worst_case)
+                if with_lse:
+                    lses(n, rows, buf)
+
+            each(weights)
+            return ref, sig, wor
+
         weights_local = None
-        if has(*LOCAL_INPUTS[STAGE.attn_weights]):
-            weights_local = softmax_pass(own[STAGE.scores])
+        if has(*LOCAL_INPUTS[STAGE.attn_weights]):  # with the lse check where it is asked (the same scores)
+            weights_local = softmax_pass(own[STAGE.scores], with_lse=lse_in)
+        elif lse_in:
+            each(lses)
+        if lse_in:
+            out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
+        if weights_local is not None:
             out[STAGE.attn_weights] = finish(*weights_local, (B, H, T, S))
         if has(*LOCAL_INPUTS[STAGE.head_outputs]):
             def value_operands() -> tuple[np.ndarray, Pair, Pair]:  # shared by the blocks of a batch entry
                 V = heads(own[STAGE.v_proj], G, group).reshape(N, S, -1)
-                return V, Pair.of(V * V), Pair.of(np.abs(V))
+                return V, Pair.lazy(lambda: V * V), Pair.of(np.abs(V))  # |V| in float64 too: the route's product
 
             P = own[STAGE.attn_weights].reshape(N, T, S)
             V, V2, aV = judging.memoised(golden, ("local values",), value_operands)
@@ -370,21 +389,30 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                                                           lambda: bool(np.isfinite(V).all()))
             E = V.shape[-1]
             ref, sig, wor = np.empty((N, T, E)), np.empty((N, T, E)), np.empty((N, T, E))
+            # the weights' route allowance (local_rules.weights_route): from the adapter's own softmax, else
+            # from the golden's, formed here before the chunks share it
+            softmax = weights_local if weights_local is not None else softmax_pass(golden.stages[STAGE.scores])
 
             def outputs(n: slice, rows: slice, buf: Scratch) -> None:
                 pc, dst = P[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s, floor,
-                                                                  dst, buf, nonzero_only):
-                    return
-                if fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
-                                                  nonzero_only=nonzero_only):
-                    return
-                x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
-                ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
+                if not (kernels is not None and compiled.local_outputs(kernels, pc, V[n], V2[n], aV[n], u, a_s,
+                                                                       floor, dst, buf, nonzero_only)
+                        or fast and inplace.local_outputs(pc, V[n], V2[n], aV[n], u, a_s, floor, dst, buf,
+                                                          nonzero_only=nonzero_only)):
+                    x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
+                    ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
+                wor[n, rows] += route_product(pc, tuple(x[n, rows] for x in softmax), aV.f64[n])
+
+            def route_product(pc: np.ndarray, softmax_c: tuple[np.ndarray, ...], aV_c: np.ndarray) -> np.ndarray:
+                """The chunk's route allowance through |V| (the whole stage's numbers, a chunk at a time, while its
+                weights are in the cache); a block's over the keys up to the last nonzero route (0 · a finite
+                value adds nothing), the sum's coefficient of the whole row's S."""
+                own_c = softmax_c if weights_local is not None else None
+                route = local_rules.weights_route(pc, own_c, lambda: softmax_c)
+                k = seen_keys(route != 0) if nonzero_only else S
+                return nonnegative_product(route[..., :k], aV_c[:, :k], length=S)
 
             each(outputs)
-            route = local_rules.weights_route(P, weights_local, lambda: softmax_pass(golden.stages[STAGE.scores]))
-            wor += nonnegative_product(route, aV.f64)
             out[STAGE.head_outputs] = finish(ref, sig, wor, (B, H, T, E))
         if has(*LOCAL_INPUTS[STAGE.concat]):
             out[STAGE.concat] = local_rules.concat(own[STAGE.head_outputs], r, worst_case)

@@ -28,9 +28,10 @@ from .fast import FAST_ROWS, FastForward, FastRows, forward_fast
 #: (mhaspec.conformance.blocks.MAX_BLOCK_ELEMENTS).
 ROW_BLOCKS_ABOVE = 1 << 22
 #: Elements per (B, H, T, S) stage of one block of a :class:`~mhaspec.fixtures.RowBlocks` case
-#: (2^19: 4 MiB per float64 array; T = S = 1024 with H = 8: 64 rows, 4096: 16 rows; the judge's
-#: temporaries of a block are that size too: 2^20 cost 0.15 GB more at 1024, benchmarks/bench_cost.py).
-ROW_BLOCK_ELEMENTS = 1 << 19
+#: (2^18: 2 MiB per float64 array; T = S = 1024 with H = 8: 32 rows; a block has at least FAST_ROWS = 32
+#: rows, so 4096 takes 2^20; the judge's temporaries of a block are that size too: 2^19 held 65 MB more
+#: at 1024 for the same CPU, 2^20 0.15 GB more, benchmarks/results/2026-12-06-cost-s4-fuse.md).
+ROW_BLOCK_ELEMENTS = 1 << 18
 
 
 def golden_case(spec: CaseSpec, source: Path | str = "<catalog>") -> GoldenCase:

@@ -12,6 +12,7 @@ general rules, which handle every special value; the functions here then return 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
-from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others, softmax_visible
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others
 from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
 
 
@@ -290,37 +291,67 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
 
 
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
-                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch, seen_only: bool = False) -> bool:
+                        out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch, seen_only: bool = False,
+                        lse: Callable[..., None] | None = None) -> bool:
     """The local attention-weights check of one chunk from the adapter's own scores ``s``; ``seen_only``:
-    over the keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`), later keys a masked key's 0."""
+    over the keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`), later keys a masked key's 0.
+    ``lse``: the local lse check of the same chunk, which shares this one's work, called as ``lse(p, ts2,
+    abs_s, vis, log_sum_exp)`` (:func:`~mhaspec.conformance.model.variants.lse`'s operands over the keys seen)."""
     ref, sig, wor = out
     k = seen_keys(vis) if seen_only else s.shape[-1]
     if k < s.shape[-1]:
         for a in out:
             a[..., k:] = 0.0
         return local_weights(s[..., :k], vis[..., :k], u, ua, a_s, floor, (ref[..., :k], sig[..., :k], wor[..., :k]),
-                             buf)
+                             buf, lse=lse)
     if vis.all():
         if not finite(s):
             return False
         visf = None
-        np.subtract(s, s.max(axis=-1, keepdims=True), out=ref)
+        peak = s.max(axis=-1, keepdims=True)
+        np.subtract(s, peak, out=ref)
         np.exp(ref, out=ref)
-        ref /= ref.sum(axis=-1, keepdims=True)  # >= 1: the row's peak
+        total = ref.sum(axis=-1, keepdims=True)  # >= 1: the row's peak
+        ref /= total
+        log_sum_exp = None if lse is None else peak + np.log(total)
     else:
-        ref[...] = softmax_visible(s, vis)
-        clean = buf("lw_s", s.shape)
+        clean, masked = buf("lw_s", s.shape), np.logical_not(vis, out=buf("lw_masked", s.shape, bool))
         np.copyto(clean, s)
-        np.copyto(clean, 0.0, where=~vis)  # masked scores (often -inf) take no part in the bounds
+        np.copyto(clean, 0.0, where=masked)  # masked scores (often -inf) take no part in the bounds
         if not finite(clean):
             return False
+        log_sum_exp = visible_softmax_into(clean, masked, ref)
         s, visf = clean, vis.astype(np.float64)
     ts2, abs_s = buf("lw_ts2", s.shape), buf("lw_abs", s.shape)
-    np.multiply(s, s, out=ts2)
-    ts2 *= U64**2 + u * u  # stored(u, s)
+    np.multiply(s, s, out=ts2)  # stored(u, s) = U64²·s² + u²·s², in its order (the lse's bit for bit)
+    np.multiply(ts2, u**2, out=abs_s)
+    ts2 *= U64**2
+    ts2 += abs_s
     np.abs(s, out=abs_s)
     weights_into(ref, ts2, abs_s, visf, u, ua, a_s, floor, False, sig, wor, buf)
+    if lse is not None:
+        lse(ref, ts2, abs_s, vis, log_sum_exp)
     return finite(sig, wor)
+
+
+def visible_softmax_into(s: np.ndarray, masked: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`~mhaspec.conformance.model.softmax.softmax_visible` of the finite ``s`` in place into ``out``
+    (the same numbers: masked entries and blind rows 0), without its five full-size temporaries; returns
+    the rows' :func:`~mhaspec.conformance.model.variants.log_sum_exp` (the same numbers: −inf for a blind row)."""
+    np.copyto(out, s)
+    np.copyto(out, -np.inf, where=masked)
+    peak = out.max(axis=-1, keepdims=True)
+    np.copyto(peak, 0.0, where=~np.isfinite(peak))  # a blind row: all -inf, exp 0
+    out -= peak
+    np.minimum(out, 0.0, out=out)
+    np.exp(out, out=out)
+    total = out.sum(axis=-1, keepdims=True)
+    seen = total > 0  # a seen row has its peak's e^0 = 1
+    with np.errstate(divide="ignore"):
+        log_sum_exp = np.where(seen, peak + np.log(total), -np.inf)
+    np.copyto(total, 1.0, where=~seen)  # a row of zeros stays 0
+    out /= total
+    return log_sum_exp
 
 
 def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,

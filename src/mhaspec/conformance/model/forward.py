@@ -87,12 +87,18 @@ def key_side(golden: GoldenCase, r: Rounding) -> KeySide:
     G, group, N = cfg.H_kv, cfg.group_size, golden.visible.shape[0] * cfg.H
     S, E, u2 = golden.visible.shape[-1], g[STAGE.head_outputs].shape[-1], r.u**2
     k, v = projection(golden, "k", r), projection(golden, "v", r)
-    K = heads(g[STAGE.k_proj], G, group).reshape(N, S, -1)
-    tK2 = heads(k.total_var, G, group).reshape(N, S, -1)
     V = heads(g[STAGE.v_proj], G, group).reshape(N, S, E)
-    tV2 = heads(v.total_var, G, group).reshape(N, S, E)
-    KK = Pair.of(swap(np.concatenate([K * K, tK2 / u2], axis=-1)))
-    return KeySide(k, v, KK, Pair.of(swap(np.abs(K))), V, V * V, Pair.of(np.abs(V)), Pair.of(tV2 / u2))
+
+    def K() -> np.ndarray:
+        return heads(g[STAGE.k_proj], G, group).reshape(N, S, -1)
+
+    def KK() -> np.ndarray:
+        K_ = K()
+        return swap(np.concatenate([K_ * K_, heads(k.total_var, G, group).reshape(N, S, -1) / u2], axis=-1))
+
+    # the float32 operands held, their float64 made again if a fallback reads them (vocabulary.Pair.lazy)
+    return KeySide(k, v, Pair.lazy(KK), Pair.lazy(lambda: swap(np.abs(K()))), V, V * V,
+                   Pair.lazy(lambda: np.abs(V)), Pair.lazy(lambda: heads(v.total_var, G, group).reshape(N, S, E) / u2))
 
 
 def scores(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair, aK: Pair, s: np.ndarray) -> Error:

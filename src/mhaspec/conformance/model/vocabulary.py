@@ -20,6 +20,7 @@ heads (B,H,T,E), concat (B,T,H·E), output (B,T,d_out).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -245,18 +246,39 @@ def stored(u: float, *values: np.ndarray) -> np.ndarray:
     return out
 
 
-class Pair(NamedTuple):
-    """A right-hand operand of :func:`upper32` in float64 and, cast once, in float32."""
+class Pair:
+    """A right-hand operand of :func:`upper32` in float64 and, cast once, in float32.
 
-    f64: np.ndarray
-    f32: np.ndarray
+    The products read the float32 copy; the float64 one only the fallback of a product beyond
+    float32's range (an adapter's own wild values) and a caller's float64 product.  A pair made
+    :meth:`lazy` holds the float32 copy alone and makes the float64 one, the same numbers, when it
+    is first read: the key side of a block of a large case is half the memory."""
+
+    __slots__ = ("f32", "_f64", "_make")
+
+    def __init__(self, f64: np.ndarray | None, f32: np.ndarray, make: Callable[[], np.ndarray] | None = None):
+        self.f32, self._f64, self._make = f32, f64, make
 
     @classmethod
     def of(cls, x: np.ndarray) -> "Pair":
         return cls(x, x.astype(np.float32))
 
-    def __getitem__(self, index: Any) -> "Pair":  # type: ignore[override]
-        return Pair(self.f64[index], self.f32[index])
+    @classmethod
+    def lazy(cls, make: Callable[[], np.ndarray]) -> "Pair":
+        """The pair of ``make()`` (a pure function: it makes the same array every time), holding its float32 cast."""
+        return cls(None, make().astype(np.float32), make)
+
+    @property
+    def f64(self) -> np.ndarray:
+        if self._f64 is None:
+            assert self._make is not None
+            self._f64 = self._make()
+        return self._f64
+
+    def __getitem__(self, index: Any) -> "Pair":
+        if self._f64 is not None:
+            return Pair(self._f64[index], self.f32[index])
+        return Pair(None, self.f32[index], lambda: self.f64[index])
 
 
 def upper32(a: np.ndarray, b: Pair, length: int | None = None) -> np.ndarray:
@@ -275,12 +297,14 @@ def upper32(a: np.ndarray, b: Pair, length: int | None = None) -> np.ndarray:
     return out * (1 + 2 * gamma(n, U32))
 
 
-def nonnegative_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def nonnegative_product(a: np.ndarray, b: np.ndarray, length: int | None = None) -> np.ndarray:
     """An upper bound of ``a @ b`` for non-negative ``a`` (N, T, S) and ``b`` (N, S, E), in float64:
-    the computed sum is below the exact one by at most γ₆₄(S) relative."""
+    the computed sum is below the exact one by at most γ₆₄(S) relative.  ``length``: the S to count
+    (a row's whole length where the caller left out its zero terms)."""
     with np.errstate(invalid="ignore", over="ignore"):
         out = a @ b
-    return inf_for_nan(out * (1 + gamma(a.shape[-1], U64)))
+    out *= 1 + gamma(a.shape[-1] if length is None else length, U64)
+    return inf_for_nan(out)
 
 
 def inf_for_nan(x: np.ndarray) -> np.ndarray:
