@@ -234,7 +234,7 @@ class SharedMemory:
 
 
 def memory_file(buffers: list[memoryview]) -> int | None:
-    """A new anonymous memory file holding ``buffers`` one after the other (its descriptor, at offset 0),
+    """A new anonymous memory file holding ``buffers`` one after the other (its descriptor; read it by offset),
     or None where ``memfd_create`` fails.  Written with ``write``: page cache, not the writer's memory."""
     try:
         fd = os.memfd_create("mhaspec-payload", os.MFD_CLOEXEC)
