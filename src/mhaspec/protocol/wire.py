@@ -12,15 +12,23 @@ is pickled.  The worker's first message, ``ready``, carries ``"protocol":
 "mhaspec-wire/1"``; a runner refuses any other version (:func:`check_protocol`).
 The JSON Schema of every header is ``schema/messages.schema.json`` beside this file.
 
+Between mhaspec's own runner and Python worker only (never an exec client), a large
+payload may travel through shared memory instead (:class:`SharedMemory`): the same
+frame, its payload left out of the pipe and written to an anonymous memory file
+whose descriptor goes ahead of the frame over a Unix socket beside the pipes.
+
 This module is language-neutral framing and message construction; which process
 runs the adapter, and how, is :mod:`mhaspec.protocol.transports`.
 """
 
 from __future__ import annotations
 
+import array
 import json
+import mmap
 import os
 import select
+import socket
 import struct
 import time
 from collections.abc import Mapping
@@ -73,10 +81,12 @@ class ProtocolError(Exception):
 
 
 class Pipe:
-    """Framed messages over two file descriptors: ``read_fd`` from the other side, ``write_fd`` to it."""
+    """Framed messages over two file descriptors: ``read_fd`` from the other side, ``write_fd`` to it;
+    with ``shared`` (:class:`SharedMemory`), large payloads through shared memory both ways."""
 
-    def __init__(self, read_fd: int, write_fd: int) -> None:
+    def __init__(self, read_fd: int, write_fd: int, shared: SharedMemory | None = None) -> None:
         self.read_fd, self.write_fd = read_fd, write_fd
+        self.shared = shared
         self._poller = select.poll()
         self._poller.register(read_fd, select.POLLIN)
 
@@ -86,10 +96,10 @@ class Pipe:
         text = json.dumps(header).encode("utf-8")
         buffers = payload.buffers if isinstance(payload, safetensors.Parts) else [memoryview(payload)]
         try:
+            if self.shared is not None and self.shared.carries(buffers):
+                buffers = []  # the payload went ahead: only the frame and header follow on the pipe
             for data in (memoryview(FRAME.pack(len(text), len(payload)) + text), *buffers):
-                data = data.cast("B")
-                while data:
-                    data = data[os.write(self.write_fd, data):]
+                write_all(self.write_fd, data)
         except OSError as exc:  # BrokenPipeError: the other side is gone
             raise Closed(str(exc)) from None
 
@@ -101,7 +111,10 @@ class Pipe:
         check_lengths(n_header, n_payload)
         try:
             header = decode_header(self._read(n_header, deadline))
-            return header, self._read(n_payload, deadline) if n_payload else b""
+            if not n_payload:
+                return header, b""
+            received = self.shared.receive(n_payload) if self.shared is not None else None
+            return header, received if received is not None else self._read(n_payload, deadline)
         except Closed:
             raise Closed("end of file in the middle of a message") from None
 
@@ -130,6 +143,126 @@ class Pipe:
                 os.close(fd)
             except OSError:
                 pass
+        if self.shared is not None:
+            self.shared.close()
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write all of ``data`` (any buffer) to ``fd``, however many writes it takes."""
+    data = data.cast("B")
+    while data:
+        data = data[os.write(fd, data):]
+
+
+#: Payloads from this size on go through shared memory where a :class:`Pipe` has it (smaller ones: the pipe).
+SHARED_MIN = 1 << 20
+
+
+class SharedMemory:
+    """Large payloads through shared memory, beside a :class:`Pipe` (mhaspec's runner and Python worker only).
+
+    The sender writes the payload into a fresh anonymous memory file (``memfd_create``)
+    and sends its descriptor, with the payload's length, over ``channel`` (one end of a
+    Unix datagram socket pair) *before* the frame, whose payload it then leaves out of
+    the pipe; the receiver, having read a frame whose payload is not on the pipe, finds
+    the descriptor already queued and maps the file read-only: the arrays are views of
+    the pages the sender wrote, copied once instead of twice (through the pipe and into
+    a 4 KiB-paged buffer).  The file has no name: it lives as long as a descriptor or a
+    mapping holds it, so a crash, a timeout or a kill of either side leaves nothing
+    behind (a descriptor still queued is freed with the socket).  Where the platform
+    has no ``memfd_create`` or it fails, the sender uses the pipe, silently, from then on.
+    """
+
+    def __init__(self, channel: socket.socket) -> None:
+        self.channel = channel
+        self.usable = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+    @staticmethod
+    def pair() -> tuple[SharedMemory, socket.socket] | None:
+        """(this side's SharedMemory, the other side's socket to give its process), or None where the
+        platform has no Unix sockets, ``memfd_create`` or descriptor passing."""
+        if not (hasattr(socket, "AF_UNIX") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
+            return None
+        try:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        except OSError:
+            return None
+        return SharedMemory(mine), theirs
+
+    def carries(self, buffers: list[memoryview]) -> bool:
+        """Send ``buffers`` (a payload of :data:`SHARED_MIN` bytes or more) ahead of their frame; False: the
+        pipe must carry them (a small payload, or no shared memory here).  OSError: the other side is gone."""
+        nbytes = sum(b.nbytes for b in buffers)
+        if not self.usable or nbytes < SHARED_MIN:
+            return False
+        fd = memory_file(buffers)
+        if fd is None:
+            self.usable = False
+            return False
+        try:
+            socket.send_fds(self.channel, [nbytes.to_bytes(8, "little")], [fd])
+        finally:
+            os.close(fd)
+        return True
+
+    def receive(self, n_payload: int) -> mmap.mmap | bytearray | None:
+        """The payload of the frame just read if it came through shared memory (read-only), else None.
+        :class:`Malformed` if what came is not ``n_payload`` bytes."""
+        fds = array.array("i")
+        try:  # not socket.recv_fds: before Python 3.12 it ignores its flags (and would block here)
+            data, ancillary, _, _ = self.channel.recvmsg(8, socket.CMSG_LEN(fds.itemsize), socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            raise Closed(str(exc)) from None
+        for level, kind, item in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(item[:len(item) - len(item) % fds.itemsize])
+        if not fds:
+            raise Malformed("a shared-memory notice without its memory file")
+        try:
+            nbytes = int.from_bytes(data, "little")
+            if len(data) != 8 or nbytes != n_payload or os.fstat(fds[0]).st_size != n_payload:
+                raise Malformed(f"a {n_payload}-byte payload whose shared memory holds another size")
+            return map_read_only(fds[0], n_payload)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def memory_file(buffers: list[memoryview]) -> int | None:
+    """A new anonymous memory file holding ``buffers`` one after the other (its descriptor; read it by offset),
+    or None where ``memfd_create`` fails.  Written with ``write``: page cache, not the writer's memory."""
+    try:
+        fd = os.memfd_create("mhaspec-payload", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        for data in buffers:
+            write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_read_only(fd: int, nbytes: int) -> mmap.mmap | bytearray:
+    """The ``nbytes`` of file ``fd``: a read-only shared mapping, its pages mapped at once (one call instead
+    of a page fault per 4 KiB); read into memory of its own where it cannot be mapped."""
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        buf = bytearray(nbytes)
+        view, got = memoryview(buf), 0
+        while got < nbytes:
+            count = os.preadv(fd, [view[got:]], got)
+            if not count:
+                raise Malformed("a shared payload shorter than its frame says") from None
+            got += count
+        return buf
 
 
 def encode_frame(header: Mapping[str, Any], payload: bytes | safetensors.Parts = b"") -> bytes:

@@ -1,7 +1,7 @@
 """The Python worker: the worker's side of ``mhaspec-wire/1``, in the process where the adapter computes.
 
 :func:`serve` answers the runner's requests with the adapter; :func:`main` is the
-entry point of a spawned worker (``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``:
+entry point of a spawned worker (``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT [SHARED_FD]``:
 it reads ``load``, loads the adapter and answers ``ready``); :func:`run_forked` is
 what a forked child runs.  Whatever the adapter raises is a reply; whatever it
 does to the process (exit, abort, a signal) is the runner's to report
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -153,11 +154,13 @@ def describe_and_serve(pipe: wire.Pipe, adapter: Any) -> None:
 
 
 def main(argv: list[str], then: Callable[[wire.Pipe, Mapping[str, Any]], None] | None = None) -> None:
-    """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT``; after the ``load``
-    request, ``then(pipe, request)`` (default: load the named adapter and serve it)."""
+    """Entry point of a spawned worker: ``READ_FD WRITE_FD PARENT_PID DIE_WITH_PARENT [SHARED_FD]`` (the socket
+    of :class:`~mhaspec.protocol.wire.SharedMemory`); after the ``load`` request, ``then(pipe, request)``
+    (default: load the named adapter and serve it)."""
     code = 0
     try:
-        pipe = wire.Pipe(int(argv[0]), int(argv[1]))
+        shared = wire.SharedMemory(socket.socket(fileno=int(argv[4]))) if len(argv) > 4 else None
+        pipe = wire.Pipe(int(argv[0]), int(argv[1]), shared)
         detach_from_terminal_signals(int(argv[2]), argv[3] == "1")
         header, _ = pipe.recv()
         if header.get("op") != "load":

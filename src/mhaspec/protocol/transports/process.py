@@ -33,6 +33,7 @@ import abc
 import collections
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -368,26 +369,37 @@ class Worker(ProcessTransport):
     def _launch(self) -> tuple[Process, wire.Pipe]:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
+        shared, theirs = wire.SharedMemory.pair() or (None, None)  # large payloads beside the pipes (wire.py)
         die_with_parent = threading.current_thread() is threading.main_thread()
-        if start_method(self._by_name) == "spawn":
-            process = self._spawn(to_child_r, to_child_w, to_parent_r, to_parent_w, die_with_parent)
-        else:
-            process = self._fork(to_child_r, to_child_w, to_parent_r, to_parent_w, die_with_parent)
+        try:
+            if start_method(self._by_name) == "spawn":
+                process = self._spawn(to_child_r, to_child_w, to_parent_r, to_parent_w, die_with_parent, theirs)
+            else:
+                process = self._fork(to_child_r, to_child_w, to_parent_r, to_parent_w, die_with_parent, theirs, shared)
+        except BaseException:
+            if shared is not None:
+                shared.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()
         os.close(to_child_r)
         os.close(to_parent_w)
-        pipe = wire.Pipe(to_parent_r, to_child_w)
+        pipe = wire.Pipe(to_parent_r, to_child_w, shared)
         if process.popen is not None:  # a spawned worker learns its adapter from the first request
             pipe.send(wire.load_request(self._ref, self._options, list(sys.path)))
         return process, pipe
 
     @staticmethod
-    def _spawn(to_child_r: int, to_child_w: int, to_parent_r: int, to_parent_w: int, die_with_parent: bool) -> Process:
+    def _spawn(to_child_r: int, to_child_w: int, to_parent_r: int, to_parent_w: int, die_with_parent: bool,
+               shared: socket.socket | None) -> Process:
         root = str(Path(__file__).resolve().parents[3])
         code = f"import sys; sys.path.insert(0, {root!r}); from mhaspec.protocol.worker import main; main(sys.argv[1:])"
         args = [sys.executable, "-c", code, str(to_child_r), str(to_parent_w), str(os.getpid()),
-                "1" if die_with_parent else "0"]
+                "1" if die_with_parent else "0", *([str(shared.fileno())] if shared is not None else [])]
         try:
-            popen = subprocess.Popen(args, pass_fds=(to_child_r, to_parent_w))
+            popen = subprocess.Popen(args, pass_fds=(to_child_r, to_parent_w,
+                                                     *([shared.fileno()] if shared is not None else [])))
         except OSError as exc:
             for fd in (to_child_r, to_child_w, to_parent_r, to_parent_w):
                 os.close(fd)
@@ -395,7 +407,7 @@ class Worker(ProcessTransport):
         return Process(popen=popen)
 
     def _fork(self, to_child_r: int, to_child_w: int, to_parent_r: int, to_parent_w: int,
-              die_with_parent: bool) -> Process:
+              die_with_parent: bool, theirs: socket.socket | None, mine: wire.SharedMemory | None) -> Process:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         parent = os.getpid()
@@ -404,7 +416,10 @@ class Worker(ProcessTransport):
             try:
                 os.close(to_child_w)
                 os.close(to_parent_r)
-                worker.run_forked(wire.Pipe(to_child_r, to_parent_w), self._ref, self._options, parent,
+                if mine is not None:
+                    mine.close()
+                shared = wire.SharedMemory(theirs) if theirs is not None else None
+                worker.run_forked(wire.Pipe(to_child_r, to_parent_w, shared), self._ref, self._options, parent,
                                   die_with_parent)  # leaves with os._exit
             except BaseException:  # noqa: BLE001
                 traceback.print_exc()
