@@ -144,6 +144,12 @@ class GoldenCase:
             self._cases[dtype] = Case.from_spec(self.spec, dtype, self.inputs, self.weights, self.d_output)
         return self._cases[dtype]
 
+    def forget_case(self, dtype: str) -> None:
+        """Drop the adapter-facing case of ``dtype`` (its read-only copies of the inputs and weights, ~10 MB
+        at T = S = 1024): once the adapter has returned, the judge reads the golden's own arrays; a later
+        :meth:`case` makes it again."""
+        self._cases.pop(dtype, None)
+
 
 class StageErrors(dict):  # type: ignore[type-arg]
     """A golden case's ``reference_error``: the bound of each stage's distance to the exact reference,

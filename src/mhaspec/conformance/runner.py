@@ -272,6 +272,9 @@ class Session:
             return CaseResult(case_id, dtype, ERROR, message=str(exc), adapter_s=time.perf_counter() - start)
 
         t0 = time.perf_counter()
+        del case  # from here golden.case() holds it, for backward(case) only: not while the reply is judged
+        if not self.backward:
+            golden.forget_case(dtype)
         if scheduled:
             return self._judge_calls(golden, dtype, returned, adapter_s, t0)
         if not isinstance(returned, Mapping):
@@ -294,7 +297,7 @@ class Session:
         for st in stages:  # the second opinion, on the whole case's sums (blocks merged)
             second_opinion.fold(st)
         if self.backward:
-            more, error, backward_s = self._judge_backward(golden, case, dtype, returned)
+            more, error, backward_s = self._judge_backward(golden, golden.case(dtype), dtype, returned)
             adapter_s += backward_s
             if error:
                 return CaseResult(case_id, dtype, ERROR, message=error, adapter_s=adapter_s)

@@ -143,8 +143,9 @@ class ProcessTransport(Transport):
         self._process: Process | None = None
         self._pipe: wire.Pipe | None = None
         # The Case the current worker already holds, and the replies on their way, by the Case *object*
-        # (held here, so that its id() cannot be reused by another Case: case ids repeat, e.g. in fuzz).
-        self._sent: Case | None = None
+        # (weakly for the one held: a Case the caller dropped is freed, and a dead reference matches no
+        # new Case, whose id() may be the same: case ids repeat, e.g. in fuzz).
+        self._sent: weakref.ref[Case] | None = None
         self._expect: collections.deque[tuple[str, Case, int]] = collections.deque()  # (step, case, seq)
         self._seq = 0  # the number of the last request sent (a reply echoes it: docs/protocol.md §3)
         #: The adapter's description, as its worker sends it in ``ready`` (described where it computes:
@@ -261,11 +262,11 @@ class ProcessTransport(Transport):
         self._seq += 1
         seq = self._seq
         try:
-            if self._sent is case:
+            if self._sent is not None and self._sent() is case:
                 self._pipe.send(wire.reuse_request(op, seq))
             else:
                 self._pipe.send(*wire.case_request(op, case, seq))
-                self._sent = case
+                self._sent = weakref.ref(case)
         except wire.Closed:
             pass  # the reply tells how it died
         self._expect.extend([("supports", case, seq), (then, case, seq)] if with_supports else [(then, case, seq)])
