@@ -47,7 +47,9 @@ def projection(golden: GoldenCase, letter: str, r: Rounding) -> Error:
     lin, w = LINEAR[letter], golden.weights
     x, wm, b, y = lin.input_of(golden), w[lin.weight], w.get(lin.bias), golden.stages[lin.y]
     xw = y if b is None else y - b
-    return product(x, EXACT, wm, EXACT, 1.0, r.u, stored_as=(xw, y), bias=b).accumulated(r.accumulation(wm.shape[0]))
+    # probabilistic accumulation (float32): acc is the scalar 0, not a zero (B, T, F) array held with the bounds
+    return product(x, EXACT, wm, EXACT, 1.0, r.u, stored_as=(xw, y), bias=b).accumulated(r.accumulation(wm.shape[0]),
+                                                                                          zero_scalar=True)
 
 
 class AttentionConstants(NamedTuple):

@@ -97,11 +97,14 @@ class Error(NamedTuple):
         """``fn`` (a relabelling: heads, merge, group, transpose, reshape) on every array part."""
         return Error(*(fn(v) if np.ndim(v) else v for v in self))
 
-    def accumulated(self, a: "Acc") -> "Error":
+    def accumulated(self, a: "Acc", zero_scalar: bool = False) -> "Error":
         """This error, whose ``acc`` holds Σ|a_i b_i| (+ |bias|) of the stage's sums, with their
         accumulation counted as ``a`` says: ``a.sigma``·Σ|ab| as a standard deviation, in ``var``, and
-        ``a.worst``·Σ|ab| worst-case, in ``acc`` (one of the two is 0: :meth:`Rounding.accumulation`)."""
-        return Error(self.var + np.square(a.sigma * self.acc), a.worst * self.acc, self.lin)
+        ``a.worst``·Σ|ab| worst-case, in ``acc`` (one of the two is 0: :meth:`Rounding.accumulation`).
+        ``zero_scalar``: a worst-case part of 0 stays the scalar 0, not an all-zero array as large as
+        the stage (for a consumer that broadcasts it, e.g. :meth:`bound`)."""
+        acc = 0.0 if zero_scalar and not a.worst else a.worst * self.acc
+        return Error(self.var + np.square(a.sigma * self.acc), acc, self.lin)
 
     def scaled(self, f: float) -> "Error":
         """The error of ``f·x`` (an exact scaling)."""
@@ -113,7 +116,10 @@ class Error(NamedTuple):
         var, worst = self.var, self.acc if not np.ndim(self.lin) and self.lin == 0 else self.lin + self.acc
         if shape is not None:
             var, worst = np.broadcast_to(var, shape), np.broadcast_to(worst, shape)
-        return Bound(inf_for_nan(np.sqrt(np.maximum(var, 0.0))), inf_for_nan(worst + floor))
+        sigma = inf_for_nan(np.sqrt(np.maximum(var, 0.0)))
+        if np.ndim(worst) or not np.ndim(sigma):
+            return Bound(sigma, inf_for_nan(worst + floor))
+        return Bound(sigma, np.broadcast_to(inf_for_nan(np.asarray(worst + floor)), sigma.shape))
 
 
 #: No error: an exact operand (the inputs, the weights, the given output gradient).
