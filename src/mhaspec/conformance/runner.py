@@ -382,7 +382,8 @@ class Session:
         key = ("judging", dtype, self.precision) + (() if key_stages else ("no key stages",))  # (diagnose.py's too)
         raw, tolerances = judging.derived(golden, key,
                                           lambda: judging_bounds(golden, dtype, self.precision, key_stages=key_stages))
-        self._forward_bounds = (golden, dtype, raw)  # reused by the backward bounds of the same case
+        if self.backward:  # reused by the backward bounds of the same case; else not held into the next block
+            self._forward_bounds = (golden, dtype, raw)
         bounds = judging.with_reference_error(golden, raw)  # fast reference: + its error
         rms_limit = KAPPA**0.5 if self.precision == "standard" else None
         own: dict[str, np.ndarray] = {}
