@@ -320,7 +320,7 @@ def compare_stage(
     result.max_abs_err = float(max_err)
     result.max_rel_err = float(rel_max)
     result.worst_ratio = float(ratio.flat[worst])
-    worst_flat = worst if compared is None else np.flatnonzero(compared)[worst]
+    worst_flat = worst if compared is None else _nth_selected(compared, worst)
     result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
@@ -346,6 +346,17 @@ def compare_stage(
                 problems.append(_systematic(result.rms_ratio, n_rms, rms_limit))
     return _conclude(result, problems, g, tol, None if noise is None else (sigma, worst_part), rms_limit,
                      rms_min_elements)
+
+
+def _nth_selected(mask: np.ndarray, n: int) -> int:
+    """The flat index of ``mask``'s ``n``-th True element in C order (``np.flatnonzero(mask)[n]``), found
+    by the count of each row (along the last axis) and one row's positions: not an index array of every
+    compared element, where one is asked for."""
+    rows = mask.reshape(-1, mask.shape[-1] if mask.ndim else 1)
+    ends = np.cumsum(np.count_nonzero(rows, axis=1))
+    row = int(np.searchsorted(ends, n, side="right"))
+    before = int(ends[row - 1]) if row else 0
+    return row * rows.shape[1] + int(np.flatnonzero(rows[row])[n - before])
 
 
 def _compiled_loops() -> bool:
