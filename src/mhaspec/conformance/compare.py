@@ -570,12 +570,21 @@ def _relative_max_with_zeros(err: np.ndarray, absolute: np.ndarray) -> float:
     return math.inf if np.any(err[~positive]) else rel
 
 
+def _head(shape: tuple[int, ...], elements: int = 4096) -> tuple[Any, ...]:
+    """An index of about ``elements`` leading elements of an array of ``shape`` (its first rows along the
+    second-to-last axis, at index 0 of the others): a view of a strided block, where ``.flat[:n]`` of one
+    walks it element by element."""
+    if len(shape) < 2:
+        return (slice(0, elements),) if shape else ()
+    return (0,) * (len(shape) - 2) + (slice(0, max(1, elements // max(shape[-1], 1))),)
+
+
 def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
                     rms_limit: float | None, rms_min_elements: int) -> bool:
     """True when an all-zero result would pass against ``expected`` (and ``expected`` is not all zero)."""
-    head = min(np.size(expected), 4096)  # usually decided by the first elements: the rest is not read
-    if head and np.any(np.abs(np.asarray(expected).flat[:head]) > (
-            tol if np.shape(tol) == np.shape(expected) else np.broadcast_to(tol, np.shape(expected))).flat[:head]):
+    head = _head(np.shape(expected))  # usually decided by the first elements: the rest is not read
+    if np.size(expected) and np.any(np.abs(np.asarray(expected)[head]) > (
+            tol if np.shape(tol) == np.shape(expected) else np.broadcast_to(tol, np.shape(expected)))[head]):
         return False
     absolute = np.abs(expected, out=_work("spare", np.shape(expected)))
     if not np.any(absolute > 0):

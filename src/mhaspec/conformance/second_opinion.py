@@ -291,6 +291,7 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     if keys is None or bias is not None or alibi is not None:
         keys = S
     visible = visible[..., :keys]
+    hidden = ~visible
 
     def modified(s: np.ndarray) -> np.ndarray:
         """softcap (s/c, tanh and c·t each rounded), then + bias, + ALiBi (each sum rounded)."""
@@ -318,7 +319,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         """(P, LSE, the rows' figures): the sink logit, if any, in each denominator; a row that sees no key:
         0 and −inf.  ``rows``: those of the same ``s`` (the scale-after order's, for the log-sum-exp order:
         the same numbers, without the exponentials' second pass)."""
-        logits = np.where(visible, s, -np.inf)
+        logits = s.copy()  # −inf where masked: np.where's values, without its broadcast of the mask
+        np.copyto(logits, -np.inf, where=hidden)
         if rows is None:
             peak = logits.max(axis=-1, keepdims=True)
             seen = np.isfinite(peak)
