@@ -304,15 +304,11 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
             s = rnd(s + alibi)
         return s
 
-    def scaled_keys(separate: bool, K: np.ndarray) -> np.ndarray:
-        """rnd(K · √scale) of the sqrt-both order, (B, H, S, D): the same in every block of rows of a batch entry."""
-        return memoised(golden, ("second opinion scaled keys", dtype, separate), lambda: rnd(K * root_d))
-
     def scores(order: str, Q: np.ndarray, K: np.ndarray) -> np.ndarray:  # (B, H, T, S)
         if order == "query-prescaled":
             return rnd(rnd(Q * scale_d) @ np.swapaxes(K, -1, -2))
         if order == "sqrt-both":
-            return rnd(rnd(Q * root_d) @ np.swapaxes(K, -1, -2))  # K: rnd(K · √scale) (scaled_keys)
+            return rnd(rnd(Q * root_d) @ np.swapaxes(rnd(K * root_d), -1, -2))
         if order == "scores-stored":
             return rnd(rnd(Q @ np.swapaxes(K, -1, -2)) * scale_d)
         return rnd((Q @ np.swapaxes(K, -1, -2)) * scale_d)
@@ -361,8 +357,6 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         kind = "scale-after" if exact and order == "scores-stored" else order
         if (separate, kind) not in computed:  # (float32, float64: scores-stored is scale-after)
             projections, Q, K, V = projected(separate)
-            if kind == "sqrt-both":
-                K = scaled_keys(separate, K)
             K, V = K[:, :, :keys], V[:, :, :keys]  # (B, H, keys, ·): the keys the rows see (all but with ``keys``)
             same = computed.get((separate, "scale-after")) if kind == "log-sum-exp" else None
             s = modified(scores(kind, Q, K)) if same is None else same[STAGE.scores]  # (the same formula: the same array)
