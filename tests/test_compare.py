@@ -257,3 +257,47 @@ def test_a_block_judged_up_to_the_keys_its_rows_see_gets_the_whole_stage_result(
         == [PASS, FAIL, FAIL]
     assert f"of {weights_g.size} elements exceed the tolerance" in judged("attn_weights", far, weights_g, None,
                                                                           keys)["message"]
+
+
+def test_an_array_of_the_dtype_itself_is_not_checked_for_representability_again():
+    """``returned_dtype`` = ``dtype``: the adapter returned an array of the dtype itself, whose float64
+    conversion holds only values of that dtype — the figures are those of the checked run; any other
+    returned dtype (a float64 array in a float16 run) is still checked."""
+    rng = np.random.default_rng(11)
+    g = rng.normal(size=(3, 200))
+    tol = np.full(g.shape, 1e-2)
+    for dtype, kind in (("float16", np.float16), ("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16)):
+        stored = (g + rng.normal(scale=1e-4, size=g.shape)).astype(kind)
+        got = stored.astype(np.float64)
+        assert compare.dtype_name(stored) == dtype
+        checked = compare_stage("q_proj", got, g, tol, dtype).to_json()
+        assert compare_stage("q_proj", got, g, tol, dtype, returned_dtype=dtype).to_json() == checked
+        assert checked["verdict"] == PASS
+    wide = g + 2**-20
+    res = compare_stage("q_proj", wide, g, tol, "float16", returned_dtype=compare.dtype_name(wide))
+    assert res.verdict == FAIL and "not representable in float16" in res.message
+    assert compare.dtype_name([1.0]) is None  # no NumPy dtype: checked
+
+
+def test_the_nth_compared_element_is_found_as_flatnonzero_finds_it():
+    rng = np.random.default_rng(12)
+    for shape in ((7,), (3, 5), (1, 4, 6, 9), (2, 1, 3, 1)):
+        for density in (0.05, 0.5, 1.0):
+            mask = rng.random(shape) < density
+            where = np.flatnonzero(mask)
+            assert [compare._nth_selected(mask, n) for n in range(where.size)] == where.tolist()
+
+
+def test_the_relative_error_with_zero_golden_values_is_the_where_form():
+    """:func:`compare._relative_max_with_zeros` against the whole-stage form it replaces in the chunks: 0
+    where the golden is 0 and the element exact, inf where it is not, err/|golden| elsewhere."""
+    rng = np.random.default_rng(13)
+    for leak in (False, True):
+        absolute = np.where(rng.random((4, 50)) < 0.3, 0.0, rng.uniform(1e-3, 1.0, size=(4, 50)))
+        err = np.where(absolute > 0, rng.uniform(0, 1e-6, size=absolute.shape), 0.0)
+        if leak:
+            err.flat[np.argmin(absolute)] = 1e-9
+        with np.errstate(divide="ignore", invalid="ignore"):
+            expected = np.where(absolute > 0, err / absolute, np.where(err > 0, np.inf, 0.0)).max()
+        assert compare._relative_max_with_zeros(err, absolute.copy()) == expected
+        assert (expected == np.inf) == leak

@@ -245,3 +245,30 @@ def test_a_row_scoped_declaration_leaves_out_only_the_rows_that_see_no_key(golde
     outside = np.broadcast_to(~(~g.visible.any(axis=-1)).any(axis=1)[..., None], g.stages["output"].shape)
     assert 0 < masked.second_opinion.compared == int(np.count_nonzero(outside)) < outside.size
     assert masked.second_opinion.applies
+
+
+def test_the_selection_leaves_out_nonfinite_elements_only_where_there_are_some():
+    """:func:`second_opinion._finite_selection`: the compared elements where the value and the golden are
+    both finite, the golden gathered by them and Σ (value − golden)² over them — as the isfinite passes
+    define them, whether or not the first sum (over the whole selection) was finite."""
+    from mhaspec.conformance.second_opinion import _finite_selection
+
+    rng = np.random.default_rng(21)
+    g = rng.normal(size=(2, 3, 40))
+    base = np.broadcast_to(rng.random((1, 3, 40)) < 0.7, g.shape)
+    for bad in (None, np.nan, np.inf, -np.inf):
+        got = g + rng.normal(scale=1e-3, size=g.shape)
+        if bad is not None:
+            got[1, 2, 5] = bad
+            got[0, 0, 0] = bad  # one outside the selection, perhaps
+        for sel in (None, base):
+            finite = np.isfinite(got) & np.isfinite(g)
+            want = finite if sel is None else sel & finite
+            chosen, g_sel, ss = _finite_selection(got, g, sel)
+            if want.all():
+                assert chosen is None and g_sel is g
+            else:
+                assert chosen is not None and chosen.flags.c_contiguous and np.array_equal(chosen, want)
+                assert np.array_equal(g_sel, g[want])
+            assert ss == pytest.approx(float(np.sum((got[want] - g[want]) ** 2)), rel=1e-12)
+            assert math.isfinite(ss)

@@ -165,6 +165,13 @@ def narrower_precision(values: np.ndarray, golden: np.ndarray, dtype: str) -> st
     return ""
 
 
+def dtype_name(value: Any) -> str | None:
+    """The name of ``value``'s NumPy dtype ("float32", "bfloat16", …); None for what has none (a framework
+    tensor's dtype is not a NumPy dtype: its values are then checked)."""
+    kind = getattr(value, "dtype", None)
+    return kind.name if isinstance(kind, np.dtype) else None
+
+
 def as_float_array(value: Any) -> tuple[np.ndarray | None, str]:
     """(float64 array, "") or (None, why it is not a floating-point array)."""
     try:
@@ -193,6 +200,7 @@ def compare_stage(
     rms_min_elements: int = 16,
     value_checks: bool = True,
     keys: int | None = None,
+    returned_dtype: str | None = None,
 ) -> StageResult:
     """Judge ``got`` against ``golden`` (or a local recomputation) element-wise.
 
@@ -214,6 +222,9 @@ def compare_stage(
     figures without the NumPy passes over the entries beyond.  Not where the compiled sweep judges
     the stage (a large case, :func:`_compiled_sweep`): it reads each element once, as checking the
     entries beyond would (measured at T = S = 4096: no faster cut, and the check on top).
+    ``returned_dtype`` (:func:`dtype_name` of what the adapter returned, where ``got`` is its float64
+    conversion): an array of ``dtype`` itself holds only values representable in ``dtype``, so that check
+    is not run again (its count is 0 by construction).
     """
     values, why = as_float_array(got)
     if values is None:
@@ -225,7 +236,8 @@ def compare_stage(
         if seen is not None:
             v_seen, g_seen, tol_seen, visible_seen, noise_seen = seen
             res = compare_stage(stage, v_seen, g_seen, tol_seen, dtype, visible_seen, noise=noise_seen,
-                                rms_limit=rms_limit, rms_min_elements=rms_min_elements, value_checks=value_checks)
+                                rms_limit=rms_limit, rms_min_elements=rms_min_elements, value_checks=value_checks,
+                                returned_dtype=returned_dtype)
             if visible is not None:  # the same elements compared, in the same order: the same result
                 return res
             if res.verdict == PASS:  # every entry beyond is 0 with a zero tolerance: exact, out of the RMS
@@ -233,11 +245,12 @@ def compare_stage(
                 return res
             # not a pass: judged whole below, so that its message counts every entry
 
+    represent = value_checks and returned_dtype != dtype  # whether representability in dtype is to be checked
     if visible is not None and visible.all():
         visible = None  # the same elements in the same order, without the gathers
     if values.size > COMPARE_CHUNK and (dtype in ("float64", "float32") or not value_checks):
         swept = _compiled_sweep(stage, values, golden, tolerance, visible, noise, rms_limit, rms_min_elements,
-                                dtype == "float32" and value_checks)
+                                dtype == "float32" and represent)
         if swept is not None:
             return swept
     if visible is None:  # every element, in the stage's shape: no copy of a strided block's view
@@ -261,7 +274,7 @@ def compare_stage(
     chunked = None
     if compared is None and v.size > COMPARE_CHUNK:
         chunked = _passing_in_chunks(v, g, tol, None if sigma is None or rms_limit is None else (sigma, worst_part),
-                                     dtype if value_checks else "float64")
+                                     dtype if represent else "float64")
     if chunked is not None:  # every element ordinary and within its tolerance: the figures, chunk by chunk
         result.max_abs_err, result.max_rel_err, result.worst_ratio, worst_flat, z2_sum, n_z = chunked
         result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
@@ -286,7 +299,7 @@ def compare_stage(
     if nonfinite:
         problems.append(f"{nonfinite} NaN/inf value(s) where the golden is finite")
     result.nonfinite = nonfinite
-    if not value_checks or dtype == "float64":  # every float64 value is representable in float64
+    if not represent or dtype == "float64":  # every float64 value is representable in float64
         not_exact = 0
     else:
         not_exact = int(np.count_nonzero(~representable(v, dtype) if all_finite else finite & ~representable(v, dtype)))
@@ -320,7 +333,7 @@ def compare_stage(
     result.max_abs_err = float(max_err)
     result.max_rel_err = float(rel_max)
     result.worst_ratio = float(ratio.flat[worst])
-    worst_flat = worst if compared is None else np.flatnonzero(compared)[worst]
+    worst_flat = worst if compared is None else _nth_selected(compared, worst)
     result.worst_index = tuple(int(i) for i in np.unravel_index(worst_flat, golden.shape))
     if result.worst_ratio > 1:
         over = int(np.count_nonzero(ratio > 1))
@@ -348,11 +361,35 @@ def compare_stage(
                      rms_min_elements)
 
 
+def _nth_selected(mask: np.ndarray, n: int) -> int:
+    """The flat index of ``mask``'s ``n``-th True element in C order (``np.flatnonzero(mask)[n]``), found
+    by the count of each row (along the last axis) and one row's positions: not an index array of every
+    compared element, where one is asked for."""
+    rows = mask.reshape(-1, mask.shape[-1] if mask.ndim else 1)
+    ends = np.cumsum(np.count_nonzero(rows, axis=1))
+    row = int(np.searchsorted(ends, n, side="right"))
+    before = int(ends[row - 1]) if row else 0
+    return row * rows.shape[1] + int(np.flatnonzero(rows[row])[n - before])
+
+
 def _compiled_loops() -> bool:
     """Whether a large case has brought the compiled loops into this process (:func:`_compiled_sweep`)."""
-    from .engine import compiled  # (imports this module)
+    return _compiled().loaded_kernels() is not None
 
-    return compiled.loaded_kernels() is not None
+
+def _compiled() -> Any:
+    """The module of the compiled loops (:mod:`mhaspec.conformance.engine.compiled`, which imports this
+    module: imported at the first call, then kept — an import statement per stage costs the import
+    machinery's lookups)."""
+    module = _COMPILED.get("module")
+    if module is None:
+        from .engine import compiled
+
+        module = _COMPILED["module"] = compiled
+    return module
+
+
+_COMPILED: dict[str, Any] = {}
 
 
 def _up_to(a: np.ndarray, keys: int) -> np.ndarray:
@@ -389,8 +426,7 @@ def _compiled_sweep(stage: str, values: np.ndarray, golden: np.ndarray, toleranc
     ordinary, by one compiled sweep without gathers (:func:`mhaspec.conformance.engine.compiled.ordinary_stage`)
     where a large case has brought the compiled loops into this process; None otherwise (the NumPy
     path then).  The same figures as the NumPy path (Σ z² summed in another order)."""
-    from .engine import compiled  # (imports this module)
-
+    compiled = _compiled()
     kernels = compiled.loaded_kernels()
     if kernels is None:
         return None
@@ -501,7 +537,7 @@ def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
             if spare.min() > 0:
                 rel = float(np.divide(err, spare, out=spare).max())
             else:  # a zero golden value: relative error 0 where exact, inf where not (as compare_stage)
-                rel = float(np.where(spare > 0, err / spare, np.where(err > 0, np.inf, 0.0)).max())
+                rel = _relative_max_with_zeros(err, spare)
             if noise is not None:
                 sc, wc = noise[0][index], noise[1][index]
                 s_min = sc.min()
@@ -515,7 +551,7 @@ def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
                     z2 += float(np.square(z, out=z).sum())  # not np.dot: BLAS would wake its threads
                 else:  # sigma 0 (masked weights): not in the root mean square, as in compare_stage
                     positive = sc > 0
-                    zp = z[positive] / sc[positive]
+                    zp = np.divide(z, sc, out=z, where=positive)[positive]  # the same quotients, one gather
                     n_z += zp.size
                     z2 += float(np.square(zp, out=zp).sum())
             max_err = max(max_err, float(chunk_max))
@@ -525,12 +561,30 @@ def _passing_in_chunks(v: np.ndarray, g: np.ndarray, tol: np.ndarray,
     return max_err, rel_max, worst_ratio, worst_flat, z2, n_z
 
 
+def _relative_max_with_zeros(err: np.ndarray, absolute: np.ndarray) -> float:
+    """max of err/|golden| where |golden| (``absolute``, ≥ 0, overwritten) is positive, 0 where it is 0 and
+    the element exact, inf where it is 0 and the element is not: ``np.where(absolute > 0, err / absolute,
+    np.where(err > 0, inf, 0)).max()`` for finite ``err`` ≥ 0, without its three temporary arrays."""
+    positive = absolute > 0
+    rel = float(np.divide(err, absolute, out=absolute, where=positive).max())  # 0 where the golden is 0
+    return math.inf if np.any(err[~positive]) else rel
+
+
+def _head(shape: tuple[int, ...], elements: int = 4096) -> tuple[Any, ...]:
+    """An index of about ``elements`` leading elements of an array of ``shape`` (its first rows along the
+    second-to-last axis, at index 0 of the others): a view of a strided block, where ``.flat[:n]`` of one
+    walks it element by element."""
+    if len(shape) < 2:
+        return (slice(0, elements),) if shape else ()
+    return (0,) * (len(shape) - 2) + (slice(0, max(1, elements // max(shape[-1], 1))),)
+
+
 def would_pass_zero(expected: np.ndarray, tol: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None,
                     rms_limit: float | None, rms_min_elements: int) -> bool:
     """True when an all-zero result would pass against ``expected`` (and ``expected`` is not all zero)."""
-    head = min(np.size(expected), 4096)  # usually decided by the first elements: the rest is not read
-    if head and np.any(np.abs(np.asarray(expected).flat[:head]) > (
-            tol if np.shape(tol) == np.shape(expected) else np.broadcast_to(tol, np.shape(expected))).flat[:head]):
+    head = _head(np.shape(expected))  # usually decided by the first elements: the rest is not read
+    if np.size(expected) and np.any(np.abs(np.asarray(expected)[head]) > (
+            tol if np.shape(tol) == np.shape(expected) else np.broadcast_to(tol, np.shape(expected)))[head]):
         return False
     absolute = np.abs(expected, out=_work("spare", np.shape(expected)))
     if not np.any(absolute > 0):

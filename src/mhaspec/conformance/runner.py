@@ -28,7 +28,7 @@ from . import decode, packed, ranks
 from .deviations import DeclaredDeviations, within_absolute
 from .diagnose import diagnose
 from . import second_opinion
-from .compare import FAIL, NOT_EXPOSED, StageResult, as_float_array, compare_stage, fold_local
+from .compare import FAIL, NOT_EXPOSED, StageResult, as_float_array, compare_stage, dtype_name, fold_local
 from .report import ERROR, UNSUPPORTED, CaseResult, Report
 from .selection import DECLARED_DTYPES, resolve_dtypes, select_cases  # noqa: F401 (re-exported)
 from .tolerance import (KAPPA, KAPPA_MIN_ELEMENTS, LAMBDA, PRECISIONS, Bound, golden_bounds,
@@ -443,7 +443,7 @@ class Session:
                 keys = seen if REGISTRY[stage].axes[-1:] == ("S",) else None
                 res = compare_stage(stage, got, golden.stages[stage], tolerances[stage], dtype, selected,
                                     noise=bounds[stage], rms_limit=rms_limit, rms_min_elements=KAPPA_MIN_ELEMENTS,
-                                    keys=keys)
+                                    keys=keys, returned_dtype=dtype_name(returned[stage]))
                 if stage in local:
                     ref, bound = local[stage]
                     fold_local(res, compare_stage(stage, got, ref, bound.tolerance(LAMBDA), dtype,

@@ -291,6 +291,7 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
     if keys is None or bias is not None or alibi is not None:
         keys = S
     visible = visible[..., :keys]
+    hidden = ~visible
 
     def modified(s: np.ndarray) -> np.ndarray:
         """softcap (s/c, tanh and c·t each rounded), then + bias, + ALiBi (each sum rounded)."""
@@ -318,7 +319,8 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
         """(P, LSE, the rows' figures): the sink logit, if any, in each denominator; a row that sees no key:
         0 and −inf.  ``rows``: those of the same ``s`` (the scale-after order's, for the log-sum-exp order:
         the same numbers, without the exponentials' second pass)."""
-        logits = np.where(visible, s, -np.inf)
+        logits = s.copy()  # −inf where masked: np.where's values, without its broadcast of the mask
+        np.copyto(logits, -np.inf, where=hidden)
         if rows is None:
             peak = logits.max(axis=-1, keepdims=True)
             seen = np.isfinite(peak)
@@ -334,8 +336,11 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
                 log_total = np.log(np.where(total > 0, total, 1).astype(work))
                 rows = peak, seen, total, log_total
             peak, seen, total, log_total = rows
-            if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0
-                p = np.where(total > 0, np.exp(logits - (peak + log_total)), 0)
+            if lse:  # exp(s − LSE), LSE = max + log Σ exp(s − max); a row that sees no key: 0 (in place: the same numbers)
+                p = np.exp(np.subtract(logits, peak + log_total, out=logits), out=logits)
+                positive = total > 0
+                if not positive.all():
+                    np.copyto(p, 0, where=~positive)
             else:  # e / total, 0 in a row whose total is not positive (in place: the same numbers)
                 positive = total > 0
                 p = np.divide(e, total, out=e, where=positive)
@@ -418,6 +423,33 @@ def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, sele
     return _sum_squares(plain, g_head, head, golden_selected=True) + beyond
 
 
+def _compact(sel: np.ndarray | None) -> np.ndarray | None:
+    """``sel`` as the selections are kept: None where it selects every element, else a boolean array of the
+    stage's shape (every gather by it without a broadcast view)."""
+    if sel is None or sel.all():
+        return None
+    return np.ascontiguousarray(sel)
+
+
+def _finite_selection(got: np.ndarray, g: np.ndarray, sel: np.ndarray | None
+                      ) -> tuple[np.ndarray | None, np.ndarray, float]:
+    """(``sel`` narrowed to the elements where ``got`` and ``g`` are both finite, :func:`_compact`; ``g``
+    gathered by it; Σ (got − g)² over it).  A finite sum over ``sel`` shows every selected value finite
+    (an infinity or NaN in either makes it inf or NaN): ``sel`` stands, without the two isfinite passes over
+    the stage; otherwise they narrow it, and the sum is taken again over the narrowed selection."""
+    first = _compact(sel)
+    g_first = g if first is None else g[first]
+    ss = _sum_squares(got, g_first, first, golden_selected=True)
+    if math.isfinite(ss):
+        return first, g_first, ss
+    finite = np.isfinite(got) & np.isfinite(g)
+    if not finite.all():
+        sel = finite if sel is None else sel & finite
+    sel = _compact(sel)
+    g_sel = g if sel is None else g[sel]
+    return sel, g_sel, _sum_squares(got, g_sel, sel, golden_selected=True)
+
+
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
                     only: Mapping[str, np.ndarray] | None = None) -> dict[str, SecondOpinion]:
     """The second opinion of each stage in ``own`` (the adapter's stages, float64, canonical
@@ -446,24 +478,16 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         sel = None if sel is None else np.broadcast_to(sel, g.shape)
         if mine is not None:
             sel = np.broadcast_to(mine, g.shape) if sel is None else sel & mine
-        finite = np.isfinite(got) & np.isfinite(g)
-        if not finite.all():
-            sel = finite if sel is None else sel & finite
-        if sel is not None and sel.all():
-            sel = None
-        if sel is not None:  # a boolean array of the stage's shape: every gather by it, without a broadcast view
-            sel = np.ascontiguousarray(sel)
+        sel, g_sel[stage], own_ss = _finite_selection(got, g, sel)
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
-        g_sel[stage] = g if sel is None else g[sel]  # the golden's compared elements, gathered once
         floor = u * u * _sum_squares(g_sel[stage], None, None)
         if np.ndim(R) == 0:
             floor += float(R) ** 2 * n
         else:
             floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel)
-        out[stage] = SecondOpinion(n, _sum_squares(got, g_sel[stage], sel, golden_selected=True), {}, floor,
-                                   dtype=dtype)
+        out[stage] = SecondOpinion(n, own_ss, {}, floor, dtype=dtype)
     cuts: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None, float]]] = {stage: {} for stage in out}
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
     # its sum (the array held, so that its id stays its own); a block of rows of a larger case: the plain
