@@ -20,7 +20,7 @@ import numpy as np
 from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
-from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM
 from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
 
 
@@ -41,6 +41,17 @@ def product32(a: np.ndarray, b: Pair, factor: float, out: np.ndarray, length: in
     n = a.shape[-1] if length is None else length
     np.multiply(m, factor * (1 + 2 * float(gamma(n + 2, U32))), out=out, dtype=np.float64)
     return True
+
+
+def query_operand(Q: np.ndarray, tQ2: np.ndarray, u2: float, buf: Scratch) -> np.ndarray:
+    """``[T_Q²/u², Q²]`` (B·H, T, 2·D_k), the left operand of the score variances' float32 product
+    (:class:`~mhaspec.conformance.model.forward.KeySide`'s ``KK`` on the right), written straight in
+    float32: each float64 value rounded once, as ``astype`` would, without the float64 copies."""
+    D = Q.shape[-1]
+    qq = buf("a_qq", (*Q.shape[:-1], 2 * D), np.float32)
+    np.divide(tQ2, u2, out=qq[..., :D])
+    np.multiply(Q, Q, out=qq[..., D:])
+    return qq
 
 
 def row_max_visible(x: np.ndarray, visf: np.ndarray | None, buf: Scratch) -> np.ndarray:
@@ -102,6 +113,22 @@ def second_order_into(p: np.ndarray, tau: np.ndarray, positive: np.ndarray | Non
     out[rows] = sub
 
 
+def others_inplace(a: np.ndarray, buf: Scratch) -> None:
+    """:func:`~mhaspec.conformance.model.softmax.others` of ``a`` into ``a`` itself, the same
+    operations in the same order (the same numbers), with its copy in a work array instead of
+    three fresh ones (a page fault per 4 KiB each)."""
+    top_at = np.argmax(a, axis=-1)[..., None]
+    top = np.take_along_axis(a, top_at, -1)
+    rest = buf("others_rest", a.shape)
+    np.copyto(rest, a)
+    np.put_along_axis(rest, top_at, 0.0, -1)
+    rest_sum = rest.sum(axis=-1, keepdims=True)
+    np.subtract(rest_sum, a, out=a)
+    a += top
+    np.maximum(a, 0.0, out=a)
+    np.put_along_axis(a, top_at, rest_sum, -1)
+
+
 def exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive: np.ndarray | None,
                        out: np.ndarray, buf: Scratch) -> None:
     """``max(softmax_worst(p, tau) − p·ℓ, 0)`` into ``out`` (the exact rows of :func:`second_order`)."""
@@ -115,7 +142,7 @@ def exact_second_into(p: np.ndarray, tau: np.ndarray, ell: np.ndarray, positive:
         for e, name in ((up, "sw_lo"), (down, "sw_hi")):
             t = buf(name, shape)
             np.multiply(p, e, out=t)
-            t[...] = others(t)
+            others_inplace(t, buf)
             t *= e
             t += p
             np.divide(p, t, out=t)  # lo (up), hi (down)
@@ -216,14 +243,14 @@ def attention_chunk(c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: P
     visf = None if vis.all() else vis.astype(np.float64)
     # 2. scores
     s2, ws = buf("a_s2", shape), buf("a_ws", shape)
-    if not product32(np.concatenate([tQ2 / u2, Q * Q], axis=-1), KK, c.scale**2 * u2, s2):
+    if not product32(query_operand(Q, tQ2, u2, buf), KK, c.scale**2 * u2, s2):
         return False
     t = buf("a_t", shape)
     np.multiply(s, s, out=t)
     t *= 2 * u2 + U64**2  # stored(u, s, s)
     s2 += t
     # the score sums' accumulation, m = scale·|Q||K|ᵀ: σ_d·m in sigma, γ_d·m in worst (one of them is 0)
-    if not product32(np.abs(Q), aK, c.scale, ws):
+    if not product32(np.abs(Q, out=buf("a_aQ", Q.shape, np.float32)), aK, c.scale, ws):
         return False
     ts2 = buf("a_ts2", shape)
     if c.a_d.sigma:
