@@ -339,8 +339,9 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 """The lse check of a chunk from the operands the weights check formed (inplace.local_weights):
                 :func:`.model.variants.local_lse`'s formulas on the same numbers."""
                 def into(p_: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray,
-                         ref_c: np.ndarray) -> None:
-                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r), r, False)
+                         ref_c: np.ndarray, shared: variant_rules.LseShared) -> None:
+                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r, shared),
+                                                  r, False)
                     ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
                 return into
 
