@@ -22,7 +22,7 @@ from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM, others
 from ..model.variants import LseShared
-from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
+from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, inf_for_nan, stored, swap, upper32
 
 
 def finite(*arrays: np.ndarray) -> bool:
@@ -288,7 +288,7 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
     np.sqrt(sig, out=sig)
     wor *= a_d.worst
     wor += floor
-    return finite(ref, sig, wor)
+    return finite(sig)  # ref is (its square is in sig), wor is (product32 found its product finite)
 
 
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
@@ -391,7 +391,22 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
     np.sqrt(sig, out=sig)
     wor *= a_s.worst
     wor += floor
-    return finite(ref, sig, wor)
+    return finite(sig)  # ref is (its square is in sig), wor is (product32 found its product finite)
+
+
+def route_into(pc: np.ndarray, softmax: tuple[np.ndarray, np.ndarray, np.ndarray], out: np.ndarray,
+               buf: Scratch) -> np.ndarray:
+    """:func:`~mhaspec.conformance.model.local.weights_route` from the adapter's own softmax (reference,
+    sigma, worst) of the chunk's weights ``pc``, into ``out`` without its temporaries: the same numbers,
+    ``|pc − ref| + (LAMBDA·sigma + worst)``, NaN made +inf."""
+    ref, sig, wor = softmax
+    with np.errstate(invalid="ignore"):
+        np.subtract(pc, ref, out=out)
+        np.abs(out, out=out)
+        t = np.multiply(sig, LAMBDA, out=buf("route_t", sig.shape))
+        t += wor
+        out += t
+    return inf_for_nan(out)
 
 
 def tolerance_into(sigma: np.ndarray, worst: np.ndarray, extra: Any, out: np.ndarray, buf: Scratch) -> None:
