@@ -339,8 +339,9 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                 """The lse check of a chunk from the operands the weights check formed (inplace.local_weights):
                 :func:`.model.variants.local_lse`'s formulas on the same numbers."""
                 def into(p_: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray,
-                         ref_c: np.ndarray) -> None:
-                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r), r, False)
+                         ref_c: np.ndarray, shared: variant_rules.LseShared) -> None:
+                    b_c = local_rules.local_bound(variant_rules.lse(p_, ts2, abs_s, vis, ref_c, a_s, r, shared),
+                                                  r, False)
                     ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
                 return into
 
@@ -401,14 +402,18 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                                                           nonzero_only=nonzero_only)):
                     x, b = local_rules.head_outputs(pc, V[n], V2[n], aV[n], a_s, r, worst_case)
                     ref[n, rows], sig[n, rows], wor[n, rows] = x, b.sigma, b.worst
-                wor[n, rows] += route_product(pc, tuple(x[n, rows] for x in softmax), aV.f64[n])
+                wor[n, rows] += route_product(pc, tuple(x[n, rows] for x in softmax), aV.f64[n], buf)
 
-            def route_product(pc: np.ndarray, softmax_c: tuple[np.ndarray, ...], aV_c: np.ndarray) -> np.ndarray:
+            def route_product(pc: np.ndarray, softmax_c: tuple[np.ndarray, ...], aV_c: np.ndarray,
+                              buf: Scratch) -> np.ndarray:
                 """The chunk's route allowance through |V| (the whole stage's numbers, a chunk at a time, while its
                 weights are in the cache); a block's over the keys up to the last nonzero route (0 · a finite
                 value adds nothing), the sum's coefficient of the whole row's S."""
-                own_c = softmax_c if weights_local is not None else None
-                route = local_rules.weights_route(pc, own_c, lambda: softmax_c)
+                if weights_local is not None and fast:
+                    route = inplace.route_into(pc, softmax_c, buf("lr_route", pc.shape), buf)
+                else:
+                    route = local_rules.weights_route(pc, softmax_c if weights_local is not None else None,
+                                                      lambda: softmax_c)
                 k = seen_keys(route != 0) if nonzero_only else S
                 return nonnegative_product(route[..., :k], aV_c[:, :k], length=S)
 

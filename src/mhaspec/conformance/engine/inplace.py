@@ -21,7 +21,8 @@ from ...spec.masks import seen_keys
 from ..compare import Scratch
 from ..model.forward import AttentionConstants, ChunkOut
 from ..model.softmax import SECOND_ORDER_CLOSED_FORM
-from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, stored, swap, upper32
+from ..model.variants import LseShared
+from ..model.vocabulary import LAMBDA, U32, U64, Acc, Pair, gamma, inf_for_nan, stored, swap, upper32
 
 
 def finite(*arrays: np.ndarray) -> bool:
@@ -314,7 +315,7 @@ def local_scores(q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair, scale: float,
     np.sqrt(sig, out=sig)
     wor *= a_d.worst
     wor += floor
-    return finite(ref, sig, wor)
+    return finite(sig)  # ref is (its square is in sig), wor is (product32 found its product finite)
 
 
 def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
@@ -323,7 +324,8 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
     """The local attention-weights check of one chunk from the adapter's own scores ``s``; ``seen_only``:
     over the keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`), later keys a masked key's 0.
     ``lse``: the local lse check of the same chunk, which shares this one's work, called as ``lse(p, ts2,
-    abs_s, vis, log_sum_exp)`` (:func:`~mhaspec.conformance.model.variants.lse`'s operands over the keys seen)."""
+    abs_s, vis, log_sum_exp, shared)`` (:func:`~mhaspec.conformance.model.variants.lse`'s operands over the keys
+    seen, and the τ, Σ p²·T_s² and max|s| the weights' bound formed: :class:`~.model.variants.LseShared`)."""
     ref, sig, wor = out
     k = seen_keys(vis) if seen_only else s.shape[-1]
     if k < s.shape[-1]:
@@ -355,9 +357,10 @@ def local_weights(s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc,
     ts2 *= U64**2
     ts2 += abs_s
     np.abs(s, out=abs_s)
-    weights_into(ref, ts2, abs_s, visf, u, ua, a_s, floor, False, sig, wor, buf)
-    if lse is not None:
-        lse(ref, ts2, abs_s, vis, log_sum_exp)
+    parts = weights_into(ref, ts2, abs_s, visf, u, ua, a_s, floor, False, sig, wor, buf)
+    if lse is not None:  # τ: weights_into's (LAMBDA·T_s, 0 where masked); |s| is 0 where masked: its plain maximum
+        lse(ref, ts2, abs_s, vis, log_sum_exp,
+            LseShared(buf("w_tau", s.shape), parts.pk, abs_s.max(axis=-1, keepdims=True)))
     return finite(sig, wor)
 
 
@@ -415,7 +418,22 @@ def local_outputs(pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a
     np.sqrt(sig, out=sig)
     wor *= a_s.worst
     wor += floor
-    return finite(ref, sig, wor)
+    return finite(sig)  # ref is (its square is in sig), wor is (product32 found its product finite)
+
+
+def route_into(pc: np.ndarray, softmax: tuple[np.ndarray, np.ndarray, np.ndarray], out: np.ndarray,
+               buf: Scratch) -> np.ndarray:
+    """:func:`~mhaspec.conformance.model.local.weights_route` from the adapter's own softmax (reference,
+    sigma, worst) of the chunk's weights ``pc``, into ``out`` without its temporaries: the same numbers,
+    ``|pc − ref| + (LAMBDA·sigma + worst)``, NaN made +inf."""
+    ref, sig, wor = softmax
+    with np.errstate(invalid="ignore"):
+        np.subtract(pc, ref, out=out)
+        np.abs(out, out=out)
+        t = np.multiply(sig, LAMBDA, out=buf("route_t", sig.shape))
+        t += wor
+        out += t
+    return inf_for_nan(out)
 
 
 def tolerance_into(sigma: np.ndarray, worst: np.ndarray, extra: Any, out: np.ndarray, buf: Scratch) -> None:

@@ -241,6 +241,14 @@ def with_sink_key(x: np.ndarray) -> np.ndarray:
 
 # --- lse ----------------------------------------------------------------------------------------------
 
+class LseShared(NamedTuple):
+    """What the lse bound of a chunk shares with the attention weights' bound of the same scores."""
+
+    tau: np.ndarray  # τ = LAMBDA·T_s on the visible keys, 0 elsewhere
+    pk: np.ndarray  # Σ_k p_k²·T²_sk (per row)
+    row_max: np.ndarray  # max_k |s_k| over the visible keys (per row)
+
+
 def lse_move(p: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(first order Σ_k p_k τ_k, exact bound) of |δlse| when each score moves by at most τ_k: lse' − lse =
     log Σ_k p_k e^{δ_k} (+ the sink's share, δ = 0) lies in [log(1 + Σ p_k (e^{−τ_k} − 1)),
@@ -256,32 +264,41 @@ def lse_move(p: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.sum(np.multiply(p, tau, out=w), axis=-1, keepdims=True), np.fmax(up, down)
 
 
-def lse_own(abs_s: np.ndarray, vis: np.ndarray, lse_: np.ndarray, a_worst: float, u_acc: float) -> np.ndarray:
+def lse_own(abs_s: np.ndarray, vis: np.ndarray, lse_: np.ndarray, a_worst: float, u_acc: float,
+            row_max: np.ndarray | None = None) -> np.ndarray:
     """The worst-case part of a correct log-sum-exp's own rounding (relative to nothing: lse is a log):
     the sum's accumulation γ_S (0 where it is a standard deviation), exp of each shifted score
     (u_acc·(|s_j| + max|s|), weighted by p_j ≤ 1 in all: ≤ 2u_acc·max|s|), log's FUNCTION_ULPS of
-    |lse − max| ≤ |lse| + max|s|, and the maximum added back (u_acc·|lse|)."""
-    row_max = visible_row_max(abs_s, vis)
+    |lse − max| ≤ |lse| + max|s|, and the maximum added back (u_acc·|lse|).  ``row_max``: max|s| over the
+    visible keys, where the caller has it."""
+    row_max = visible_row_max(abs_s, vis) if row_max is None else row_max
     fin = np.where(np.isfinite(lse_), np.abs(lse_), 0.0)
     return a_worst + u_acc * ((2 + FUNCTION_ULPS) * row_max + (1 + FUNCTION_ULPS) * fin)
 
 
 def lse(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray, lse_: np.ndarray, a_s: Any,
-        r: Rounding) -> Error:
+        r: Rounding, shared: "LseShared | None" = None) -> Error:
     """The error of lse = log(Σ_visible e^{s_j} [+ e^z]) (rows on the last axis, the sink as a key of
     ``ts2`` 0): δlse = Σ_j p_j δs_j, so
 
     var = Σ_j p_j²·T²_sj + σ_S² + u²·lse² + U64²·lse²  (the sum's relative error is lse's absolute one),
     acc = :func:`lse_own` + (exact − first order of :func:`lse_move`, τ = LAMBDA·T_s) — 0 where no key is
-    visible (lse = −inf, exact).  -> (…, 1)."""
-    tau = np.sqrt(ts2)  # τ = LAMBDA·T_s on the visible keys, 0 elsewhere (one work array, then p²·T_s²'s)
-    tau *= LAMBDA
-    np.copyto(tau, 0.0, where=~vis)
-    first, exact = lse_move(p, tau)
+    visible (lse = −inf, exact).  -> (…, 1).  ``shared``: τ, Σ p²·T_s² and max|s| as the attention weights'
+    bound of the same chunk formed them (:func:`~mhaspec.conformance.engine.inplace.local_weights`), the same
+    numbers, not formed again."""
+    if shared is None:
+        tau = np.sqrt(ts2)  # τ = LAMBDA·T_s on the visible keys, 0 elsewhere (one work array, then p²·T_s²'s)
+        tau *= LAMBDA
+        np.copyto(tau, 0.0, where=~vis)
+        first, exact = lse_move(p, tau)
+        pk = np.sum(np.multiply(np.multiply(p, p, out=tau), ts2, out=tau), axis=-1, keepdims=True)
+        row_max = None
+    else:
+        first, exact = lse_move(p, shared.tau)
+        pk, row_max = shared.pk, shared.row_max
     fin = np.where(np.isfinite(lse_), lse_, 0.0)
-    var = np.sum(np.multiply(np.multiply(p, p, out=tau), ts2, out=tau), axis=-1, keepdims=True) + a_s.sigma**2 \
-        + stored(r.u, fin)
-    acc = lse_own(abs_s, vis, lse_, a_s.worst, r.acc) + inf_for_nan(np.maximum(exact - first, 0.0))
+    var = pk + a_s.sigma**2 + stored(r.u, fin)
+    acc = lse_own(abs_s, vis, lse_, a_s.worst, r.acc, row_max) + inf_for_nan(np.maximum(exact - first, 0.0))
     seen = np.isfinite(lse_)
     return Error(np.where(seen, var, 0.0), np.where(seen, acc, 0.0))
 
