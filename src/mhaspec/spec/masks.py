@@ -66,10 +66,10 @@ def causal_visible(config: MHAConfig, tgt_len: int, src_len: int) -> np.ndarray 
 
 
 def visibility(config: MHAConfig, mask: np.ndarray | None, batch: int, tgt_len: int, src_len: int,
-               seq_lens: Sequence[int] | None = None) -> np.ndarray:
+               seq_lens: Sequence[int] | None = None, heads: int | None = None) -> np.ndarray:
     """(B, H, T, S) bool: True where query i may attend to key j (causal AND window AND mask AND, in a packed
-    case, j < l_b)."""
-    visible = np.ones((batch, config.H, tgt_len, src_len), dtype=bool)
+    case, j < l_b); ``heads=1``: (B, 1, T, S), for a mask (if any) the same in every head."""
+    visible = np.ones((batch, config.H if heads is None else heads, tgt_len, src_len), dtype=bool)
     for band in (causal_visible(config, tgt_len, src_len), window_visible(config, tgt_len, src_len)):
         if band is not None:
             visible &= band
