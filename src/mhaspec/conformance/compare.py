@@ -374,22 +374,9 @@ def _nth_selected(mask: np.ndarray, n: int) -> int:
 
 def _compiled_loops() -> bool:
     """Whether a large case has brought the compiled loops into this process (:func:`_compiled_sweep`)."""
-    return _compiled().loaded_kernels() is not None
+    from .engine import compiled  # (imports this module)
 
-
-def _compiled() -> Any:
-    """The module of the compiled loops (:mod:`mhaspec.conformance.engine.compiled`, which imports this
-    module: imported at the first call, then kept — an import statement per stage costs the import
-    machinery's lookups)."""
-    module = _COMPILED.get("module")
-    if module is None:
-        from .engine import compiled
-
-        module = _COMPILED["module"] = compiled
-    return module
-
-
-_COMPILED: dict[str, Any] = {}
+    return compiled.loaded_kernels() is not None
 
 
 def _up_to(a: np.ndarray, keys: int) -> np.ndarray:
@@ -426,7 +413,8 @@ def _compiled_sweep(stage: str, values: np.ndarray, golden: np.ndarray, toleranc
     ordinary, by one compiled sweep without gathers (:func:`mhaspec.conformance.engine.compiled.ordinary_stage`)
     where a large case has brought the compiled loops into this process; None otherwise (the NumPy
     path then).  The same figures as the NumPy path (Σ z² summed in another order)."""
-    compiled = _compiled()
+    from .engine import compiled  # (imports this module)
+
     kernels = compiled.loaded_kernels()
     if kernels is None:
         return None
