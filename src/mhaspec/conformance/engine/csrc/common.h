@@ -1,0 +1,156 @@
+/* mhaspec's compiled chunk loops (the extension mhaspec.conformance.engine._loops): what every loop shares.
+ *
+ * A C port of engine/kernels.py (numba), term by term: the same formulas, the same exponential
+ * (mh_exp: Cody-Waite reduction and a Taylor polynomial, within two ulps of the correctly rounded
+ * value), the same order of the roundings that matter.  The loops' sums are vectorised by
+ * `#pragma omp simd reduction` (-fopenmp-simd: no threads, no OpenMP runtime), never by
+ * -ffast-math or -fassociative-math, which would also rewrite mh_exp's range reduction.
+ *
+ * Arrays come from engine/native.py as a pointer and one stride per axis, in elements
+ * (ARR3/ARR2); a loop that sweeps rows takes the row's pointer, and the loader checks that those
+ * arrays have a unit stride on their last axis.  The model's constants are defined here and checked
+ * against the Python model's when the library is loaded (mh_constants, native.py).
+ */
+#ifndef MHASPEC_LOOPS_COMMON_H
+#define MHASPEC_LOOPS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MH_LAMBDA 8.0                              /* model.vocabulary.LAMBDA */
+#define MH_U64 (1.0 / 9007199254740992.0)          /* model.vocabulary.U64 = 2^-53 */
+#define MH_U64_2 (MH_U64 * MH_U64)
+#define MH_SECOND_ORDER_CLOSED_FORM (1.0 / 1024.0) /* model.softmax.SECOND_ORDER_CLOSED_FORM = 2^-10 */
+/* exp(a)·exp(b)·MH_EXP_PRODUCT >= exp(a + b): two exponentials within two ulps each, their product rounded */
+#define MH_EXP_PRODUCT (1.0 + 1.0 / 562949953421312.0) /* 1 + 2^-49 */
+
+/* A 3-D array argument: pointer, then the strides of its three axes in elements. */
+#define ARR3(T, a) T *a, int64_t a##_s0, int64_t a##_s1, int64_t a##_s2
+/* A 2-D array argument (work rows): pointer, then its two strides in elements. */
+#define ARR2(T, a) T *a, int64_t a##_s0, int64_t a##_s1
+/* Element (h, i, j) of a 3-D argument; ROW3: the pointer to its row (h, i) (unit last stride). */
+#define AT3(a, h, i, j) a[(h) * a##_s0 + (i) * a##_s1 + (j) * a##_s2]
+#define ROW3(a, h, i) (a + (h) * a##_s0 + (i) * a##_s1)
+#define ROW2(a, r) (a + (r) * a##_s0)
+
+/* Each exported loop is compiled for AVX-512, AVX2 and the baseline, the processor's chosen at load
+ * time (gcc's function multiversioning): the library is built at install time, wheels run anywhere. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MH_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MH_CLONES
+#endif
+#define MH_EXPORT __attribute__((visibility("default")))
+#define MH_INLINE static inline __attribute__((always_inline))
+
+/* The float64 whose bit pattern is `bits`, and the reverse (bit casts, vectorisable). */
+MH_INLINE double mh_as_double(int64_t bits) { double x; memcpy(&x, &bits, 8); return x; }
+MH_INLINE int64_t mh_bits(double x) { int64_t b; memcpy(&b, &x, 8); return b; }
+MH_INLINE double mh_min(double a, double b) { return a < b ? a : b; }
+MH_INLINE double mh_max(double a, double b) { return a > b ? a : b; }
+
+#define MH_LOG2E 1.4426950408889634
+/* ln 2 in two parts (fdlibm's): MH_LN2_HI has 21 trailing zero bits, so n·MH_LN2_HI is exact for |n| < 2^21 */
+#define MH_LN2_HI 6.93147180369123816490e-01
+#define MH_LN2_LO 1.90821492927058770002e-10
+
+/* exp(x), vectorisable (kernels._exp, term by term): within one ulp of libm's and two of the correctly
+ * rounded value, subnormal results included; NaN for NaN, inf above 709.79, 0 below -745.2. */
+MH_INLINE double mh_exp(double x) {
+    x = x != x ? x : mh_min(mh_max(x, -746.0), 710.0);
+    double n = floor(x * MH_LOG2E + 0.5);
+    double r = (x - n * MH_LN2_HI) - n * MH_LN2_LO;
+    double p = 1.0 / 6227020800.0;
+    p = 1.0 / 479001600.0 + r * p;
+    p = 1.0 / 39916800.0 + r * p;
+    p = 1.0 / 3628800.0 + r * p;
+    p = 1.0 / 362880.0 + r * p;
+    p = 1.0 / 40320.0 + r * p;
+    p = 1.0 / 5040.0 + r * p;
+    p = 1.0 / 720.0 + r * p;
+    p = 1.0 / 120.0 + r * p;
+    p = 1.0 / 24.0 + r * p;
+    p = 1.0 / 6.0 + r * p;
+    p = 0.5 + r * p;
+    p = 1.0 + r * p;
+    p = 1.0 + r * p;
+    int64_t k = (int64_t)(x != x ? 0.0 : n);
+    int64_t k1 = k >> 1;
+    return p * mh_as_double((k1 + 1023) << 52) * mh_as_double((k - k1 + 1023) << 52);
+}
+
+/* max(0, a_0 … a_{S-1}) of non-negative terms as an integer reduction (kernels._largest). */
+MH_INLINE double mh_largest(const double *a, int64_t S) {
+    int64_t top = 0;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < S; j++) {
+        int64_t b = mh_bits(a[j]);
+        top = b > top ? b : top;
+    }
+    return mh_as_double(top);
+}
+
+/* (Σ_{k≠j} a_k where a_j is the row's largest term, that term) (kernels._others_sum). */
+MH_INLINE double mh_others_sum(const double *a, int64_t S, double *top_out) {
+    double top = mh_largest(a, S), rest = 0.0, ties = 0.0;
+#pragma omp simd reduction(+ : rest, ties)
+    for (int64_t j = 0; j < S; j++) {
+        double x = a[j];
+        rest += x < top ? x : 0.0;
+        ties += x >= top ? 1.0 : 0.0;
+    }
+    *top_out = top;
+    return rest + mh_max(ties - 1.0, 0.0) * top;
+}
+
+/* model.softmax.second_order of one row into `out` (kernels._second_order_row): the closed form, or the
+ * exact pairwise bound less its first-order part.  `ell` holds ℓ (>= 0); eel, ups, dns, spare: work rows. */
+MH_INLINE void mh_second_order_row(const double *p, const double *tau, const double *ell, double *out,
+                                   double *eel, double *ups, double *dns, double *spare, int64_t S) {
+    double rho = 0.0;
+#pragma omp simd reduction(+ : rho)
+    for (int64_t j = 0; j < S; j++) {
+        double el = ell[j];
+        double ex = mh_exp(mh_min(el, 350.0));
+        eel[j] = ex;
+        rho += p[j] * el * el * ex;
+        spare[j] = p[j] > 0 ? el : 0.0;
+    }
+    rho *= 0.5;
+    if (mh_largest(spare, S) + rho <= MH_SECOND_ORDER_CLOSED_FORM) {
+        double erho = mh_exp(mh_min(rho, 350.0)) * MH_EXP_PRODUCT;
+#pragma omp simd
+        for (int64_t j = 0; j < S; j++) {
+            double x = ell[j] + rho;
+            out[j] = p[j] * (rho + 0.5 * x * x * (eel[j] * erho));
+        }
+        return;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < S; j++) {
+        double tt = mh_min(tau[j], 350.0);
+        double eu = mh_exp(tt), ed = mh_exp(-tt);
+        eel[j] = eu;
+        spare[j] = ed;
+        ups[j] = p[j] * eu;
+        dns[j] = p[j] * ed;
+    }
+    double top_u, top_d;
+    double su = mh_others_sum(ups, S, &top_u);
+    double sd = mh_others_sum(dns, S, &top_d);
+#pragma omp simd
+    for (int64_t j = 0; j < S; j++) {
+        double pj = p[j], up = ups[j], dn = dns[j];
+        double ou = up >= top_u ? su : mh_max((su - up) + top_u, 0.0);
+        double od = dn >= top_d ? sd : mh_max((sd - dn) + top_d, 0.0);
+        double lo = pj / (pj + eel[j] * ou);
+        double hi = pj / (pj + spare[j] * od);
+        double e = mh_max(hi - pj, pj - lo);
+        e = e <= 1.0 ? e : 1.0; /* NaN (0/0, inf/inf) -> 1 */
+        e = pj > 0 ? e : 0.0;
+        out[j] = mh_max(e - pj * ell[j], 0.0);
+    }
+}
+
+#endif

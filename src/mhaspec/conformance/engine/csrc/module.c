@@ -1,0 +1,33 @@
+/* The extension module mhaspec.conformance.engine._loops: an empty Python module whose library holds the
+ * compiled chunk loops (attention.c, local.c, stage.c), which engine/native.py calls through ctypes,
+ * and the few entry points below that native.py and the tests use to check the library. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "common.h"
+
+/* The model's constants as compiled here, in this order: native.py refuses a library whose constants
+ * are not the Python model's (a stale build). */
+MH_EXPORT int64_t mh_constants(double *out, int64_t n) {
+    const double values[] = {MH_LAMBDA, MH_U64, MH_SECOND_ORDER_CLOSED_FORM, MH_EXP_PRODUCT};
+    int64_t m = (int64_t)(sizeof values / sizeof values[0]);
+    for (int64_t i = 0; i < n && i < m; i++) out[i] = values[i];
+    return m;
+}
+
+/* mh_exp of each of x[0 … n-1] into out (the tests measure its ulps). */
+MH_EXPORT void mh_exp_array(const double *x, double *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = mh_exp(x[i]);
+}
+
+/* mh_others_sum of a[0 … S-1]: out[0] the sum, out[1] the top term. */
+MH_EXPORT void mh_others_sum_row(const double *a, int64_t S, double *out) {
+    out[0] = mh_others_sum(a, S, &out[1]);
+}
+
+static struct PyModuleDef loops_module = {
+    PyModuleDef_HEAD_INIT, "_loops",
+    "mhaspec's compiled chunk loops: a library that mhaspec.conformance.engine.native calls through ctypes.",
+    -1, NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__loops(void) { return PyModule_Create(&loops_module); }

@@ -1,0 +1,2 @@
+/* mhaspec's compiled chunk loops: see common.h. */
+#include "common.h"

@@ -1,0 +1,170 @@
+"""The compiled chunk loops built with mhaspec (the C extension ``_loops``, compiled at install time):
+the loops of :mod:`.kernels` without numba's compilation in every process.
+
+The library (``csrc/*.c``, built by ``pip install`` where a C compiler is found; optional: without one the
+install goes on, and the numba loops or the NumPy ones judge, with the same verdicts) is loaded here with
+ctypes, and each loop is called by the name and with the arguments of :mod:`.kernels`'s (:func:`call`), so
+that :mod:`.compiled` takes either.  Each array travels as its pointer and its strides in elements
+(``csrc/common.h``, ARR3/ARR2); an array a loop reads row by row must have a unit last stride (a read-only
+one is copied where it has not; a written one raises :class:`NativeError`).  Nothing is pickled: only
+pointers and numbers cross.
+
+``import mhaspec`` never loads the library: :func:`mhaspec.conformance.engine.compiled.kernels_for_shape` imports
+this module only for a large case.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from typing import Any, Callable
+
+import numpy as np
+
+from ..model.softmax import SECOND_ORDER_CLOSED_FORM
+from ..model.vocabulary import LAMBDA, U64
+
+#: The library's module name (an extension module with no functions of its own: csrc/module.c).
+LIBRARY = f"{__package__}._loops"
+
+#: exp(a)·exp(b)·EXP_PRODUCT >= exp(a + b), as in the library (csrc/common.h) and :mod:`.kernels`.
+EXP_PRODUCT = 1 + 2.0**-49
+
+
+class NativeError(RuntimeError):
+    """An argument the compiled loop cannot take (a written array of another dtype or strides)."""
+
+
+#: What a call that cannot be made raises: the caller then switches to the NumPy loops (same bounds).
+ERRORS = (NativeError,)
+
+
+def _load() -> ctypes.CDLL:
+    spec = importlib.util.find_spec(LIBRARY)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"{LIBRARY} is not built (no C compiler at install time)")
+    lib = ctypes.CDLL(spec.origin)
+    expected = (LAMBDA, U64, SECOND_ORDER_CLOSED_FORM, EXP_PRODUCT)
+    got = (ctypes.c_double * len(expected))()
+    lib.mh_constants.restype = ctypes.c_int64
+    n = lib.mh_constants(got, ctypes.c_int64(len(expected)))
+    if n != len(expected) or tuple(got) != expected:
+        raise ImportError(f"{spec.origin} was built with other constants than this mhaspec's model "
+                          f"({tuple(got)} != {expected}): a stale build; reinstall mhaspec")
+    return lib
+
+
+_LIB = _load()
+
+#: Each loop's arguments, in :mod:`.kernels`' order: an array as ``dtype/ndim`` and ``r`` (read row by row:
+#: unit last stride, copied where it has not), ``w`` (written: unit last stride and the dtype, or
+#: :class:`NativeError`) or ``a`` (read with any strides, a broadcast view too); ``f8`` a float, ``b1`` a
+#: flag, ``i8`` an integer.  The C function is ``mh_<name>``, each array as pointer and strides (ARR3/ARR2),
+#: returning an int64 (nonzero: every value finite), or, for those in :data:`RESULTS`, writing that many
+#: float64s into a last pointer argument.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "attention_chunk": ("f8/3w", "f8/3w", "b1/3a", "f4/3r", "f4/3r", *("f8",) * 10,
+                        "b1", "f8/3w", "f8/3w", "f8/3w", "f8/3w",
+                        "b1", "b1", "f8/3a", "f8", "f8/3a", "f8", "f8/3w", "f8/3w",
+                        "f8/3w", "f8/3w", "f4/3w", "f4/3w", "f8/2w", "f8/2w", "i8"),
+    "local_weights_chunk": ("f8/3r", "b1/3a", *("f8",) * 5, "f8/3w", "f8/3w", "f8/3w", "f8/2w", "i8"),
+    "local_scores_chunk": ("f8/3w", "f4/3r", "f4/3r", *("f8",) * 6, "f8/3w", "f8/3w", "i8"),
+    "local_outputs_operands": ("f8/3r", "f4/3w", "f4/3w"),
+    "ordinary_stage": (*("f8/3a",) * 5, "u1/3a", "b1", "b1", "b1"),
+}
+
+#: The loops that return a tuple: (float64s written, how each is returned).
+RESULTS: dict[str, tuple[type, ...]] = {
+    "ordinary_stage": (bool, int, float, float, float, int, float, int, bool),
+}
+
+_DTYPES = {"f8": np.float64, "f4": np.float32, "b1": np.bool_, "u1": np.uint8}
+_CTYPES = {"f8": ctypes.c_double, "b1": ctypes.c_int64, "i8": ctypes.c_int64}
+
+
+def _argtypes(kinds: tuple[str, ...], results: int) -> list[Any]:
+    types: list[Any] = []
+    for kind in kinds:
+        if "/" in kind:
+            types += [ctypes.c_void_p] + [ctypes.c_int64] * int(kind.split("/")[1][0])
+        else:
+            types.append(_CTYPES[kind])
+    return types + ([ctypes.c_void_p] if results else [])
+
+
+def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
+    """Pointer and strides (in elements) of the argument ``a`` of kind ``kind`` (:data:`SIGNATURES`)."""
+    code, rest = kind.split("/")
+    ndim, mode = int(rest[0]), rest[1]
+    dtype = _DTYPES[code]
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise NativeError(f"{name}: argument {position} has {a.ndim} axes, not {ndim}")
+    if mode == "w":
+        if a.dtype != dtype or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize) or not a.flags.writeable:
+            raise NativeError(f"{name}: argument {position} must be a writeable {np.dtype(dtype).name} array "
+                              f"with a unit last stride (got {a.dtype}, strides {a.strides})")
+    elif a.dtype != dtype or (mode == "r" and a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+        a = np.ascontiguousarray(a, dtype=dtype)
+    strides = [s // a.itemsize if n > 1 else 0 for s, n in zip(a.strides, a.shape)]
+    return [a, a.ctypes.data, *strides]
+
+
+def _kernel(name: str) -> Callable[..., Any]:
+    kinds = SIGNATURES[name]
+    results = RESULTS.get(name, ())
+    fn = getattr(_LIB, f"mh_{name}")
+    fn.argtypes = _argtypes(kinds, len(results))
+    fn.restype = ctypes.c_int64
+
+    def loop(*args: Any) -> Any:
+        if len(args) != len(kinds):
+            raise NativeError(f"{name}: {len(args)} arguments, not {len(kinds)}")
+        held, flat = [], []  # held: the arrays (and copies) alive until the call returns
+        for position, (a, kind) in enumerate(zip(args, kinds)):
+            if "/" in kind:
+                array, *pointer_and_strides = _array(a, kind, name, position)
+                held.append(array)
+                flat += pointer_and_strides
+            else:
+                flat.append(float(a) if kind == "f8" else int(a))
+        if not results:
+            return bool(fn(*flat))
+        out = np.zeros(len(results))
+        fn(*flat, out.ctypes.data)
+        return tuple(kind(x) for kind, x in zip(results, out))
+
+    loop.__name__ = loop.__qualname__ = name
+    loop.__doc__ = f"The compiled ``{name}`` of :mod:`.kernels` (csrc: ``mh_{name}``)."
+    return loop
+
+
+attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
+local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
+local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
+local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
+ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None
+
+
+def call(name: str, *args: Any) -> Any:
+    """The loop ``name`` with :mod:`.kernels`' arguments (looked up here, so that a test can replace it)."""
+    fn = globals()[name]
+    if fn is None:
+        raise NativeError(f"the library has no loop {name}")
+    return fn(*args)
+
+
+def _exp(x: float) -> float:
+    """The library's exponential (csrc/common.h mh_exp) of one float64: for the tests."""
+    out = np.empty(1)
+    _LIB.mh_exp_array(np.array([x], dtype=np.float64).ctypes.data_as(ctypes.c_void_p),
+                      out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(1))
+    return float(out[0])
+
+
+def _others_sum(a: np.ndarray, S: int) -> tuple[float, float]:
+    """The library's (Σ_{k≠j} a_k for the row's largest a_j, that term) (csrc/common.h mh_others_sum)."""
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    out = np.empty(2)
+    _LIB.mh_others_sum_row(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(S), out.ctypes.data_as(ctypes.c_void_p))
+    return float(out[0]), float(out[1])
