@@ -71,11 +71,15 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "local_scores_chunk": ("f8/3w", "f4/3r", "f4/3r", *("f8",) * 6, "f8/3w", "f8/3w", "i8"),
     "local_outputs_operands": ("f8/3r", "f4/3w", "f4/3w"),
     "ordinary_stage": (*("f8/3a",) * 5, "u1/3a", "b1", "b1", "b1"),
+    "sum_squares": ("f8/3a", "f8/3a", "u1/3a", "b1", "b1"),
+    "sum_squares_f4": ("f4/3a", "f8/3a", "u1/3a", "b1", "b1"),
 }
 
 #: The loops that return a tuple: (float64s written, how each is returned).
 RESULTS: dict[str, tuple[type, ...]] = {
     "ordinary_stage": (bool, int, float, float, float, int, float, int, bool),
+    "sum_squares": (float,),
+    "sum_squares_f4": (float,),
 }
 
 _DTYPES = {"f8": np.float64, "f4": np.float32, "b1": np.bool_, "u1": np.uint8}
@@ -145,6 +149,8 @@ local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_
 local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
 local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
 ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None
+sum_squares = _kernel("sum_squares") if hasattr(_LIB, "mh_sum_squares") else None
+sum_squares_f4 = _kernel("sum_squares_f4") if hasattr(_LIB, "mh_sum_squares_f4") else None
 
 
 def call(name: str, *args: Any) -> Any:
