@@ -379,11 +379,30 @@ def plain_forward(golden: GoldenCase, dtype: str, orders: Iterable[str] = ORDERS
 _CHUNK = 1 << 15
 
 
+def _compiled_sums(size: int) -> Any:
+    """The compiled loops that sum squares in place (the library's, csrc/stage.c: not numba's), where a large
+    case has loaded them into this process (:func:`~mhaspec.conformance.engine.compiled.loaded_kernels`, the
+    switch of the compiled comparison) and the stage is larger than one step of the NumPy sums; else None (a
+    catalog case's sums stay NumPy's, bit for bit)."""
+    from .engine import compiled
+
+    kernels = compiled.loaded_kernels() if size > _CHUNK else None
+    return kernels if getattr(kernels, "sum_squares", None) is not None else None
+
+
 def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None,
-                 golden_selected: bool = False) -> float:
+                 golden_selected: bool = False, kernels: Any = None) -> float:
     """Σ (values − golden)² (Σ values² without ``golden``) over ``selected`` (None: every element),
     in float64, a cache-sized step at a time.  ``golden_selected``: ``golden`` is already
-    ``golden[selected]`` (:func:`_selected`: gathered once for every order)."""
+    ``golden[selected]`` (:func:`_selected`: gathered once for every order).  ``kernels``
+    (:func:`_compiled_sums`, with ``golden`` not gathered): the compiled sweep, which reads the selected
+    elements in place (the same terms, added in its fixed order: csrc/stage.c)."""
+    if kernels is not None and not golden_selected:
+        from .engine import compiled
+
+        total = compiled.sum_squares(kernels, np.asarray(values), golden, selected)
+        if total is not None:
+            return total
     if selected is not None:
         values = values[selected]
         if golden is not None and not golden_selected:
@@ -406,21 +425,23 @@ def _sum_squares(values: np.ndarray, golden: np.ndarray | None, selected: np.nda
 
 
 def _plain_sum_squares(plain: np.ndarray, g: np.ndarray, g_sel: np.ndarray, selected: np.ndarray | None,
-                       cut: dict[int, tuple[np.ndarray, np.ndarray | None, float]]) -> float:
-    """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it), where ``plain`` may stop
-    at the last key the rows see (:func:`plain_forward`'s ``keys``): beyond it a plain weight is 0,
-    so the sum there is the golden's own squares (0 for a correct golden), and no score is selected.
-    ``cut`` (the stage's, shared by every plain order): by ``keys``, the golden's elements up to there
-    (gathered once), their selection, and the sum beyond."""
+                       cut: dict[int, tuple[np.ndarray, np.ndarray | None, float]], kernels: Any = None) -> float:
+    """Σ (plain − golden)² over ``selected`` (``g_sel``: the golden gathered by it, :func:`_gathered`), where
+    ``plain`` may stop at the last key the rows see (:func:`plain_forward`'s ``keys``): beyond it a plain
+    weight is 0, so the sum there is the golden's own squares (0 for a correct golden), and no score is
+    selected.  ``cut`` (the stage's, shared by every plain order): by ``keys``, the golden's elements up to
+    there (gathered once; with ``kernels``, a view), their selection, and the sum beyond."""
     k = plain.shape[-1] if plain.ndim else 0
+    gathered = kernels is None
     if plain.shape == g.shape:
-        return _sum_squares(plain, g_sel, selected, golden_selected=True)
+        return _sum_squares(plain, g_sel, selected, golden_selected=gathered, kernels=kernels)
     if k not in cut:
         head = None if selected is None else selected[..., :k]
-        cut[k] = (np.ascontiguousarray(g[..., :k] if head is None else g[..., :k][head]), head,
-                  _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:]))
+        g_head = g[..., :k] if not gathered else np.ascontiguousarray(g[..., :k] if head is None else g[..., :k][head])
+        cut[k] = (g_head, head, _sum_squares(g[..., k:], None, None if selected is None else selected[..., k:],
+                                             kernels=kernels))
     g_head, head, beyond = cut[k]
-    return _sum_squares(plain, g_head, head, golden_selected=True) + beyond
+    return _sum_squares(plain, g_head, head, golden_selected=gathered, kernels=kernels) + beyond
 
 
 def _compact(sel: np.ndarray | None) -> np.ndarray | None:
@@ -431,23 +452,31 @@ def _compact(sel: np.ndarray | None) -> np.ndarray | None:
     return np.ascontiguousarray(sel)
 
 
-def _finite_selection(got: np.ndarray, g: np.ndarray, sel: np.ndarray | None
+def _gathered(g: np.ndarray, sel: np.ndarray | None, kernels: Any) -> np.ndarray:
+    """``g`` as the sums read it over ``sel``: gathered once for NumPy's sums (``g[sel]``); ``g`` itself for
+    the compiled ones (``kernels``: they read the selection in place) or where ``sel`` is None."""
+    return g if kernels is not None or sel is None else g[sel]
+
+
+def _finite_selection(got: np.ndarray, g: np.ndarray, sel: np.ndarray | None, kernels: Any = None
                       ) -> tuple[np.ndarray | None, np.ndarray, float]:
-    """(``sel`` narrowed to the elements where ``got`` and ``g`` are both finite, :func:`_compact`; ``g``
-    gathered by it; Σ (got − g)² over it).  A finite sum over ``sel`` shows every selected value finite
-    (an infinity or NaN in either makes it inf or NaN): ``sel`` stands, without the two isfinite passes over
-    the stage; otherwise they narrow it, and the sum is taken again over the narrowed selection."""
-    first = _compact(sel)
-    g_first = g if first is None else g[first]
-    ss = _sum_squares(got, g_first, first, golden_selected=True)
+    """(``sel`` narrowed to the elements where ``got`` and ``g`` are both finite, :func:`_compact` (with
+    ``kernels``, the compiled sums: as it is, a broadcast view too, where every selected value is finite);
+    ``g`` as the sums read it, :func:`_gathered`; Σ (got − g)² over it).  A finite sum over ``sel`` shows
+    every selected value finite (an infinity or NaN in either makes it inf or NaN): ``sel`` stands, without
+    the two isfinite passes over the stage; otherwise they narrow it, and the sum is taken again over the
+    narrowed selection."""
+    first = sel if kernels is not None else _compact(sel)
+    g_first = _gathered(g, first, kernels)
+    ss = _sum_squares(got, g_first, first, golden_selected=kernels is None, kernels=kernels)
     if math.isfinite(ss):
         return first, g_first, ss
     finite = np.isfinite(got) & np.isfinite(g)
     if not finite.all():
         sel = finite if sel is None else sel & finite
     sel = _compact(sel)
-    g_sel = g if sel is None else g[sel]
-    return sel, g_sel, _sum_squares(got, g_sel, sel, golden_selected=True)
+    g_sel = _gathered(g, sel, kernels)
+    return sel, g_sel, _sum_squares(got, g_sel, sel, golden_selected=kernels is None, kernels=kernels)
 
 
 def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray],
@@ -461,6 +490,7 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
     selections: dict[str, np.ndarray | None] = {}
     g_sel: dict[str, np.ndarray] = {}
     g_seen: dict[str, np.ndarray] = {}
+    sums: dict[str, Any] = {}  # the compiled loops that sum each stage's squares, or None (NumPy's sums)
     out: dict[str, SecondOpinion] = {}
     # a block of rows of a larger case (no bias or ALiBi tensor): the keys up to the last one its rows see
     S = golden.visible.shape[-1]
@@ -478,15 +508,18 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         sel = None if sel is None else np.broadcast_to(sel, g.shape)
         if mine is not None:
             sel = np.broadcast_to(mine, g.shape) if sel is None else sel & mine
-        sel, g_sel[stage], own_ss = _finite_selection(got, g, sel)
+        kernels = sums[stage] = _compiled_sums(g.size)
+        sel, g_sel[stage], own_ss = _finite_selection(got, g, sel, kernels)
         selections[stage] = sel
         n = g.size if sel is None else int(np.count_nonzero(sel))
         R = 0.0 if golden.reference_error is None else golden.reference_error.get(stage, 0.0)
-        floor = u * u * _sum_squares(g_sel[stage], None, None)
+        # (the golden gathered by the selection for NumPy's sums; read in place over it by the compiled ones)
+        floor = u * u * _sum_squares(g_sel[stage], None, None if kernels is None else sel, kernels=kernels)
         if np.ndim(R) == 0:
             floor += float(R) ** 2 * n
         else:
-            floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel)
+            floor += _sum_squares(np.broadcast_to(R, golden.stages[stage].shape)[..., :g.shape[-1]], None, sel,
+                                  kernels=kernels)
         out[stage] = SecondOpinion(n, own_ss, {}, floor, dtype=dtype)
     cuts: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None, float]]] = {stage: {} for stage in out}
     done: dict[tuple[str, int], tuple[np.ndarray, float]] = {}  # orders that share a plain stage's array share
@@ -496,7 +529,8 @@ def second_opinions(golden: GoldenCase, dtype: str, own: Mapping[str, np.ndarray
         for stage, res in out.items():
             key = (stage, id(plain[stage]))
             if key not in done:
-                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage], cuts[stage])
+                ss = _plain_sum_squares(plain[stage], g_seen[stage], g_sel[stage], selections[stage], cuts[stage],
+                                        sums[stage])
                 done[key] = (plain[stage], ss if math.isfinite(ss) else math.inf)
             res.plain_ss[order] = done[key][1]
     return out

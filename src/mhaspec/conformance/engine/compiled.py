@@ -243,3 +243,40 @@ def ordinary_stage(kernels: Any, v: np.ndarray, g: np.ndarray, tol: np.ndarray,
         return None
     return Ordinary(int(result[1]), float(result[2]), float(result[3]), float(result[4]), int(result[5]),
                     float(result[6]), int(result[7]), bool(result[8]))
+
+
+#: The compiled sums of squares (csrc/stage.c) by the dtype of the values they read; the golden: float64.
+_SUM_SQUARES = {np.dtype(np.float64): "sum_squares", np.dtype(np.float32): "sum_squares_f4"}
+_NO_MASK = np.zeros((1, 1, 1), dtype=np.uint8)
+
+
+def _three_d_views(a: np.ndarray) -> list[np.ndarray]:
+    """``a`` as (N, R, C) views: one per index of the axes before its last three (a reshape that merges
+    them copies a broadcast view, a visibility of (B, 1, T, S) broadcast over the heads), or ``a`` with
+    leading axes of 1."""
+    if a.ndim < 3:
+        return [a.reshape((1,) * (3 - a.ndim) + a.shape)]
+    return [a[index] for index in np.ndindex(*a.shape[:-3])]
+
+
+def sum_squares(kernels: Any, values: np.ndarray, golden: np.ndarray | None, selected: np.ndarray | None) -> float | None:
+    """Σ (values − golden)² (Σ values² without ``golden``) over the elements where ``selected`` is True (None:
+    every element), in float64, by the compiled sweep (csrc/stage.c ``mh_sum_squares``): the arrays read in
+    place, with any strides (``golden`` and ``selected`` broadcast to ``values``' shape), nothing gathered;
+    the NumPy sum's terms, added in the sweep's fixed order.  A NaN or infinity selected makes it NaN or inf,
+    as NumPy's.  None where the loops have no such sweep (numba's), where the dtypes are others (``values``
+    float64 or float32, ``golden`` float64) or the call fails: the caller sums by NumPy."""
+    name = _SUM_SQUARES.get(values.dtype)
+    if name is None or getattr(kernels, name, None) is None or (golden is not None and golden.dtype != np.float64):
+        return None
+    parts = _three_d_views(values)
+    g = [_DUMMY] * len(parts) if golden is None else _three_d_views(np.broadcast_to(golden, values.shape))
+    m = ([_NO_MASK] * len(parts) if selected is None
+         else _three_d_views(np.broadcast_to(selected, values.shape).view(np.uint8)))
+    total = 0.0
+    for v_part, g_part, m_part in zip(parts, g, m):
+        part = call(kernels, name, v_part, g_part, m_part, golden is not None, selected is not None)
+        if part is _FAILED:
+            return None
+        total += part[0]
+    return total
