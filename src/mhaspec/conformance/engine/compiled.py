@@ -230,9 +230,10 @@ class Ordinary(NamedTuple):
 def ordinary_stage(kernels: Any, v: np.ndarray, g: np.ndarray, tol: np.ndarray,
                    noise: tuple[np.ndarray, np.ndarray] | None, visible: np.ndarray | None,
                    check_float32: bool) -> Ordinary | None:
-    """A stage's figures by the compiled sweep (:func:`.kernels.ordinary_stage`), or None where an
-    element is out of the ordinary or the loop cannot be compiled: the caller judges it by NumPy.
-    Every array is broadcast to ``v``'s shape (a view)."""
+    """A stage's figures by the compiled sweep (:func:`.kernels.ordinary_stage`, or the library's
+    ``mh_ordinary_stage``, csrc/stage.c, where ``kernels`` is :mod:`.native`), or None where an element is
+    out of the ordinary or the loop cannot be compiled: the caller judges it by NumPy.  Every array is
+    broadcast to ``v``'s shape (a view)."""
     shape = v.shape
     sig, wor = (tol, tol) if noise is None else noise
     vis = np.zeros((1, 1, 1), dtype=np.uint8) if visible is None else visible
