@@ -212,6 +212,23 @@ def test_compare_stage_by_the_native_sweep_gives_the_numpy_result(shape, monkeyp
     assert swept["worst_ratio"] == 0.5 and np.ravel_multi_index(swept["worst_index"], g.shape) == 40  # the tied case
 
 
+def test_compare_stage_by_the_native_sweep_on_views_and_ties_gives_the_numpy_result(monkeypatch):
+    """The same on the views of :func:`_views` (strided rows, a broadcast tolerance, last strides 2 and 0, a
+    visibility broadcast over rows) and the ties of :func:`_ties` (the first visible holder reported)."""
+    monkeypatch.setattr(compare, "COMPARE_CHUNK", 1 << 12)
+    stages = [(what, a, None) for what, a in _views()] + _ties()
+    for what, a, first in stages:
+        visible = a["vis"].astype(bool)
+        for dtype in ("float32", "float64"):
+            swept, by_numpy = (_judged(monkeypatch, loops, "scores", a["v"], a["g"], a["tol"], dtype, visible,
+                                       noise=(a["sig"], a["wor"]), rms_limit=4.0) for loops in (native, None))
+            assert _but_rounding(swept) == _but_rounding(by_numpy), what
+            assert swept["rms_ratio"] == pytest.approx(by_numpy["rms_ratio"], rel=1e-12), what
+            assert swept["verdict"] == "pass", what
+            if first is not None:
+                assert np.ravel_multi_index(swept["worst_index"], SHAPE) == first, what
+
+
 # ---- the sums of squares ------------------------------------------------------------------------------------
 
 def _exact_sum(terms: np.ndarray) -> float:

@@ -80,7 +80,14 @@ typedef struct {
  * compared element's z² (0 elsewhere) into zz.  The body is numba's, each condition that returns False
  * there an `odd` flag here, each running maximum a max reduction (the same maximum in any order); without a
  * branch, so that it vectorises: `vis` is all ones where every element is compared, `sg` and `wr` are read
- * (another array's elements) where z is not wanted. */
+ * (another array's elements) where z is not wanted.  Where C differs from numba:
+ *  - the quotients numba takes only where the divisor is positive are computed in every vector lane and
+ *    the others' discarded by the select (no trap: -fno-trapping-math), so an element's values are numba's;
+ *  - max(e - wor, 0.0) is common.h's mh_max, numba's max (a NaN first argument stays NaN, as there);
+ *  - the max reductions combine lanes in an unspecified order and with unspecified NaN handling: only the
+ *    figures of a segment without an odd element are used, whose values are all numbers, so the maxima are
+ *    numba's exactly (e, q, r >= +0: no signed zero either);
+ *  - the counts are int64 sums, written out as float64s (exact below 2^53 elements). */
 static inline void mh_stage_segment(const double *v, const double *g, const double *t, const double *sg,
                                     const double *wr, const int64_t *vis, int64_t n, int64_t want_z,
                                     int64_t check_float32, double *zz, mh_stage_figures *f) {
