@@ -25,12 +25,17 @@
 /* exp(a)·exp(b)·MH_EXP_PRODUCT >= exp(a + b): two exponentials within two ulps each, their product rounded */
 #define MH_EXP_PRODUCT (1.0 + 1.0 / 562949953421312.0) /* 1 + 2^-49 */
 
-/* A 3-D array argument: pointer, then the strides of its three axes in elements. */
-#define ARR3(T, a) T *a, int64_t a##_s0, int64_t a##_s1, int64_t a##_s2
-/* A 2-D array argument (work rows): pointer, then its two strides in elements. */
-#define ARR2(T, a) T *a, int64_t a##_s0, int64_t a##_s1
+/* A 3-D array argument: pointer, then its three lengths, then the strides of its three axes in elements
+ * (native.py passes every array so: a loop takes its extents from its arrays, as the numba loop from
+ * their .shape). */
+#define ARR3(T, a) T *a, int64_t a##_n0, int64_t a##_n1, int64_t a##_n2, int64_t a##_s0, int64_t a##_s1, int64_t a##_s2
+/* A 2-D array argument (work rows, one value per row): pointer, its two lengths, its two strides in elements. */
+#define ARR2(T, a) T *a, int64_t a##_n0, int64_t a##_n1, int64_t a##_s0, int64_t a##_s1
+/* A 3-D argument passed on to a helper that takes it as ARR3. */
+#define ARG3(a) a, a##_n0, a##_n1, a##_n2, a##_s0, a##_s1, a##_s2
 /* Element (h, i, j) of a 3-D argument; ROW3: the pointer to its row (h, i) (unit last stride). */
 #define AT3(a, h, i, j) a[(h) * a##_s0 + (i) * a##_s1 + (j) * a##_s2]
+#define AT2(a, h, i) a[(h) * a##_s0 + (i) * a##_s1]
 #define ROW3(a, h, i) (a + (h) * a##_s0 + (i) * a##_s1)
 #define ROW2(a, r) (a + (r) * a##_s0)
 
@@ -47,8 +52,10 @@
 /* The float64 whose bit pattern is `bits`, and the reverse (bit casts, vectorisable). */
 MH_INLINE double mh_as_double(int64_t bits) { double x; memcpy(&x, &bits, 8); return x; }
 MH_INLINE int64_t mh_bits(double x) { int64_t b; memcpy(&b, &x, 8); return b; }
-MH_INLINE double mh_min(double a, double b) { return a < b ? a : b; }
-MH_INLINE double mh_max(double a, double b) { return a > b ? a : b; }
+/* numba's (Python's) min(a, b) and max(a, b): b where it compares below (above) a, else a, so a NaN in a
+ * is returned and a NaN in b is not, as in the numba loops (C's a < b ? a : b would do the reverse). */
+MH_INLINE double mh_min(double a, double b) { return b < a ? b : a; }
+MH_INLINE double mh_max(double a, double b) { return b > a ? b : a; }
 
 #define MH_LOG2E 1.4426950408889634
 /* ln 2 in two parts (fdlibm's): MH_LN2_HI has 21 trailing zero bits, so n·MH_LN2_HI is exact for |n| < 2^21 */
