@@ -5,7 +5,7 @@ The library (``csrc/*.c``, built by ``pip install`` where a C compiler is found;
 install goes on, and the numba loops or the NumPy ones judge, with the same verdicts) is loaded here with
 ctypes, and each loop is called by the name and with the arguments of :mod:`.kernels`'s (:func:`call`), so
 that :mod:`.compiled` takes either.  Each array travels as its pointer and its strides in elements
-(``csrc/common.h``, ARR3/ARR2); an array a loop reads row by row must have a unit last stride (a read-only
+(``csrc/common.h``, ARR3/ARR2: pointer, lengths, strides); an array a loop reads row by row must have a unit last stride (a read-only
 one is copied where it has not; a written one raises :class:`NativeError`).  Nothing is pickled: only
 pointers and numbers cross.
 
@@ -59,7 +59,7 @@ _LIB = _load()
 #: Each loop's arguments, in :mod:`.kernels`' order: an array as ``dtype/ndim`` and ``r`` (read row by row:
 #: unit last stride, copied where it has not), ``w`` (written: unit last stride and the dtype, or
 #: :class:`NativeError`) or ``a`` (read with any strides, a broadcast view too); ``f8`` a float, ``b1`` a
-#: flag, ``i8`` an integer.  The C function is ``mh_<name>``, each array as pointer and strides (ARR3/ARR2),
+#: flag, ``i8`` an integer.  The C function is ``mh_<name>``, each array as pointer, lengths and strides (ARR3/ARR2),
 #: returning an int64 (nonzero: every value finite), or, for those in :data:`RESULTS`, writing that many
 #: float64s into a last pointer argument.
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -68,6 +68,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
                         "b1", "b1", "f8/3a", "f8", "f8/3a", "f8", "f8/3w", "f8/3w",
                         "f8/3w", "f8/3w", "f4/3w", "f4/3w", "f8/2w", "f8/2w", "i8"),
     "local_weights_chunk": ("f8/3r", "b1/3a", *("f8",) * 5, "f8/3w", "f8/3w", "f8/3w", "f8/2w", "i8"),
+    # local_weights_chunk, and each row's local lse operands into a last (heads, rows, 7) array (no numba
+    # counterpart: csrc/local.c, compiled.local_weights)
+    "local_weights_lse_chunk": ("f8/3r", "b1/3a", *("f8",) * 5, "f8/3w", "f8/3w", "f8/3w", "f8/2w", "i8", "f8/3w"),
     "local_scores_chunk": ("f8/3w", "f4/3r", "f4/3r", *("f8",) * 6, "f8/3w", "f8/3w", "i8"),
     "local_outputs_operands": ("f8/3r", "f4/3w", "f4/3w"),
     "ordinary_stage": (*("f8/3a",) * 5, "u1/3a", "b1", "b1", "b1"),
@@ -86,14 +89,15 @@ def _argtypes(kinds: tuple[str, ...], results: int) -> list[Any]:
     types: list[Any] = []
     for kind in kinds:
         if "/" in kind:
-            types += [ctypes.c_void_p] + [ctypes.c_int64] * int(kind.split("/")[1][0])
+            types += [ctypes.c_void_p] + [ctypes.c_int64] * (2 * int(kind.split("/")[1][0]))
         else:
             types.append(_CTYPES[kind])
     return types + ([ctypes.c_void_p] if results else [])
 
 
 def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
-    """Pointer and strides (in elements) of the argument ``a`` of kind ``kind`` (:data:`SIGNATURES`)."""
+    """The argument ``a`` of kind ``kind`` (:data:`SIGNATURES`) as the array held through the call, its
+    pointer, its lengths and its strides in elements (csrc/common.h, ARR3/ARR2)."""
     code, rest = kind.split("/")
     ndim, mode = int(rest[0]), rest[1]
     dtype = _DTYPES[code]
@@ -107,7 +111,7 @@ def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
     elif a.dtype != dtype or (mode == "r" and a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
         a = np.ascontiguousarray(a, dtype=dtype)
     strides = [s // a.itemsize if n > 1 else 0 for s, n in zip(a.strides, a.shape)]
-    return [a, a.ctypes.data, *strides]
+    return [a, a.ctypes.data, *a.shape, *strides]
 
 
 def _kernel(name: str) -> Callable[..., Any]:
@@ -141,6 +145,8 @@ def _kernel(name: str) -> Callable[..., Any]:
 
 attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
 local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
+local_weights_lse_chunk = (_kernel("local_weights_lse_chunk") if hasattr(_LIB, "mh_local_weights_lse_chunk")
+                           else None)
 local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
 local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
 ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None
