@@ -75,99 +75,114 @@ MH_INLINE void mh_lse_move_sums(const double *p, const double *tau, int64_t S, d
     *dn_out = dn;
 }
 
-/* The local attention-weights check of a (heads, rows, S) chunk (kernels.local_weights_chunk, term by
- * term; see its docstring), and, where `lse` is not NULL, per row (h, i) the local lse check's operands:
- * lse[0] peak, lse[1] Σ e^{s_j − peak} (lse = peak + log of it, in Python), lse[2] Σ p τ (lse_move's
- * first order), lse[3], lse[4] lse_move's exact sums (mh_lse_move_sums), lse[5] Σ p²·T² (pk), lse[6]
- * max |s| over the visible keys.  Returns nonzero where every visible score and value written is finite. */
+/* The weights loop's constants (kernels.local_weights_chunk's arguments) and its work rows. */
+typedef struct {
+    double u2, ua, w_s, s_s, floor_, stored;
+    double *ts2, *tau, *ptau, *ell, *eel, *ups, *dns, *spare;
+} mh_weights_work;
+
+/* One row of kernels.local_weights_chunk (term by term; see its docstring): the softmax of the visible
+ * scores `sr` into `pr`, its bound into `sgr`, `wr`, over the S_seen keys the chunk's rows see (later ones
+ * 0); `vr[j * vs]`: key j's visibility (vs, any stride: inlined with vs = 1, the usual layout, the loops
+ * read it as a vector; a gather of bytes otherwise).  Where `lr` is not NULL, the row's local lse
+ * operands: lr[0] peak, lr[1] Σ e^{s_j − peak} (lse = peak + log of it, in Python), lr[2] Σ p τ
+ * (lse_move's first order), lr[3], lr[4] lse_move's exact sums (mh_lse_move_sums), lr[5] Σ p²·T² (pk),
+ * lr[6] max |s| over the visible keys.  Returns the row's finite check: a sum of every visible score
+ * and every value written. */
+MH_INLINE double local_weights_row(const mh_weights_work *w, const double *sr, const uint8_t *vr, int64_t vs,
+                                   double *pr, double *sgr, double *wr, double *lr, int64_t S_seen, int64_t S) {
+    double *ts2 = w->ts2, *tau = w->tau, *ptau = w->ptau, *ell = w->ell;
+    const double u2 = w->u2, ua = w->ua, w_s = w->w_s, s_s = w->s_s, floor_ = w->floor_, stored = w->stored;
+    for (int64_t j = S_seen; j < S; j++) { /* the keys no row sees */
+        pr[j] = 0.0;
+        sgr[j] = 0.0;
+        wr[j] = 0.0;
+    }
+    /* the visible peak; a NaN score makes the check NaN (the caller's NumPy path), whatever the peak */
+    double peak = -INFINITY, chk = 0.0;
+#pragma omp simd reduction(max : peak) reduction(+ : chk)
+    for (int64_t j = 0; j < S_seen; j++) {
+        int v = vr[j * vs] != 0;
+        double x = sr[j];
+        peak = v & (x > peak) ? x : peak; /* (no && : a branch keeps the loop scalar) */
+        chk += v ? x : 0.0;
+    }
+    if (!isfinite(peak)) peak = 0.0;
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < S_seen; j++) {
+        double e = mh_exp(mh_min(sr[j] - peak, 0.0)); /* formed for a masked key too (then dropped): no branch */
+        e = vr[j * vs] ? e : 0.0;
+        pr[j] = e;
+        total += e;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < S_seen; j++) pr[j] = total > 0 ? pr[j] / total : 0.0;
+    double pk = 0.0, row = 0.0;
+    int64_t top = 0;
+#pragma omp simd reduction(+ : pk, row) reduction(max : top)
+    for (int64_t j = 0; j < S_seen; j++) { /* the scores' storage rounding t², τ = LAMBDA·t */
+        int v = vr[j * vs] != 0;
+        double sj = v ? sr[j] : 0.0, pj = pr[j];
+        double t2 = (sj * sj) * stored;
+        ts2[j] = t2;
+        pk += (pj * pj) * t2;
+        int64_t b = mh_bits(fabs(sj)); /* the row's largest visible |s| (mh_largest) */
+        top = b > top ? b : top;
+        double ta = sqrt(t2) * MH_LAMBDA * (v ? 1.0 : 0.0);
+        tau[j] = ta;
+        double pt = pj * ta;
+        ptau[j] = pt;
+        row += pt;
+    }
+    double rmax = mh_as_double(top);
+    if (lr) {
+        lr[0] = peak;
+        lr[1] = total;
+        lr[2] = row;
+        mh_lse_move_sums(pr, tau, S_seen, &lr[3], &lr[4]);
+        lr[5] = pk;
+        lr[6] = rmax;
+    }
+#pragma omp simd reduction(+ : chk)
+    for (int64_t j = 0; j < S_seen; j++) { /* sigma; ℓ of the second-order term */
+        double pj = pr[j], t2 = ts2[j];
+        double d = mh_max(pk - (pj * pj) * t2, 0.0);
+        double sg = pj * sqrt((1.0 - pj) * (1.0 - pj) * t2 + d + (u2 + MH_U64_2 + s_s * s_s));
+        sgr[j] = sg;
+        chk += sg;
+        ell[j] = tau[j] + row - 2 * ptau[j];
+    }
+    mh_second_order_row(pr, tau, ell, ptau, w->eel, w->ups, w->dns, w->spare, S_seen);
+#pragma omp simd reduction(+ : chk)
+    for (int64_t j = 0; j < S_seen; j++) { /* the worst part: the softmax's rounding, the second order */
+        int v = vr[j * vs] != 0;
+        double sj = v ? sr[j] : 0.0;
+        double x = (pr[j] * (w_s + ua * (fabs(sj) + rmax)) + ptau[j] + floor_) * (v ? 1.0 : 0.0);
+        wr[j] = x;
+        chk += x;
+    }
+    return chk;
+}
+
+/* kernels.local_weights_chunk over a (heads, rows, S) chunk, each row's lse operands into `lse` where it is
+ * not NULL (local_weights_row).  Returns nonzero where every visible score and value written is finite. */
 MH_INLINE int64_t local_weights_rows(ARR3(const double, s), ARR3(const uint8_t, vis), double u2, double ua, double w_s,
-                                  double s_s, double floor_, ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
-                                  ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
+                                     double s_s, double floor_, ARR3(double, ref), ARR3(double, sig),
+                                     ARR3(double, wor), ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
     const int64_t n_heads = s_n0, R = s_n1, S = s_n2;
-    double *ts2 = ROW2(work, 0), *tau = ROW2(work, 1), *ptau = ROW2(work, 2), *ell = ROW2(work, 3);
-    double *eel = ROW2(work, 4), *ups = ROW2(work, 5), *dns = ROW2(work, 6), *spare = ROW2(work, 7);
-    const double stored = MH_U64_2 + u2;
+    const mh_weights_work w = {u2, ua, w_s, s_s, floor_, MH_U64_2 + u2,
+                               ROW2(work, 0), ROW2(work, 1), ROW2(work, 2), ROW2(work, 3),
+                               ROW2(work, 4), ROW2(work, 5), ROW2(work, 6), ROW2(work, 7)};
     double chk = 0.0;
     for (int64_t h = 0; h < n_heads; h++) {
         for (int64_t i = 0; i < R; i++) {
             const double *sr = ROW3(s, h, i);
             const uint8_t *vr = ROW3(vis, h, i);
-            const int64_t vs = vis_s2; /* any stride: a broadcast (B, 1, T, S) view reads through 0 */
             double *pr = ROW3(ref, h, i), *sgr = ROW3(sig, h, i), *wr = ROW3(wor, h, i);
-            for (int64_t j = S_seen; j < S; j++) { /* the keys no row sees */
-                pr[j] = 0.0;
-                sgr[j] = 0.0;
-                wr[j] = 0.0;
-            }
-            /* the visible peak; a NaN score makes chk NaN (the caller's NumPy path), whatever the peak */
-            double peak = -INFINITY, rchk = 0.0;
-#pragma omp simd reduction(max : peak) reduction(+ : rchk)
-            for (int64_t j = 0; j < S_seen; j++) {
-                int v = vr[j * vs] != 0;
-                double x = sr[j];
-                peak = v && x > peak ? x : peak;
-                rchk += v ? x : 0.0;
-            }
-            chk += rchk;
-            if (!isfinite(peak)) peak = 0.0;
-            double total = 0.0;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < S_seen; j++) {
-                double e = vr[j * vs] ? mh_exp(mh_min(sr[j] - peak, 0.0)) : 0.0;
-                pr[j] = e;
-                total += e;
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < S_seen; j++) pr[j] = total > 0 ? pr[j] / total : 0.0;
-            double pk = 0.0, row = 0.0;
-            int64_t top = 0;
-#pragma omp simd reduction(+ : pk, row) reduction(max : top)
-            for (int64_t j = 0; j < S_seen; j++) { /* the scores' storage rounding t², τ = LAMBDA·t */
-                int v = vr[j * vs] != 0;
-                double sj = v ? sr[j] : 0.0, pj = pr[j];
-                double t2 = (sj * sj) * stored;
-                ts2[j] = t2;
-                pk += (pj * pj) * t2;
-                int64_t b = mh_bits(fabs(sj)); /* the row's largest visible |s| (mh_largest) */
-                top = b > top ? b : top;
-                double ta = sqrt(t2) * MH_LAMBDA * (v ? 1.0 : 0.0);
-                tau[j] = ta;
-                double pt = pj * ta;
-                ptau[j] = pt;
-                row += pt;
-            }
-            double rmax = mh_as_double(top);
-            if (lse) {
-                double *lr = ROW3(lse, h, i);
-                lr[0] = peak;
-                lr[1] = total;
-                lr[2] = row;
-                mh_lse_move_sums(pr, tau, S_seen, &lr[3], &lr[4]);
-                lr[5] = pk;
-                lr[6] = rmax;
-            }
-            double schk = 0.0;
-#pragma omp simd reduction(+ : schk)
-            for (int64_t j = 0; j < S_seen; j++) { /* sigma; ℓ of the second-order term */
-                double pj = pr[j], t2 = ts2[j];
-                double d = mh_max(pk - (pj * pj) * t2, 0.0);
-                double sg = pj * sqrt((1.0 - pj) * (1.0 - pj) * t2 + d + (u2 + MH_U64_2 + s_s * s_s));
-                sgr[j] = sg;
-                schk += sg;
-                ell[j] = tau[j] + row - 2 * ptau[j];
-            }
-            chk += schk;
-            mh_second_order_row(pr, tau, ell, ptau, eel, ups, dns, spare, S_seen);
-            double wchk = 0.0;
-#pragma omp simd reduction(+ : wchk)
-            for (int64_t j = 0; j < S_seen; j++) { /* the worst part: the softmax's rounding, the second order */
-                int v = vr[j * vs] != 0;
-                double sj = v ? sr[j] : 0.0;
-                double w = (pr[j] * (w_s + ua * (fabs(sj) + rmax)) + ptau[j] + floor_) * (v ? 1.0 : 0.0);
-                wr[j] = w;
-                wchk += w;
-            }
-            chk += wchk;
+            double *lr = lse ? ROW3(lse, h, i) : NULL;
+            chk += vis_s2 == 1 ? local_weights_row(&w, sr, vr, 1, pr, sgr, wr, lr, S_seen, S)
+                               : local_weights_row(&w, sr, vr, vis_s2, pr, sgr, wr, lr, S_seen, S);
         }
     }
     return isfinite(chk);
