@@ -1,8 +1,10 @@
 """The C library's local loops (csrc/local.c) give the numba loops' and the NumPy loops' local checks.
 
 Each C loop is the numba loop term by term: on the same chunk, the same references but for the
-softmax's last bits (a relative 1e-14: the polynomials' products fused otherwise, row sums added in another order) and the bounds to a relative 1e-10 (2.3e-12 seen).  Through :func:`tol.local_references`, against the NumPy loops, the limits of
-tests/test_kernels.py (the softmax 1e-14, the (B, H, T, S) bounds 1e-7).  The local lse check, which
+softmax's last bits (a relative 1e-14: the polynomials' products fused otherwise, row sums added in
+another order) and the bounds to a relative 1e-10 (2.3e-12 seen).  Through :func:`tol.local_references`,
+against the NumPy loops, the limits of tests/test_kernels.py (the softmax 1e-14, the (B, H, T, S)
+bounds 1e-7).  The local lse check, which
 the C weights loop folds into its own work (compiled.local_lse), agrees with the NumPy path's to
 1e-7 in its bounds (exact − first order of its move cancels) and 1e-14 in lse itself (the same peak;
 the exponentials' last bits).
@@ -18,24 +20,11 @@ from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import local, variants
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import CaseSpec, MHAConfig
-from mhaspec.spec.case import MaskSpec
+
+from .kernel_cases import CASES
 
 native = pytest.importorskip("mhaspec.conformance.engine.native", reason="the C library is not built",
                              exc_type=ImportError)
-
-CASES = {
-    # masks with fully masked rows, GQA, T != S (tests/test_kernels.py's cases)
-    "self_causal": CaseSpec(id="n_self", config=MHAConfig(d_model=32, num_heads=4, causal=True),
-                            batch=2, tgt_len=300, src_len=300, inputs="self", seed=3),
-    "cross_gqa_padding": CaseSpec(
-        id="n_cross", config=MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, kdim=20, vdim=12),
-        batch=2, tgt_len=130, src_len=520, inputs="distinct", seed=4,
-        mask=MaskSpec(kind="key_padding", lengths=(520, 311))),
-    "random_mask_blind_rows": CaseSpec(
-        id="n_random", config=MHAConfig(d_model=16, num_heads=2, bias=False),
-        batch=1, tgt_len=600, src_len=700, inputs="shared_kv", seed=5, input_exponent=2,
-        mask=MaskSpec(kind="random", density=0.5, fully_masked=((0, 7), (0, 599)))),
-}
 
 #: the stages an adapter returns rounded to float32 (its own inputs of every local check)
 OWN = ("q_proj", "k_proj", "v_proj", "scores", "attn_weights", "lse")

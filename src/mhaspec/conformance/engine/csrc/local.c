@@ -26,26 +26,14 @@ MH_INLINE double mh_expm1_small(double x) {
 
 /* expm1(x) for any x in [-350, 350] (no numba counterpart; np.expm1's numbers within two ulps), vectorisable:
  * x = n·ln2 + r, |r| <= ln2/2 (mh_exp's Cody-Waite reduction: r = x exactly where n = 0), expm1(r) =
- * r + r²·q(r) with q's Taylor series to r^12 (truncation < 2^-61 relative; the correction is at most
- * 0.18·r, so its roundings add < 0.3 ulp to the final addition's half), then
+ * r + r²·q(r), q = mh_exp_tail (mh_exp's series to r^13: truncation below 2^-56 of the result; the
+ * correction is at most 0.18·r, so its roundings add < 0.3 ulp to the final addition's half), then
  * expm1(x) = 2^n·expm1(r) + (2^n − 1): for n != 0 |expm1(x)| > 0.29, and both terms are exact or one
  * rounding each.  The callers clamp x to ±350 (2^n within 2^±505: no overflow, no subnormal). */
 MH_INLINE double mh_expm1(double x) {
     double n = floor(x * MH_LOG2E + 0.5);
     double r = (x - n * MH_LN2_HI) - n * MH_LN2_LO;
-    double q = 1.0 / 87178291200.0;
-    q = 1.0 / 6227020800.0 + r * q;
-    q = 1.0 / 479001600.0 + r * q;
-    q = 1.0 / 39916800.0 + r * q;
-    q = 1.0 / 3628800.0 + r * q;
-    q = 1.0 / 362880.0 + r * q;
-    q = 1.0 / 40320.0 + r * q;
-    q = 1.0 / 5040.0 + r * q;
-    q = 1.0 / 720.0 + r * q;
-    q = 1.0 / 120.0 + r * q;
-    q = 1.0 / 24.0 + r * q;
-    q = 1.0 / 6.0 + r * q;
-    q = 0.5 + r * q;
+    double q = mh_exp_tail(r);
     double em = r + r * (r * q);
     /* x is finite here (the loop's finite check has found a NaN score already; its sums are then unused) */
     double two_n = mh_as_double(((int64_t)(x == x ? n : 0.0) + 1023) << 52);
