@@ -99,7 +99,8 @@ def test_the_c_local_weights_loop_is_numbas(goldens, name):
     s, vis = _chunk(goldens[name], rows=slice(0, 130))
     a, b = _weights_args(s, vis, seen_keys(vis)), _weights_args(s, vis, seen_keys(vis))
     assert native.call("local_weights_chunk", *a) and kernels.call("local_weights_chunk", *b)
-    assert _rel(b[7], a[7]) <= 1e-14  # the softmax: mh_exp and numba's _exp fused otherwise; the row sum in another order
+    # the softmax: mh_exp and numba's _exp fused otherwise, the row sum in another order
+    assert _rel(b[7], a[7]) <= 1e-14
     for k in (8, 9):  # sums in another order, and Σ_k p_k²t_k² − p_j²t_j² cancels where p_j leads (2.3e-12 seen)
         assert _rel(b[k], a[k]) <= 1e-10
 

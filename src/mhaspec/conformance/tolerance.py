@@ -349,7 +349,8 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
             # variant case takes neither compiled nor in-place loop)
             folded = kernels is not None and sinks is None and compiled.folds_lse(kernels)
 
-            def lse_folded(n: slice, rows: slice, dst: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+            def lse_folded(n: slice, rows: slice, dst: tuple[np.ndarray, np.ndarray, np.ndarray],
+                           buf: Scratch) -> bool:
                 """The weights check of a chunk into ``dst`` by the compiled loop, and its lse check from the
                 operands that loop formed per row (compiled.local_lse); False where it found a value not finite."""
                 s_ = sL[n, rows]
@@ -378,9 +379,11 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
 
             def weights(n: slice, rows: slice, buf: Scratch) -> None:
                 s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if with_lse and folded and lse_folded(n, rows, dst, buf):
+                by_lse_loop = with_lse and folded  # (a chunk it finds not finite: not swept again by the plain one)
+                if by_lse_loop and lse_folded(n, rows, dst, buf):
                     return
-                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
+                if not by_lse_loop and kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s,
+                                                                                      floor, dst, buf):
                     pass
                 elif fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only,
                                                     lse=lse_shared(n, rows) if with_lse else None):
