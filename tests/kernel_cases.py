@@ -16,3 +16,17 @@ CASES = {
         batch=1, tgt_len=600, src_len=700, inputs="shared_kv", seed=5, input_exponent=2,
         mask=MaskSpec(kind="random", density=0.5, fully_masked=((0, 7), (0, 599)))),
 }
+
+
+def counted_calls(monkeypatch, module, names):
+    """(loop, what it returned) of every call of ``module``'s loops ``names`` from now on (monkeypatched)."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+
+        def counted(*args, real=real, name=name):
+            calls.append((name, real(*args)))
+            return calls[-1][1]
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

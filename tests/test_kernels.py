@@ -27,7 +27,7 @@ from mhaspec.conformance.model.vocabulary import Bound
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import DTYPES, STAGES, masks
 
-from .kernel_cases import CASES
+from .kernel_cases import CASES, counted_calls
 
 kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
 
@@ -274,16 +274,7 @@ def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(golde
 
 def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
     """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
-    calls = []
-    for fn in ("local_scores_chunk", "local_outputs_operands"):
-        real = getattr(kernels, fn)
-
-        def counted(*args, real=real, fn=fn):
-            calls.append((fn, real(*args)))
-            return calls[-1][1]
-
-        monkeypatch.setattr(kernels, fn, counted)
-    return calls
+    return counted_calls(monkeypatch, kernels, ("local_scores_chunk", "local_outputs_operands"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

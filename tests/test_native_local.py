@@ -21,7 +21,7 @@ from mhaspec.conformance.model import local, variants
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import CaseSpec, MHAConfig
 
-from .kernel_cases import CASES
+from .kernel_cases import CASES, counted_calls
 
 native = pytest.importorskip("mhaspec.conformance.engine.native", reason="the C library is not built",
                              exc_type=ImportError)
@@ -42,20 +42,6 @@ def _own(golden, stages=OWN, masked=-np.inf):
     if "scores" in own:
         own["scores"][np.broadcast_to(~golden.visible, own["scores"].shape)] = masked
     return own
-
-
-def _counted(monkeypatch, module, names):
-    """(loop, what it returned) of every call of ``module``'s loops ``names`` from now on."""
-    calls = []
-    for name in names:
-        real = getattr(module, name)
-
-        def counted(*args, real=real, name=name):
-            calls.append((name, real(*args)))
-            return calls[-1][1]
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _references(golden, own, dtype, monkeypatch, path):
@@ -151,7 +137,7 @@ def test_a_chunk_with_a_score_that_is_not_finite_says_so(goldens):
 def test_the_c_local_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch):
     golden = goldens[name]
     own = _own(golden)
-    calls = _counted(monkeypatch, native, ("local_weights_lse_chunk", "local_scores_chunk", "local_outputs_operands"))
+    calls = counted_calls(monkeypatch, native, ("local_weights_lse_chunk", "local_scores_chunk", "local_outputs_operands"))
     by_numpy = _references(golden, own, dtype, monkeypatch, "numpy")
     assert calls == []
     by_c = _references(golden, own, dtype, monkeypatch, "native")
@@ -177,7 +163,7 @@ def test_the_folded_lse_check_is_the_numpy_ones_with_and_without_the_weights_sta
                                                                                    monkeypatch):
     golden = goldens["random_mask_blind_rows"]  # fully masked rows: lse −inf, nothing but the floor
     own = _own(golden, ("scores", "lse", *(("attn_weights",) if with_weights else ())))
-    calls = _counted(monkeypatch, native, ("local_weights_lse_chunk", "local_weights_chunk"))
+    calls = counted_calls(monkeypatch, native, ("local_weights_lse_chunk", "local_weights_chunk"))
     (r0, b0), (r1, b1) = (_references(golden, own, "float16", monkeypatch, path)["lse"] for path in ("numpy", "native"))
     assert {name for name, _ in calls} == {"local_weights_lse_chunk"}
     assert np.isneginf(r0).any() and _rel(r0, r1) <= 1e-14
@@ -190,7 +176,7 @@ def test_a_chunk_with_a_nan_score_takes_the_numpy_path_for_the_weights_and_the_l
     golden = goldens["self_causal"]
     own = _own(golden, ("scores", "attn_weights", "lse"))
     own["scores"][1, 2, 40, 3] = np.nan
-    calls = _counted(monkeypatch, native, ("local_weights_lse_chunk",))
+    calls = counted_calls(monkeypatch, native, ("local_weights_lse_chunk",))
     by_numpy = _references(golden, own, "float32", monkeypatch, "numpy")
     by_c = _references(golden, own, "float32", monkeypatch, "native")
     assert {ok for _, ok in calls} == {False, True}  # that chunk fell back, the others did not
@@ -210,7 +196,7 @@ def test_a_case_with_sinks_keeps_the_general_lse_path(monkeypatch):
                     batch=1, tgt_len=40, src_len=40, inputs="self", seed=9)
     golden = golden_case(spec)
     own = _own(golden, ("scores", "lse", "attn_weights"))
-    calls = _counted(monkeypatch, native, ("local_weights_lse_chunk", "local_weights_chunk"))
+    calls = counted_calls(monkeypatch, native, ("local_weights_lse_chunk", "local_weights_chunk"))
     (r0, b0), (r1, b1) = (_references(golden, own, "float32", monkeypatch, path)["lse"] for path in ("numpy", "native"))
     assert calls == []
     assert np.array_equal(r0, r1) and np.array_equal(b0.sigma, b1.sigma) and np.array_equal(b0.worst, b1.worst)
