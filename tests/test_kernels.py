@@ -25,11 +25,24 @@ from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import softmax
 from mhaspec.conformance.model.vocabulary import Bound
 from mhaspec.reference.onthefly import golden_case
-from mhaspec.spec import DTYPES, STAGES, masks
-
-from .kernel_cases import CASES, counted_calls
+from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig, masks
+from mhaspec.spec.case import MaskSpec
 
 kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
+
+CASES = {
+    # above 2^19 elements (the threshold lowered here); masks with fully masked rows, GQA, T != S
+    "self_causal": CaseSpec(id="k_self", config=MHAConfig(d_model=32, num_heads=4, causal=True),
+                            batch=2, tgt_len=300, src_len=300, inputs="self", seed=3),
+    "cross_gqa_padding": CaseSpec(
+        id="k_cross", config=MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, kdim=20, vdim=12),
+        batch=2, tgt_len=130, src_len=520, inputs="distinct", seed=4,
+        mask=MaskSpec(kind="key_padding", lengths=(520, 311))),
+    "random_mask_blind_rows": CaseSpec(
+        id="k_random", config=MHAConfig(d_model=16, num_heads=2, bias=False),
+        batch=1, tgt_len=600, src_len=700, inputs="shared_kv", seed=5, input_exponent=2,
+        mask=MaskSpec(kind="random", density=0.5, fully_masked=((0, 7), (0, 599)))),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -274,7 +287,16 @@ def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(golde
 
 def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
     """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
-    return counted_calls(monkeypatch, kernels, ("local_scores_chunk", "local_outputs_operands"))
+    calls = []
+    for fn in ("local_scores_chunk", "local_outputs_operands"):
+        real = getattr(kernels, fn)
+
+        def counted(*args, real=real, fn=fn):
+            calls.append((fn, real(*args)))
+            return calls[-1][1]
+
+        monkeypatch.setattr(kernels, fn, counted)
+    return calls
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
