@@ -345,16 +345,45 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
                     ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
                 return into
 
+            # the compiled weights loop forms each row's lse operands from its own work (no sinks here: a
+            # variant case takes neither compiled nor in-place loop)
+            folded = kernels is not None and sinks is None and compiled.folds_lse(kernels)
+
+            def lse_folded(n: slice, rows: slice, dst: tuple[np.ndarray, np.ndarray, np.ndarray],
+                           buf: Scratch) -> bool:
+                """The weights check of a chunk into ``dst`` by the compiled loop, and its lse check from the
+                operands that loop formed per row (compiled.local_lse); False where it found a value not finite."""
+                s_ = sL[n, rows]
+                parts = buf("k_lse", (*s_.shape[:-1], compiled.LSE_PARTS))
+                if not compiled.local_weights(kernels, s_, visN[n, rows], u, ua, a_s, floor, dst, buf, parts):
+                    return False
+                ref_c, e_c = compiled.local_lse(parts, a_s, r)
+                b_c = local_rules.local_bound(e_c, r, False)
+                ref_l[n, rows], sig_l[n, rows], wor_l[n, rows] = ref_c, b_c.sigma, b_c.worst
+                return True
+
+            def lse_alone(n: slice, rows: slice, buf: Scratch) -> None:
+                """The lse check of a chunk where the weights stage is not checked: by the compiled weights loop
+                where it folds it (its weights into scratch), else :func:`lses`."""
+                shape = sL[n, rows].shape
+                if folded and lse_folded(n, rows, tuple(buf(f"k_lse_{x}", shape) for x in ("ref", "sig", "wor")), buf):
+                    return
+                lses(n, rows, buf)
+
         def softmax_pass(scores_: np.ndarray, with_lse: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             """The softmax of ``scores_`` (B, H, T, S) and its own rounding bound (sigma, worst); ``with_lse``
-            (the adapter's own scores): the local lse check too, from the same work where the in-place path takes
-            the chunk."""
+            (the adapter's own scores): the local lse check too, from the same work where the in-place path or
+            the C library's compiled loop takes the chunk."""
             sO = scores_.reshape(N, T, S)
             ref, sig, wor = np.empty((N, T, S)), np.empty((N, T, S)), np.empty((N, T, S))
 
             def weights(n: slice, rows: slice, buf: Scratch) -> None:
                 s_, vis, dst = sO[n, rows], visN[n, rows], (ref[n, rows], sig[n, rows], wor[n, rows])
-                if kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s, floor, dst, buf):
+                by_lse_loop = with_lse and folded  # (a chunk it finds not finite: not swept again by the plain one)
+                if by_lse_loop and lse_folded(n, rows, dst, buf):
+                    return
+                if not by_lse_loop and kernels is not None and compiled.local_weights(kernels, s_, vis, u, ua, a_s,
+                                                                                      floor, dst, buf):
                     pass
                 elif fast and inplace.local_weights(s_, vis, u, ua, a_s, floor, dst, buf, seen_only,
                                                     lse=lse_shared(n, rows) if with_lse else None):
@@ -372,7 +401,7 @@ def local_references(golden: GoldenCase, own: Mapping[str, np.ndarray], dtype: s
         if has(*LOCAL_INPUTS[STAGE.attn_weights]):  # with the lse check where it is asked (the same scores)
             weights_local = softmax_pass(own[STAGE.scores], with_lse=lse_in)
         elif lse_in:
-            each(lses)
+            each(lse_alone)
         if lse_in:
             out[STAGE.lse] = ref_l.reshape(B, H, T), Bound(sig_l.reshape(B, H, T), wor_l.reshape(B, H, T))
         if weights_local is not None:

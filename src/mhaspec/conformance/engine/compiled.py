@@ -19,9 +19,10 @@ import numpy as np
 from ...fixtures import GoldenCase
 from .. import judging
 from ..compare import Scratch
+from ..model import variants
 from ..model.forward import AttentionConstants
 from ...spec.masks import seen_keys
-from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, gamma, stored, swap
+from ..model.vocabulary import U32, U64, Acc, Bound, Error, Pair, Rounding, gamma, stored, swap
 from . import inplace
 
 
@@ -173,12 +174,39 @@ def local_scores(kernels: Any, q: np.ndarray, K: np.ndarray, K2: Pair, aK: Pair,
 
 
 def local_weights(kernels: Any, s: np.ndarray, vis: np.ndarray, u: float, ua: float, a_s: Acc, floor: float,
-                  out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch) -> bool:
+                  out: tuple[np.ndarray, np.ndarray, np.ndarray], buf: Scratch,
+                  lse_rows: np.ndarray | None = None) -> bool:
     """:func:`.inplace.local_weights` by the compiled loop (:func:`.kernels.local_weights_chunk`), over the
-    keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`; later keys: a masked key's 0)."""
+    keys the chunk's rows see (:func:`~mhaspec.spec.masks.seen_keys`; later keys: a masked key's 0);
+    ``lse_rows`` ((heads, rows, :data:`LSE_PARTS`), where :func:`folds_lse`): each row's local lse operands too,
+    from the same work (:func:`local_lse`)."""
     ref, sig, wor = out
-    return run(kernels, "local_weights_chunk", s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor,
-               buf("k_rows", (8, s.shape[-1])), seen_keys(vis))
+    args = (s, vis, u**2, ua, a_s.worst, a_s.sigma, floor, ref, sig, wor, buf("k_rows", (8, s.shape[-1])),
+            seen_keys(vis))
+    if lse_rows is None:
+        return run(kernels, "local_weights_chunk", *args)
+    return run(kernels, "local_weights_lse_chunk", *args, lse_rows)
+
+
+#: What the compiled weights loop writes per row for the local lse check (csrc/local.c): the peak, Σ e^{s−peak},
+#: Σ p·τ, Σ p·(e^τ − 1), Σ p·(e^{−τ} − 1), Σ p²·T_s², max|s| over the visible keys.
+LSE_PARTS = 7
+
+
+def folds_lse(kernels: Any) -> bool:
+    """Whether ``kernels``' weights loop also forms the local lse check's operands (the C library's does:
+    the lse then costs no second softmax; numba's does not, and its path computes it by NumPy)."""
+    return getattr(kernels, "local_weights_lse_chunk", None) is not None
+
+
+def local_lse(rows: np.ndarray, a_s: Acc, r: Rounding) -> tuple[np.ndarray, Error]:
+    """(lse (…, 1), its error) from the compiled weights loop's ``rows`` (…, :data:`LSE_PARTS`), by
+    :func:`~mhaspec.conformance.model.variants.lse`'s own formulas (:func:`~.variants.lse_exact`,
+    :func:`~.variants.lse_error`): lse = peak + log Σ e^{s−peak}, −inf where the row sees no key."""
+    peak, total, first, up, down, pk, row_max = (rows[..., k:k + 1] for k in range(LSE_PARTS))
+    with np.errstate(divide="ignore"):
+        lse_ = np.where(total > 0, peak + np.log(total), -np.inf)
+    return lse_, variants.lse_error(lse_, first, variants.lse_exact(up, down), pk, row_max, a_s, r)
 
 
 def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,

@@ -68,6 +68,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
                         "b1", "b1", "f8/3a", "f8", "f8/3a", "f8", "f8/3w", "f8/3w",
                         "f8/3w", "f8/3w", "f4/3w", "f4/3w", "f8/2w", "f8/2w", "i8"),
     "local_weights_chunk": ("f8/3r", "b1/3a", *("f8",) * 5, "f8/3w", "f8/3w", "f8/3w", "f8/2w", "i8"),
+    # local_weights_chunk, and each row's local lse operands into a last (heads, rows, 7) array (no numba
+    # counterpart: csrc/local.c, compiled.local_weights)
+    "local_weights_lse_chunk": ("f8/3r", "b1/3a", *("f8",) * 5, "f8/3w", "f8/3w", "f8/3w", "f8/2w", "i8", "f8/3w"),
     "local_scores_chunk": ("f8/3w", "f4/3r", "f4/3r", *("f8",) * 6, "f8/3w", "f8/3w", "i8"),
     "local_outputs_operands": ("f8/3r", "f4/3w", "f4/3w"),
     "ordinary_stage": (*("f8/3a",) * 5, "u1/3a", "b1", "b1", "b1"),
@@ -146,6 +149,8 @@ def _kernel(name: str) -> Callable[..., Any]:
 
 attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
 local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
+local_weights_lse_chunk = (_kernel("local_weights_lse_chunk") if hasattr(_LIB, "mh_local_weights_lse_chunk")
+                           else None)
 local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
 local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
 ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None

@@ -253,25 +253,30 @@ def lse_move(p: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(first order Σ_k p_k τ_k, exact bound) of |δlse| when each score moves by at most τ_k: lse' − lse =
     log Σ_k p_k e^{δ_k} (+ the sink's share, δ = 0) lies in [log(1 + Σ p_k (e^{−τ_k} − 1)),
     log(1 + Σ p_k (e^{τ_k} − 1))] (p over the visible keys and the sink sum to 1)."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # log1p(−1): a row that may vanish
+    with np.errstate(over="ignore", invalid="ignore"):
         t = np.minimum(tau, 350.0)
         w = np.expm1(t)  # (two work arrays for every (…, S) term: the same numbers, no temporary per product)
         w *= p
-        up = np.log1p(np.sum(w, axis=-1, keepdims=True))
+        up = np.sum(w, axis=-1, keepdims=True)
         np.expm1(np.negative(t, out=t), out=t)
         t *= p
-        down = -np.log1p(np.sum(t, axis=-1, keepdims=True))
-    return np.sum(np.multiply(p, tau, out=w), axis=-1, keepdims=True), np.fmax(up, down)
+        down = np.sum(t, axis=-1, keepdims=True)
+    return np.sum(np.multiply(p, tau, out=w), axis=-1, keepdims=True), lse_exact(up, down)
 
 
-def lse_own(abs_s: np.ndarray, vis: np.ndarray, lse_: np.ndarray, a_worst: float, u_acc: float,
-            row_max: np.ndarray | None = None) -> np.ndarray:
+def lse_exact(up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """:func:`lse_move`'s exact bound from its sums ``up`` = Σ_k p_k (e^{τ_k} − 1) and ``down`` =
+    Σ_k p_k (e^{−τ_k} − 1) (per row; the compiled weights loop forms them too: csrc/local.c)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # log1p(−1): a row that may vanish
+        return np.fmax(np.log1p(up), -np.log1p(down))
+
+
+def lse_own(row_max: np.ndarray, lse_: np.ndarray, a_worst: float, u_acc: float) -> np.ndarray:
     """The worst-case part of a correct log-sum-exp's own rounding (relative to nothing: lse is a log):
     the sum's accumulation γ_S (0 where it is a standard deviation), exp of each shifted score
     (u_acc·(|s_j| + max|s|), weighted by p_j ≤ 1 in all: ≤ 2u_acc·max|s|), log's FUNCTION_ULPS of
     |lse − max| ≤ |lse| + max|s|, and the maximum added back (u_acc·|lse|).  ``row_max``: max|s| over the
-    visible keys, where the caller has it."""
-    row_max = visible_row_max(abs_s, vis) if row_max is None else row_max
+    visible keys (:func:`~.softmax.visible_row_max`)."""
     fin = np.where(np.isfinite(lse_), np.abs(lse_), 0.0)
     return a_worst + u_acc * ((2 + FUNCTION_ULPS) * row_max + (1 + FUNCTION_ULPS) * fin)
 
@@ -292,13 +297,21 @@ def lse(p: np.ndarray, ts2: np.ndarray, abs_s: np.ndarray, vis: np.ndarray, lse_
         np.copyto(tau, 0.0, where=~vis)
         first, exact = lse_move(p, tau)
         pk = np.sum(np.multiply(np.multiply(p, p, out=tau), ts2, out=tau), axis=-1, keepdims=True)
-        row_max = None
+        row_max = visible_row_max(abs_s, vis)
     else:
         first, exact = lse_move(p, shared.tau)
         pk, row_max = shared.pk, shared.row_max
+    return lse_error(lse_, first, exact, pk, row_max, a_s, r)
+
+
+def lse_error(lse_: np.ndarray, first: np.ndarray, exact: np.ndarray, pk: np.ndarray, row_max: np.ndarray,
+              a_s: Any, r: Rounding) -> Error:
+    """:func:`lse`'s error from its per-row parts: lse itself, :func:`lse_move`'s first order and exact bound,
+    Σ p²·T_s² and max|s| over the visible keys (:func:`lse`'s operands, or the compiled weights loop's:
+    compiled.local_weights)."""
     fin = np.where(np.isfinite(lse_), lse_, 0.0)
     var = pk + a_s.sigma**2 + stored(r.u, fin)
-    acc = lse_own(abs_s, vis, lse_, a_s.worst, r.acc, row_max) + inf_for_nan(np.maximum(exact - first, 0.0))
+    acc = lse_own(row_max, lse_, a_s.worst, r.acc) + inf_for_nan(np.maximum(exact - first, 0.0))
     seen = np.isfinite(lse_)
     return Error(np.where(seen, var, 0.0), np.where(seen, acc, 0.0))
 
@@ -309,7 +322,7 @@ def lse_worst(p: np.ndarray, e_s: np.ndarray, abs_s: np.ndarray, vis: np.ndarray
     its own rounding at full size and the storage; 0 where lse = −inf."""
     _, exact = lse_move(p, np.where(vis, e_s, 0.0))
     fin = np.where(np.isfinite(lse_), np.abs(lse_), 0.0)
-    out = exact + lse_own(abs_s, vis, lse_, a_worst, u) + u * fin
+    out = exact + lse_own(visible_row_max(abs_s, vis), lse_, a_worst, u) + u * fin
     return np.where(np.isfinite(lse_), np.nan_to_num(out, nan=np.inf), 0.0)
 
 

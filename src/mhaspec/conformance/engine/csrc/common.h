@@ -62,12 +62,10 @@ MH_INLINE double mh_max(double a, double b) { return b > a ? b : a; }
 #define MH_LN2_HI 6.93147180369123816490e-01
 #define MH_LN2_LO 1.90821492927058770002e-10
 
-/* exp(x), vectorisable (kernels._exp, term by term): within one ulp of libm's and two of the correctly
- * rounded value, subnormal results included; NaN for NaN, inf above 709.79, 0 below -745.2. */
-MH_INLINE double mh_exp(double x) {
-    x = x != x ? x : mh_min(mh_max(x, -746.0), 710.0);
-    double n = floor(x * MH_LOG2E + 0.5);
-    double r = (x - n * MH_LN2_HI) - n * MH_LN2_LO;
+/* (e^r − 1 − r)/r² by its Taylor series to r^11, Horner's order (kernels._exp's polynomial but for its two
+ * last steps): the part of mh_exp's polynomial that local.c's mh_expm1 shares (|r| <= ln2/2: the
+ * series' remainder is below 2^-57 of e^r and of (e^r − 1)/r). */
+MH_INLINE double mh_exp_tail(double r) {
     double p = 1.0 / 6227020800.0;
     p = 1.0 / 479001600.0 + r * p;
     p = 1.0 / 39916800.0 + r * p;
@@ -79,7 +77,16 @@ MH_INLINE double mh_exp(double x) {
     p = 1.0 / 120.0 + r * p;
     p = 1.0 / 24.0 + r * p;
     p = 1.0 / 6.0 + r * p;
-    p = 0.5 + r * p;
+    return 0.5 + r * p;
+}
+
+/* exp(x), vectorisable (kernels._exp, term by term): within one ulp of libm's and two of the correctly
+ * rounded value, subnormal results included; NaN for NaN, inf above 709.79, 0 below -745.2. */
+MH_INLINE double mh_exp(double x) {
+    x = x != x ? x : mh_min(mh_max(x, -746.0), 710.0);
+    double n = floor(x * MH_LOG2E + 0.5);
+    double r = (x - n * MH_LN2_HI) - n * MH_LN2_LO;
+    double p = mh_exp_tail(r);
     p = 1.0 + r * p;
     p = 1.0 + r * p;
     int64_t k = (int64_t)(x != x ? 0.0 : n);
