@@ -46,6 +46,16 @@ from . import inplace
 #: most 2^15) never take it.
 COMPILED_MIN_ELEMENTS = 30 << 20
 
+#: A case with more elements than this per (B, H, T, S) stage (2^20: H = 8, T = S = 363; the whole case's)
+#: takes the library's loops where it is built (:mod:`.native`).  They cost a process nothing up front but
+#: the library's load (a few ms, ``python benchmarks/bench_compile.py``), and per chunk one ctypes call
+#: (~75 µs, 0.3 ns per element of a 2^18 chunk): the golden bounds' chunks took less thread CPU by the
+#: library than by the NumPy loops at every size measured, 2^9 to 2^17 elements (70–900 ns per element
+#: less, a loaded 2-core machine; benchmarks/results/2026-12-07-s5-attn.md), so there is no break-even
+#: to derive: this threshold keeps the NumPy loops' bit-for-bit bounds for the committed catalog's cases
+#: (at most 2^15) and the tests' (tests/test_blocks.py, test_compare.py, test_second_opinion.py,
+#: test_large_sizes.py, test_tolerance_model.py pass with it; a lower one was not tried), and takes the
+#: library from well below T = S = 1024 (2^23) on.
 NATIVE_MIN_ELEMENTS = 1 << 20
 
 #: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
