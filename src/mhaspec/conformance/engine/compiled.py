@@ -48,7 +48,7 @@ COMPILED_MIN_ELEMENTS = 30 << 20
 
 #: A case with more elements than this per (B, H, T, S) stage (2^20: H = 8, T = S = 363; the whole case's)
 #: takes the library's loops where it is built (:mod:`.native`).  They cost a process nothing up front but
-#: the library's load (a few ms, ``python benchmarks/bench_compile.py``), and per chunk one ctypes call
+#: the library's load (0.6–0.7 ms, ``python benchmarks/bench_compile.py``), and per chunk one ctypes call
 #: (~75 µs, 0.3 ns per element of a 2^18 chunk): the golden bounds' chunks took less thread CPU by the
 #: library than by the NumPy loops at every size measured, 2^9 to 2^17 elements (70–900 ns per element
 #: less, a loaded 2-core machine; benchmarks/results/2026-12-07-s5-attn.md), so there is no break-even
