@@ -28,7 +28,14 @@ def test_the_library_is_built_where_it_is_required():
     assert native.attention_chunk is not None
 
 
-native = pytest.importorskip("mhaspec.conformance.engine.native", reason="the compiled library is not built")
+@pytest.fixture(scope="module")
+def native():
+    """The library's loader (a fixture, not a module-level skip: that would skip the required-build check too)."""
+    try:  # not importorskip: the loader raises ImportError (not built, stale), not ModuleNotFoundError
+        from mhaspec.conformance.engine import native as loaded
+    except ImportError as exc:
+        pytest.skip(f"the compiled library is not built ({exc})")
+    return loaded
 
 
 def test_import_mhaspec_loads_neither_the_library_nor_numba():
@@ -38,7 +45,7 @@ def test_import_mhaspec_loads_neither_the_library_nor_numba():
     assert out.strip() == "[]"
 
 
-def test_a_library_built_with_other_constants_is_refused(monkeypatch):
+def test_a_library_built_with_other_constants_is_refused(monkeypatch, native):
     """A stale build (the model's constants changed since): ImportError, so the numba or NumPy loops judge."""
     native._load()  # this build: accepted
     monkeypatch.setattr(native, "EXP_PRODUCT", native.EXP_PRODUCT * 2)
@@ -94,7 +101,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("seen", [37, 20])
 @pytest.mark.parametrize("ext", ["values", "arrays"])
-def test_the_attention_loop_is_numbas_on_the_same_inputs(seen, ext):
+def test_the_attention_loop_is_numbas_on_the_same_inputs(seen, ext, native):
     """mh_attention_chunk against kernels.attention_chunk, every output, on inputs with masked keys, a
     fully masked row and keys past the last one seen: the tolerances of tests/test_kernels.py (relative
     1e-7 on the (heads, rows, S) bounds; the head outputs' operands too), the same finite flag."""
@@ -122,7 +129,7 @@ def test_the_attention_loop_is_numbas_on_the_same_inputs(seen, ext):
     assert not b["bounds"][2][~vis].any() and not b["bounds"][3][~vis].any()
 
 
-def test_tolerances_alone_are_those_formed_with_the_bounds():
+def test_tolerances_alone_are_those_formed_with_the_bounds(native):
     rng = np.random.default_rng(6)
     s, p, vis, m1, m2, c = _chunk(rng)
     both, alone = _outputs(s.shape, s.shape[-1]), _outputs(s.shape, s.shape[-1])
@@ -132,7 +139,7 @@ def test_tolerances_alone_are_those_formed_with_the_bounds():
     assert all(np.isnan(x).all() for x in alone["bounds"])  # not written
 
 
-def test_a_value_that_is_not_finite_is_reported():
+def test_a_value_that_is_not_finite_is_reported(native):
     rng = np.random.default_rng(7)
     s, p, vis, m1, m2, c = _chunk(rng)
     assert _call(native, s, p, vis, m1, m2, c, _outputs(s.shape, s.shape[-1]))
@@ -142,7 +149,7 @@ def test_a_value_that_is_not_finite_is_reported():
         assert not _call(native, s2, p, vis, m1, m2, c, _outputs(s.shape, s.shape[-1]))
 
 
-def test_a_read_array_of_other_strides_is_copied_and_gives_the_same_numbers():
+def test_a_read_array_of_other_strides_is_copied_and_gives_the_same_numbers(native):
     """m1, m2 (read row by row) as views with a non-unit last stride, the visibility broadcast: copied or
     read with their strides, the same outputs bit for bit as from contiguous arrays."""
     rng = np.random.default_rng(8)
@@ -159,7 +166,7 @@ def test_a_read_array_of_other_strides_is_copied_and_gives_the_same_numbers():
 
 
 @pytest.mark.parametrize("spoil", ["dtype", "strides", "readonly", "ndim"])
-def test_a_written_array_the_loop_cannot_write_is_refused(spoil):
+def test_a_written_array_the_loop_cannot_write_is_refused(spoil, native):
     """A written array of another dtype, with a non-unit last stride, read-only, or of other axes:
     NativeError (compiled.call then warns and takes the NumPy loops), never a write elsewhere."""
     rng = np.random.default_rng(9)
@@ -178,7 +185,7 @@ def test_a_written_array_the_loop_cannot_write_is_refused(spoil):
         _call(native, s, p, vis, m1, m2, c, out)
 
 
-def test_a_call_with_other_arguments_is_refused():
+def test_a_call_with_other_arguments_is_refused(native):
     with pytest.raises(native.NativeError, match="arguments"):
         native.call("attention_chunk", np.zeros((1, 1, 1)))
     missing = [name for name in native.SIGNATURES if getattr(native, name) is None]
