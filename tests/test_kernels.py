@@ -1,4 +1,5 @@
-"""The compiled chunk loop (numba, the ``fast`` extra) gives the NumPy loop's bounds.
+"""The compiled chunk loops (the library built at install time, engine/native.py, and numba's, the
+``fast`` extra: each check below runs on each of them that is there) give the NumPy loop's bounds.
 
 Both compute the same formulas; they differ in the order of the bounds' own float64
 roundings (row sums), in the exponentials (the loops' own, vectorisable, within EXP_ULPS like
@@ -16,6 +17,9 @@ bounds here, 1.5e-6 in the head outputs'), a difference of the BLAS, not of the 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import sys
 
 import numpy as np
 import pytest
@@ -28,7 +32,33 @@ from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig, masks
 from mhaspec.spec.case import MaskSpec
 
-kernels = pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
+#: The compiled loops' implementations here (their module in mhaspec.conformance.engine): numba's where it
+#: is installed, the library's where it is built; found without importing either (a module imported at
+#: collection would be "loaded" for every other test of the session: compiled.loaded_kernels).
+IMPLEMENTATIONS = {name: module for name, module, needs in (("numba", "kernels", "numba"),
+                                                            ("native", "native", "mhaspec.conformance.engine._loops"))
+                   if importlib.util.find_spec(needs) is not None}
+if not IMPLEMENTATIONS:
+    pytest.skip("neither numba (the fast extra) nor the compiled library is installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=sorted(IMPLEMENTATIONS))
+def kernels(request):
+    """Each implementation of the compiled loops (a module with kernels.py's loops and ``call``)."""
+    return importlib.import_module(f"mhaspec.conformance.engine.{IMPLEMENTATIONS[request.param]}")
+
+
+@pytest.fixture
+def numba_kernels():
+    """numba's loops, for what only they have (declared signatures, conversions)."""
+    return pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
+
+
+def _needs(kernels, *loops):
+    """Skips where the implementation lacks one of ``loops`` (a library built before it was ported)."""
+    missing = [name for name in loops if getattr(kernels, name) is None]
+    if missing:
+        pytest.skip(f"{kernels.__name__} has no {', '.join(missing)}")
 
 CASES = {
     # above 2^19 elements (the threshold lowered here); masks with fully masked rows, GQA, T != S
@@ -46,10 +76,18 @@ CASES = {
 
 
 @pytest.fixture(autouse=True)
-def _compiled_from_smaller_cases(monkeypatch):
-    """The cases here are smaller than the compiled loop's threshold (cases that pay back its
-    compilation): lowered, so that they take it, fast."""
+def _compiled_from_smaller_cases(request, monkeypatch):
+    """The cases here are smaller than the compiled loops' thresholds (cases that pay back numba's
+    compilation): lowered, so that they take them, fast.  A test of numba's loops runs as where the
+    library is not built (the library would take the case first)."""
     monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 19)
+    monkeypatch.setattr(compiled, "NATIVE_MIN_ELEMENTS", 1 << 19)
+    monkeypatch.delenv(compiled.LOOPS_ENV, raising=False)
+    numba = "numba_kernels" in request.fixturenames or (
+        "kernels" in request.fixturenames and compiled._name(request.getfixturevalue("kernels")) == "numba")
+    if numba:
+        monkeypatch.setattr(compiled, "_native", lambda: None)
+        monkeypatch.delitem(sys.modules, "mhaspec.conformance.engine.native", raising=False)  # loaded_kernels
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +109,10 @@ def _both(golden, dtype, monkeypatch):
     # both loops on the same chunks: a BLAS may sum a float32 bound product of another chunk height in
     # another order (OpenBLAS does on AVX-512 CPUs), a last-bit difference that is not the loops' own
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     numpy_loop = tol.judging_bounds(golden, dtype)
     assert calls == []
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     compiled_loop = tol.judging_bounds(golden, dtype)
     return numpy_loop, compiled_loop, calls
 
@@ -95,7 +133,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, name, dtype, monkeypatch):
+def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, name, dtype, kernels, monkeypatch):
     golden = goldens[name]
     (b0, t0), (b1, t1), calls = _both(golden, dtype, monkeypatch)
     assert calls and all(calls), "the compiled loop must have judged every chunk"
@@ -119,7 +157,7 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
 
 
 @pytest.mark.parametrize("numba", ["on", "off"])
-def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, numba, monkeypatch):
+def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, numba, kernels, monkeypatch):
     """The golden lse's bound, formed chunk by chunk from each chunk's score bounds, and the local lse's,
     chunk by chunk from the adapter's own scores: every term is per row, so the numbers of the whole
     stage at once (variants.spec11_lse, variants.local_lse), bit for bit."""
@@ -141,16 +179,16 @@ def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, 
     assert np.array_equal(bound.worst, bound_w.worst.reshape(B, H, T))
 
 
-def test_tolerances_alone_are_those_formed_with_the_bounds(goldens, monkeypatch):
+def test_tolerances_alone_are_those_formed_with_the_bounds(goldens, kernels, monkeypatch):
     golden = goldens["cross_gqa_padding"]
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     _, with_bounds = tol.judging_bounds(golden, "bfloat16")
     alone = tol.stage_tolerances(golden, "bfloat16", reference_error=True)
     for stage, t in with_bounds.items():
         assert np.array_equal(t, alone[stage]), stage
 
 
-def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, monkeypatch):
+def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, kernels, monkeypatch):
     golden = goldens["self_causal"]
     s = golden.stages["scores"].copy()
     s[0, 1, 200, 3] = np.inf  # an adapter's wild value, as a local check or a deviation bound may see
@@ -164,15 +202,32 @@ def test_a_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens,
         assert _rel(t0[stage], t1[stage]) <= 1e-6, stage
 
 
-def test_small_cases_and_the_switch_keep_the_numpy_loop(monkeypatch):
+def test_small_cases_and_the_switch_keep_the_numpy_loop(kernels, monkeypatch):
+    monkeypatch.undo()  # the thresholds as shipped
+    if compiled._name(kernels) == "numba":
+        monkeypatch.setattr(compiled, "_native", lambda: None)  # as where the library is not built
+    monkeypatch.delenv(compiled.LOOPS_ENV, raising=False)
     monkeypatch.delenv(tol.NUMBA_ENV, raising=False)
     assert compiled.kernels_for_shape(8, 128, 128) is None  # the committed catalog's sizes: bit-identical bounds
     assert compiled.kernels_for_shape(8, 2048, 2048) is kernels
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
-    assert compiled.kernels_for_shape(8, 2048, 2048) is None
+    for switch, value in ((tol.NUMBA_ENV, "off"), (compiled.LOOPS_ENV, "numpy")):
+        with monkeypatch.context() as m:
+            m.setenv(switch, value)
+            assert compiled.kernels_for_shape(8, 2048, 2048) is None
+    # asked for by name: for every case, whatever its size
+    monkeypatch.setenv(compiled.LOOPS_ENV, compiled._name(kernels))
+    assert compiled.kernels_for_shape(8, 128, 128) is kernels
 
 
-def test_the_exponential_product_stays_above_the_exponential_of_the_sum():
+def test_the_thresholds_keep_the_numpy_loops_where_they_must(monkeypatch):
+    """The library from NATIVE_MIN_ELEMENTS (no compilation: far below numba's threshold), never for
+    the committed catalog's cases (at most 2^15 elements), which keep the NumPy loops' bounds bit for bit."""
+    monkeypatch.undo()  # the thresholds as shipped
+    assert compiled.NATIVE_MIN_ELEMENTS >= 1 << 15
+    assert compiled.NATIVE_MIN_ELEMENTS < compiled.COMPILED_MIN_ELEMENTS
+
+
+def test_the_exponential_product_stays_above_the_exponential_of_the_sum(kernels):
     """The closed form's exp(ℓ)·(exp(ρ)·EXP_PRODUCT), as the loop forms it (its own exponential),
     against exp(ℓ + ρ) to 40 digits (decimal), over the range the loop uses."""
     import decimal
@@ -185,7 +240,7 @@ def test_the_exponential_product_stays_above_the_exponential_of_the_sum():
         assert decimal.Decimal(got) >= (decimal.Decimal(float(a)) + decimal.Decimal(float(b))).exp(), (a, b)
 
 
-def test_the_compiled_exponential_is_within_the_references_exp_ulps():
+def test_the_compiled_exponential_is_within_the_references_exp_ulps(kernels):
     """The loops' own exponential (vectorisable, unlike libm's) against the correctly rounded exp
     (decimal, 40 digits): within EXP_ULPS, the accuracy the model assumes of numpy's exp
     (mhaspec.reference.fast), over the whole range, subnormal results included."""
@@ -215,7 +270,7 @@ def test_the_compiled_exponential_is_within_the_references_exp_ulps():
     [0.0, 0.0, 0.0],  # a fully masked row
     [2.0**-1074, 1e300, 7.0],
 ])
-def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row):
+def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row, kernels):
     """_others_sum (sum, top) gives Σ_{k≠j} a_k for every key j as model.softmax.others does, which a
     math.fsum over the other keys checks."""
     import math
@@ -233,9 +288,10 @@ def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype, monkeypatch):
+def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype, kernels, monkeypatch):
     """The local attention-weights check from an adapter's own scores (rounded to the dtype; masked
     ones -inf, as many kernels return them): the same reference and bound."""
+    _needs(kernels, "local_weights_chunk")
     golden = goldens[name]
     s = golden.stages["scores"].astype(np.float32).astype(np.float64)
     s[~golden.visible] = -np.inf
@@ -247,46 +303,86 @@ def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype
         return calls[-1]
 
     monkeypatch.setattr(kernels, "local_weights_chunk", counted)
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     ref0, b0 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
     assert calls == []
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     ref1, b1 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
     assert calls and all(calls)
     assert _rel(ref0, ref1) <= 1e-14  # the softmax itself: the exponentials' last bits
     assert _rel(b0.sigma, b1.sigma) <= 1e-7 and _rel(b0.worst, b1.worst) <= 1e-7
 
 
-def test_a_loop_numba_cannot_compile_warns_once_and_leaves_the_numpy_loops(goldens, monkeypatch):
+def test_a_loop_that_cannot_run_warns_once_and_leaves_the_numpy_loops(goldens, kernels, monkeypatch):
+    """A loop numba cannot compile, or the library refuses (native.NativeError): one warning that names
+    the implementation, the NumPy loops' tolerances, and that implementation not tried again."""
     golden = goldens["self_causal"]
     # the NumPy loops on the compiled loop's chunks, as the fallback takes them (see _both)
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     expected = tol.stage_tolerances(golden, "float16", reference_error=True)
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
-    monkeypatch.setattr(compiled, "_COMPILE_FAILED", [])
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
+    monkeypatch.setattr(compiled, "_BROKEN", {})
 
     tries = []
+    if compiled._name(kernels) == "numba":
+        from numba.core.errors import TypingError as error
+
+        message, named = "numba could not compile the tolerance loop .*TypingError", "numba"
+    else:
+        error = kernels.NativeError
+        message, named = r"the compiled loops' library \(.*_loops\) could not run attention_chunk .*NativeError", "library"
 
     def broken(*args):
-        from numba.core.errors import TypingError
-
         tries.append(1)
-        raise TypingError("Failed in nopython mode pipeline (step: nopython frontend)\nmore")
+        raise error("Failed in nopython mode pipeline (step: nopython frontend)\nmore")
 
     monkeypatch.setattr(kernels, "attention_chunk", broken)
-    with pytest.warns(RuntimeWarning, match="numba could not compile the tolerance loop .*TypingError") as caught:
+    with pytest.warns(RuntimeWarning, match=message) as caught:
         got = tol.stage_tolerances(golden, "float16", reference_error=True)
-    assert len([w for w in caught if "numba" in str(w.message)]) == 1
+    assert len([w for w in caught if named in str(w.message)]) == 1
     # once per thread at most (those that started before the first failure), not once per chunk
     assert len(tries) <= min(chunks.threads(), len(chunks.chunks(8, 300, 300, compiled.COMPILED_CHUNK_ELEMENTS)) - 1)
     for stage, t in expected.items():
         assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
-    assert compiled.kernels_for_shape(8, 2048, 2048) is None  # not tried again in this process
+    assert compiled.kernels_for_shape(8, 2048, 2048) is not kernels  # not tried again in this process
 
 
-def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
+def test_a_loop_the_library_lacks_runs_on_numba_or_numpy_alone(goldens, monkeypatch):
+    """A library of an older build without some loop: that loop alone falls back (numba's where the case
+    is large enough for numba, else NumPy's), with one warning; the library's other loops go on."""
+    if "native" not in IMPLEMENTATIONS:
+        pytest.skip("the library is not built")
+    from mhaspec.conformance.engine import native
+
+    golden = goldens["self_causal"]
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
+    expected = tol.stage_tolerances(golden, "float16", reference_error=True)
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
+    monkeypatch.setattr(compiled, "_MISSING", set())
+    monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 30)  # numba: not for this case
+    monkeypatch.setattr(native, "attention_chunk", None)
+    with pytest.warns(RuntimeWarning, match=r"library \(.*_loops\) has no loop attention_chunk") as caught:
+        got = tol.stage_tolerances(golden, "float16", reference_error=True)
+        tol.stage_tolerances(golden, "float16", reference_error=True)
+    assert len([w for w in caught if "has no loop" in str(w.message)]) == 1
+    for stage, t in expected.items():
+        assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
+    assert compiled.kernels_for_shape(8, 2048, 2048) is native  # the library's other loops: still on
+    if "numba" in IMPLEMENTATIONS:  # large enough for numba: that loop runs there
+        kernels = importlib.import_module("mhaspec.conformance.engine.kernels")
+        monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 19)
+        calls = []
+        real = kernels.attention_chunk
+        monkeypatch.setattr(kernels, "attention_chunk", lambda *a: calls.append(1) or real(*a))
+        tol.stage_tolerances(golden, "float16", reference_error=True)
+        assert calls
+
+
+def _local_calls(kernels, monkeypatch) -> list[tuple[str, bool]]:
     """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
+    _needs(kernels, "local_scores_chunk", "local_outputs_operands")
     calls = []
     for fn in ("local_scores_chunk", "local_outputs_operands"):
         real = getattr(kernels, fn)
@@ -301,17 +397,17 @@ def _local_calls(monkeypatch) -> list[tuple[str, bool]]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch):
+def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(goldens, name, dtype, kernels, monkeypatch):
     """The local scores check (from the adapter's own projections) and head-outputs check (from its
     own weights), both rounded to the dtype: the same references and bounds, every chunk compiled."""
     golden = goldens[name]
     own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
            for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
-    calls = _local_calls(monkeypatch)
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    calls = _local_calls(kernels, monkeypatch)
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     numpy_loop = tol.local_references(golden, own, dtype)
     assert calls == []
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     compiled_loop = tol.local_references(golden, own, dtype)
     assert {fn for fn, _ in calls} == {"local_scores_chunk", "local_outputs_operands"} and all(ok for _, ok in calls)
     assert set(numpy_loop) == set(compiled_loop) >= {"scores", "head_outputs"}
@@ -326,15 +422,15 @@ def test_the_compiled_local_scores_and_head_outputs_checks_are_the_numpy_ones(go
         assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= worst, stage
 
 
-def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, monkeypatch):
+def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(goldens, kernels, monkeypatch):
     golden = goldens["self_causal"]
     own = {stage: golden.stages[stage].copy() for stage in ("q_proj", "k_proj", "v_proj", "attn_weights")}
     own["q_proj"][0, 5, 3] = np.inf
     own["attn_weights"][1, 2, 7, 9] = np.nan
-    calls = _local_calls(monkeypatch)
-    monkeypatch.setenv(tol.NUMBA_ENV, "off")
+    calls = _local_calls(kernels, monkeypatch)
+    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     numpy_loop = tol.local_references(golden, own, "float16")
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     compiled_loop = tol.local_references(golden, own, "float16")
     for fn in ("local_scores_chunk", "local_outputs_operands"):  # that chunk fell back, the others did not
         assert {ok for f, ok in calls if f == fn} == {False, True}, fn
@@ -346,7 +442,7 @@ def test_a_local_chunk_with_a_value_that_is_not_finite_takes_the_general_path(go
         assert _rel(b0.sigma, b1.sigma) <= 1e-12 and _rel(b0.worst, b1.worst) <= 1e-12, stage  # in both alike
 
 
-def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(goldens, monkeypatch):
+def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(goldens, kernels, monkeypatch):
     """judge_in_blocks splits a large case into blocks of query rows below the compiled loop's
     threshold; the loop is chosen by the whole case's size (what pays back its compilation), so
     every block takes it, and the verdicts are those of the case judged at once."""
@@ -366,7 +462,7 @@ def test_a_case_judged_in_blocks_takes_the_compiled_loop_by_its_whole_size(golde
     monkeypatch.setattr(compiled, "attention_chunk", counted)
     seen: list[int] = []  # the keys each chunk's rows see (spec.masks.seen_keys): where the loop stops
     monkeypatch.setattr(compiled, "seen_keys", lambda vis: seen.append(masks.seen_keys(vis)) or seen[-1])
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     session = Session("numpy", golden=OnTheFlyGolden(Catalog([CASES["self_causal"]])), timeout=None, isolate=False)
     returned = {name: golden.stages[name].astype(np.float32).astype(np.float64) for name in STAGES}
 
@@ -394,6 +490,7 @@ def _both_paths(monkeypatch, *args, **kwargs):
     """compare_stage by the compiled sweep (the loops loaded) and by NumPy (switched off)."""
     from mhaspec.conformance import compare
 
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     swept = compare.compare_stage(*args, **kwargs)
     with monkeypatch.context() as m:
         m.setattr(compiled, "loaded_kernels", lambda: None)
@@ -402,11 +499,13 @@ def _both_paths(monkeypatch, *args, **kwargs):
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 64, 1024), (1, 300, 512), (2, 4, 33, 257)])
-def test_the_compiled_comparison_gives_the_numpy_figures(shape, monkeypatch):
+def test_the_compiled_comparison_gives_the_numpy_figures(shape, kernels, monkeypatch):
     """compare_stage on a large float32/float64 stage, by the compiled sweep and by NumPy: the same
     result field for field (the root mean square to rounding: its sum is in another order), on a
     strided block, masked like scores (visible) and like attention weights (tolerance 0, exactly 0),
     and where a stage fails (NaN, above its tolerance, not a float32 value, systematic)."""
+    _needs(kernels, "ordinary_stage")
+    assert compiled.loaded_kernels() is kernels
     rng = np.random.default_rng(7)
     whole = rng.standard_normal((shape[0], shape[1], 2 * shape[2], *shape[3:]))
     g = whole[:, :, ::2]  # a strided view, as a block of query rows is
@@ -439,13 +538,15 @@ def test_the_compiled_comparison_gives_the_numpy_figures(shape, monkeypatch):
     assert verdicts == {"pass", "fail"}
 
 
-def test_every_kernel_call_of_a_judged_case_converts_to_the_kernels_declared_signature(goldens, monkeypatch):
+def test_every_kernel_call_of_a_judged_case_converts_to_the_kernels_declared_signature(goldens, numba_kernels,
+                                                                                         monkeypatch):
     """The golden bounds and tolerances, the local references and the comparison of a case, in every
     dtype: each kernel call's argument types convert to the kernel's one declared signature
     (kernels.SIGNATURES), so that numba compiles each kernel, and each helper it calls, once per
     process (lazily typed, _emit and ordinary_stage compiled twice in a float32 run)."""
     from mhaspec.conformance import compare
 
+    kernels = numba_kernels
     seen: list[tuple[str, bool]] = []
     real = kernels.call
 
@@ -454,7 +555,7 @@ def test_every_kernel_call_of_a_judged_case_converts_to_the_kernels_declared_sig
         return real(name, *args)
 
     monkeypatch.setattr(kernels, "call", recorded)
-    monkeypatch.setenv(tol.NUMBA_ENV, "on")
+    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     golden = goldens["self_causal"]
     scores = golden.stages["scores"].astype(np.float32).astype(np.float64)
     own = {stage: golden.stages[stage].astype(np.float32).astype(np.float64)
@@ -470,9 +571,10 @@ def test_every_kernel_call_of_a_judged_case_converts_to_the_kernels_declared_sig
     assert all(converts for _, converts in seen), sorted({name for name, converts in seen if not converts})
 
 
-def test_arguments_that_do_not_convert_to_the_declared_signature_compile_their_own_types():
+def test_arguments_that_do_not_convert_to_the_declared_signature_compile_their_own_types(numba_kernels):
     """A view of other strides where the declared signature says contiguous (an adapter's array, say):
     numba compiles the arguments' own types once, and the loop gives the same numbers."""
+    kernels = numba_kernels
     rng = np.random.default_rng(11)
     whole = rng.standard_normal((2, 5, 34))
     strided = whole[:, :, ::2]

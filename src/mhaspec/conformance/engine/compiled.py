@@ -1,15 +1,22 @@
-"""The compiled path of the chunk loops (optional: numba, the ``fast`` extra): which cases take it,
-and the calls into its loops (:mod:`.kernels`), the model's rules by the same formulas.
+"""The compiled path of the chunk loops: which cases take it, with which implementation, and the
+calls into its loops, the model's rules by the same formulas.
 
-A case of more than :data:`COMPILED_MIN_ELEMENTS` per (B, H, T, S) stage, with numba installed
-and not switched off (:data:`NUMBA_ENV`), takes it (:func:`kernels_for`); each function here
-returns False where a value is not finite, or where numba cannot compile a loop (:func:`run`:
-it warns once, and the process goes on with the NumPy loops).  The products stay in BLAS.
+Two implementations of the same loops (:mod:`.kernels`' names and arguments): the library built at
+install time (:mod:`.native`, C, ``csrc/``; no cost in the process but its load) and numba's
+(:mod:`.kernels`, the ``fast`` extra; compiled in every process, ~4 s).  A case of more than
+:data:`NATIVE_MIN_ELEMENTS` per (B, H, T, S) stage takes the library where it loads; else one of more
+than :data:`COMPILED_MIN_ELEMENTS` takes numba where it is installed; else the NumPy loops
+(:func:`kernels_for_shape`; :data:`LOOPS_ENV` chooses otherwise).  Each function here returns False
+where a value is not finite, or where the loop cannot run (:func:`run`: numba cannot compile it, the
+library refuses its arguments: it warns once, and the process goes on without that implementation);
+a loop the library lacks (an older build) runs on numba where the case is large enough for it, else on
+NumPy.  The products stay in BLAS.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
@@ -27,8 +34,9 @@ from . import inplace
 
 
 #: A case with more elements than this per (B, H, T, S) stage (30·2^20 ≈ 2^24.9, H = 8, T = S = 1983;
-#: the whole case's, also where it is judged in blocks of query rows) takes the compiled chunk loops
-#: when numba is installed (:func:`kernels_for`).  Numba compiles them once per process: 4.1–4.3 s
+#: the whole case's, also where it is judged in blocks of query rows) takes the numba loops where the
+#: library (:data:`NATIVE_MIN_ELEMENTS`) is not built and numba is installed (:func:`kernels_for`).
+#: Numba compiles them once per process: 4.1–4.3 s
 #: of CPU with its import (``python benchmarks/bench_compile.py``).  Against the NumPy loops they save,
 #: in a float32 run, 1.1–1.4·10^-7 s of CPU per element at T = S = 1024, H = 8 (2^23; the runner's CPU:
 #: 3.65 s with the NumPy loops, 6.8 s compiled, compilation included) and 0.93–1.02·10^-7 at
@@ -39,18 +47,57 @@ from . import inplace
 #: most 2^15) never take it.
 COMPILED_MIN_ELEMENTS = 30 << 20
 
+#: A case with more elements than this per (B, H, T, S) stage (2^20: H = 8, T = S = 363; the whole case's)
+#: takes the library's loops where it is built (:mod:`.native`).  They cost a process nothing up front but
+#: the library's load (0.6–0.7 ms, ``python benchmarks/bench_compile.py``), and per chunk one ctypes call
+#: (~75 µs, 0.3 ns per element of a 2^18 chunk): the golden bounds' chunks took less thread CPU by the
+#: library than by the NumPy loops at every size measured, 2^9 to 2^17 elements (70–900 ns per element
+#: less, a loaded 2-core machine; benchmarks/results/2026-12-07-s5-attn.md), so there is no break-even
+#: to derive: this threshold keeps the NumPy loops' bit-for-bit bounds for the committed catalog's cases
+#: (at most 2^15) and the tests' (tests/test_blocks.py, test_compare.py, test_second_opinion.py,
+#: test_large_sizes.py, test_tolerance_model.py pass with it; a lower one was not tried), and takes the
+#: library from well below T = S = 1024 (2^23) on.
+NATIVE_MIN_ELEMENTS = 1 << 20
+
 #: Elements of a chunk of the compiled loop: it sweeps each row a few times in the L1 cache
 #: whatever the chunk's size, and larger chunks make larger, faster products (2^16: 1.10 s,
 #: 2^18: 0.86 s for the golden tolerances at T = S = 2048, docs/tolerances.md).
 COMPILED_CHUNK_ELEMENTS = 1 << 18
 
-#: ``MHASPEC_NUMBA=off`` (or ``0``, ``no``, ``false``): the NumPy chunk loops even where numba is installed.
+#: ``MHASPEC_LOOPS``: ``auto`` (the default: by the thresholds above), ``numpy`` (the NumPy loops
+#: only), ``native`` or ``numba`` (that implementation for every case, whatever its size: for
+#: measurements and tests; a loop it cannot run falls back as in ``auto``).
+LOOPS_ENV = "MHASPEC_LOOPS"
+LOOPS = ("auto", "numpy", "numba", "native")
+
+#: ``MHASPEC_NUMBA=off`` (or ``0``, ``no``, ``false``): the NumPy chunk loops, no compiled ones at all
+#: (``MHASPEC_LOOPS=numpy``, which it overrides; its spelling from before the library).
 NUMBA_ENV = "MHASPEC_NUMBA"
+_OFF = {"0", "off", "no", "false", "none"}
 
-
-#: The first compilation error of the compiled loops in this process (they are not tried again).
-_COMPILE_FAILED: list[str] = []
+#: The implementations that failed in this process (their name: the first error); not tried again.
+_BROKEN: dict[str, str] = {}
 _COMPILE_LOCK = threading.Lock()
+#: The loops the library lacks that were called (each warned once).
+_MISSING: set[str] = set()
+#: The numba loops (or None) for a loop the library lacks, as the case last sized by
+#: :func:`kernels_for_shape` would take them without the library.
+_FALLBACK: list[Any] = [None]
+
+
+def loops_mode() -> str:
+    """The implementation asked for (:data:`LOOPS_ENV`, :data:`NUMBA_ENV`): one of :data:`LOOPS`."""
+    if os.environ.get(NUMBA_ENV, "").strip().lower() in _OFF:
+        return "numpy"
+    mode = os.environ.get(LOOPS_ENV, "").strip().lower() or "auto"
+    if mode not in LOOPS:
+        raise ValueError(f"{LOOPS_ENV}={mode!r}: not one of {', '.join(LOOPS)}")
+    return mode
+
+
+def _name(kernels: Any) -> str:
+    """"native" (the library) or "numba" (:mod:`.kernels`)."""
+    return "native" if kernels.__name__.endswith(".native") else "numba"
 
 
 def kernels_for(golden: GoldenCase) -> Any:
@@ -62,11 +109,34 @@ def kernels_for(golden: GoldenCase) -> Any:
 
 
 def kernels_for_shape(N: int, T: int, S: int) -> Any:
-    """The compiled chunk loops (:mod:`.kernels`) for a (N, T, S) case, or None: a small case, numba
-    not installed (the ``fast`` extra), switched off by :data:`NUMBA_ENV`, or failed to compile."""
-    if N * T * S <= COMPILED_MIN_ELEMENTS or _COMPILE_FAILED:
+    """The compiled chunk loops for a (N, T, S) case: the library (:mod:`.native`) above
+    :data:`NATIVE_MIN_ELEMENTS` where it loads, else numba's (:mod:`.kernels`) above
+    :data:`COMPILED_MIN_ELEMENTS` where it is installed; None (the NumPy loops): a small case, neither
+    there, switched off (:data:`LOOPS_ENV`, :data:`NUMBA_ENV`), or failed."""
+    mode = loops_mode()
+    numba = _numba(mode, N * T * S)
+    if mode in ("auto", "native") and (mode == "native" or N * T * S > NATIVE_MIN_ELEMENTS):
+        native = _native()
+        if native is not None:
+            _FALLBACK[0] = numba  # for a loop the library lacks
+            return native
+    return numba
+
+
+def _native() -> Any:
+    """The library's loops (:mod:`.native`), or None: not built, stale, or failed in this process."""
+    if "native" in _BROKEN:
         return None
-    if os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
+    try:
+        from . import native
+    except ImportError:  # no C compiler at install time (or a stale build): numba or NumPy, same verdicts
+        return None
+    return native
+
+
+def _numba(mode: str, elements: int) -> Any:
+    """numba's loops (:mod:`.kernels`) where ``mode`` and the case's ``elements`` call for them, or None."""
+    if "numba" in _BROKEN or mode == "numpy" or (mode != "numba" and elements <= COMPILED_MIN_ELEMENTS):
         return None
     try:
         from . import kernels
@@ -79,30 +149,50 @@ _DUMMY = np.empty((1, 1, 1))
 
 
 def run(kernels: Any, name: str, *args: Any) -> bool:
-    """``kernels.name(*args)``; False (the caller takes the NumPy loop) where numba cannot compile it,
-    which then warns once and switches the compiled loops off for the rest of the process."""
+    """``kernels.name(*args)``; False (the caller takes the NumPy loop) where the loop cannot run
+    (:func:`call`)."""
     result = call(kernels, name, *args)
     return result is not _FAILED and bool(result)
 
 
-#: What :func:`call` returns where the loop could not be compiled.
+#: What :func:`call` returns where the loop could not run.
 _FAILED = object()
 
 
 def call(kernels: Any, name: str, *args: Any) -> Any:
-    """``kernels.name(*args)``, or :data:`_FAILED` where numba cannot compile it (see :func:`run`)."""
-    if _COMPILE_FAILED:  # an earlier chunk's: numba would try (and fail) to compile it again
+    """``kernels.name(*args)``, or :data:`_FAILED` where it cannot run: numba cannot compile it or the
+    library refuses its arguments (warned once; that implementation is then left for the rest of the
+    process).  A loop the library lacks (an older build; warned once per loop) runs on numba where the
+    case is large enough for numba (:func:`kernels_for_shape`), else :data:`_FAILED` (the NumPy loop)."""
+    impl = _name(kernels)
+    if impl in _BROKEN:  # an earlier chunk's failure: numba would try (and fail) to compile it again
         return _FAILED
+    if impl == "native" and getattr(kernels, name) is None:
+        _missing(kernels, name)
+        fallback = _FALLBACK[0]
+        return _FAILED if fallback is None else call(fallback, name, *args)
     try:
         return kernels.call(name, *args)
     except kernels.ERRORS as exc:
         with _COMPILE_LOCK:
-            if not _COMPILE_FAILED:
-                _COMPILE_FAILED.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
-                warnings.warn(f"mhaspec: numba could not compile the tolerance loop ({_COMPILE_FAILED[0]}); "
-                              f"the NumPy loops are used instead (the same verdicts, slower)", RuntimeWarning,
-                              stacklevel=3)
+            if impl not in _BROKEN:
+                _BROKEN[impl] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                what = (f"numba could not compile the tolerance loop" if impl == "numba" else
+                        f"the compiled loops' library ({kernels.LIBRARY}) could not run {name}")
+                warnings.warn(f"mhaspec: {what} ({_BROKEN[impl]}); the NumPy loops are used instead (the same "
+                              f"verdicts, slower)", RuntimeWarning, stacklevel=3)
         return _FAILED
+
+
+def _missing(native: Any, name: str) -> None:
+    """Warns once that the library has no loop ``name`` (built from an older mhaspec)."""
+    with _COMPILE_LOCK:
+        if name in _MISSING:
+            return
+        _MISSING.add(name)
+    warnings.warn(f"mhaspec: the compiled loops' library ({native.LIBRARY}) has no loop {name} (an older build: "
+                  f"reinstall mhaspec); that loop runs on numba or NumPy (the same verdicts, slower)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair,
@@ -222,15 +312,17 @@ def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pai
 
 
 def loaded_kernels() -> Any:
-    """The compiled loops where a large case has already brought them into this process (numba
-    installed, not switched off, compiled without error), else None: a stage's comparison
-    (:func:`passing_stage`) takes them only then, never importing numba for a small case."""
-    import sys
-
-    if _COMPILE_FAILED or os.environ.get(NUMBA_ENV, "").strip().lower() in {"0", "off", "no", "false", "none"}:
+    """The compiled loops where a large case has already brought them into this process (the library,
+    else numba's; allowed by :data:`LOOPS_ENV`, not failed), else None: a stage's comparison
+    (:func:`passing_stage`) takes them only then, never loading either for a small case."""
+    mode = loops_mode()
+    if mode == "numpy":
         return None
-    return sys.modules.get(f"{__package__}.kernels")
-
+    for impl, module in (("native", "native"), ("numba", "kernels")):
+        loaded = sys.modules.get(f"{__package__}.{module}")
+        if loaded is not None and impl not in _BROKEN and mode in ("auto", impl):
+            return loaded
+    return None
 
 
 def _three_d(a: np.ndarray) -> np.ndarray:

@@ -31,8 +31,9 @@
 #define ARR3(T, a) T *a, int64_t a##_n0, int64_t a##_n1, int64_t a##_n2, int64_t a##_s0, int64_t a##_s1, int64_t a##_s2
 /* A 2-D array argument (work rows, one value per row): pointer, its two lengths, its two strides in elements. */
 #define ARR2(T, a) T *a, int64_t a##_n0, int64_t a##_n1, int64_t a##_s0, int64_t a##_s1
-/* A 3-D argument passed on to a helper that takes it as ARR3. */
+/* A 3-D (2-D) argument passed on to a function that takes it as ARR3 (ARR2). */
 #define ARG3(a) a, a##_n0, a##_n1, a##_n2, a##_s0, a##_s1, a##_s2
+#define ARG2(a) a, a##_n0, a##_n1, a##_s0, a##_s1
 /* Element (h, i, j) of a 3-D argument; ROW3: the pointer to its row (h, i) (unit last stride). */
 #define AT3(a, h, i, j) a[(h) * a##_s0 + (i) * a##_s1 + (j) * a##_s2]
 #define AT2(a, h, i) a[(h) * a##_s0 + (i) * a##_s1]

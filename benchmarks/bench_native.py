@@ -1,0 +1,96 @@
+"""Benchmark: the compiled library's loops (engine/native.py) against numba's and the NumPy loops.
+
+Prints (1) the golden bounds' attention loop alone on one chunk of 2^18 elements (8 heads, 32 rows,
+S = 1024; a causal visibility broadcast over the heads, as in a run, then contiguous), numba's loop and
+the library's, thread CPU per element, alternating; (2) the thread CPU inside the golden bounds' chunk
+functions (the library's path with its float32 products, chunks of 2^18, against the NumPy loops,
+chunks of 2^16; one thread; best of 3 alternating rounds) of a causal d_model 512, H = 8 case by size,
+from which ``compiled.NATIVE_MIN_ELEMENTS`` is judged (benchmarks/results/2026-12-07-s5-attn.md).
+
+    python benchmarks/bench_native.py [--sizes 8,16,32,64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def loop_alone() -> None:
+    from test_native import _call, _chunk, _outputs  # the tests' inputs of one chunk
+
+    from mhaspec.conformance.engine import native
+
+    try:
+        from mhaspec.conformance.engine import kernels
+    except ImportError:
+        kernels = None
+    rng = np.random.default_rng(1)
+    s, p, _, m1, m2, c = _chunk(rng, heads=8, rows=32, S=1024, masked=0.0)
+    causal = np.broadcast_to(np.tril(np.ones((32, 1024), bool), 900)[None], s.shape)
+    for label, vis in (("broadcast visibility", causal), ("contiguous visibility", np.ascontiguousarray(causal))):
+        for impl in [x for x in (kernels, native) if x is not None] * 2:
+            out = _outputs(s.shape, 1024)
+            _call(impl, s, p, vis, m1, m2, c, out, ext=(1e-12, 1e-12))  # numba: compiled here, not timed
+            start = time.thread_time()
+            for _ in range(20):
+                _call(impl, s, p, vis, m1, m2, c, out, ext=(1e-12, 1e-12))
+            spent = (time.thread_time() - start) / 20 / s.size
+            print(f"attention loop, {label}, {'numba' if impl is kernels else 'library'}: {spent * 1e9:.2f} ns/element")
+
+
+def chunk_functions(sizes: list[int]) -> None:
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.engine import chunks, compiled, inplace
+    from mhaspec.reference.onthefly import golden_case
+    from mhaspec.spec import CaseSpec, MHAConfig
+
+    spent = {"native": 0.0, "numpy": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.thread_time() - start
+        return wrapper
+
+    compiled.attention_chunk = timed(compiled.attention_chunk, "native")
+    inplace.attention_chunk = timed(inplace.attention_chunk, "numpy")
+    chunks.MAX_THREADS = 1
+    for L in sizes:
+        spec = CaseSpec(id="t", config=MHAConfig(d_model=512, num_heads=8, causal=True), batch=1, tgt_len=L,
+                        src_len=L, inputs="self", seed=1)
+        golden = golden_case(spec)
+        reps = min(40, max(2, (1 << 23) // (8 * L * L)))
+        best: dict[str, float] = {}
+        for _ in range(3):
+            for mode in ("numpy", "native"):
+                os.environ["MHASPEC_LOOPS"] = mode
+                spent[mode] = 0.0
+                for _ in range(reps):
+                    tol.judging_bounds(golden, "float32")
+                best[mode] = min(best.get(mode, np.inf), spent[mode] / reps)
+        n = 8 * L * L
+        print(f"chunk functions, T = S = {L} (2^{np.log2(n):.0f} elements): NumPy loops {best['numpy'] * 1e3:.3f} ms, "
+              f"library {best['native'] * 1e3:.3f} ms, {(best['numpy'] - best['native']) / n * 1e9:.1f} ns/element less")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8,16,32,64,128")
+    args = parser.parse_args()
+    loop_alone()
+    chunk_functions([int(x) for x in args.sizes.split(",")])
+
+
+if __name__ == "__main__":
+    main()
