@@ -29,8 +29,9 @@ from mhaspec.conformance.engine import chunks, compiled
 from mhaspec.conformance.model import softmax
 from mhaspec.conformance.model.vocabulary import Bound
 from mhaspec.reference.onthefly import golden_case
-from mhaspec.spec import DTYPES, STAGES, CaseSpec, MHAConfig, masks
-from mhaspec.spec.case import MaskSpec
+from mhaspec.spec import DTYPES, STAGES, masks
+
+from .kernel_cases import CASES, counted_calls
 
 #: The compiled loops' implementations here (their module in mhaspec.conformance.engine): numba's where it
 #: is installed, the library's where it is built; found without importing either (a module imported at
@@ -59,21 +60,6 @@ def _needs(kernels, *loops):
     missing = [name for name in loops if getattr(kernels, name) is None]
     if missing:
         pytest.skip(f"{kernels.__name__} has no {', '.join(missing)}")
-
-CASES = {
-    # above 2^19 elements (the threshold lowered here); masks with fully masked rows, GQA, T != S
-    "self_causal": CaseSpec(id="k_self", config=MHAConfig(d_model=32, num_heads=4, causal=True),
-                            batch=2, tgt_len=300, src_len=300, inputs="self", seed=3),
-    "cross_gqa_padding": CaseSpec(
-        id="k_cross", config=MHAConfig(d_model=24, num_heads=4, num_kv_heads=2, kdim=20, vdim=12),
-        batch=2, tgt_len=130, src_len=520, inputs="distinct", seed=4,
-        mask=MaskSpec(kind="key_padding", lengths=(520, 311))),
-    "random_mask_blind_rows": CaseSpec(
-        id="k_random", config=MHAConfig(d_model=16, num_heads=2, bias=False),
-        batch=1, tgt_len=600, src_len=700, inputs="shared_kv", seed=5, input_exponent=2,
-        mask=MaskSpec(kind="random", density=0.5, fully_masked=((0, 7), (0, 599)))),
-}
-
 
 @pytest.fixture(autouse=True)
 def _compiled_from_smaller_cases(request, monkeypatch):
@@ -160,7 +146,8 @@ def test_the_compiled_loop_gives_the_numpy_loops_bounds_and_tolerances(goldens, 
 def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, numba, kernels, monkeypatch):
     """The golden lse's bound, formed chunk by chunk from each chunk's score bounds, and the local lse's,
     chunk by chunk from the adapter's own scores: every term is per row, so the numbers of the whole
-    stage at once (variants.spec11_lse, variants.local_lse), bit for bit."""
+    stage at once (variants.spec11_lse, variants.local_lse), bit for bit; the local one where the library's
+    weights loop forms it, to that loop's closeness."""
     from mhaspec.conformance.model import variants
 
     golden = goldens["cross_gqa_padding"]
@@ -174,6 +161,14 @@ def test_the_lse_bounds_by_chunks_of_rows_are_those_of_the_whole_stage(goldens, 
     B, H, T, S = golden.visible.shape
     ref_w, bound_w = variants.local_lse(own["scores"].reshape(B * H, T, S), golden.visible.reshape(B * H, T, S),
                                         None, r, False)
+    loops = compiled.kernels_for(golden) if numba == "on" else None
+    if loops is not None and compiled.folds_lse(loops):
+        # the library's weights loop formed the local lse's row sums (its own exponentials, its sums' order):
+        # the softmax's and the weights bounds' closeness (tests/test_native_local.py measures it)
+        assert _rel(ref, ref_w.reshape(B, H, T)) <= 1e-14
+        assert _rel(bound.sigma, bound_w.sigma.reshape(B, H, T)) <= 1e-7
+        assert _rel(bound.worst, bound_w.worst.reshape(B, H, T)) <= 1e-7
+        return
     assert np.array_equal(ref, ref_w.reshape(B, H, T))
     assert np.array_equal(bound.sigma, bound_w.sigma.reshape(B, H, T))
     assert np.array_equal(bound.worst, bound_w.worst.reshape(B, H, T))
@@ -295,20 +290,15 @@ def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype
     golden = goldens[name]
     s = golden.stages["scores"].astype(np.float32).astype(np.float64)
     s[~golden.visible] = -np.inf
-    calls = []
-    real = kernels.local_weights_chunk
-
-    def counted(*args):
-        calls.append(real(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(kernels, "local_weights_chunk", counted)
+    # the library's loop that also forms the local lse where the golden has that stage, else the plain one
+    loops = ["local_weights_chunk"] + (["local_weights_lse_chunk"] if compiled.folds_lse(kernels) else [])
+    calls = counted_calls(monkeypatch, kernels, loops)
     monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
     ref0, b0 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
     assert calls == []
     monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
     ref1, b1 = tol.local_references(golden, {"scores": s}, dtype)["attn_weights"]
-    assert calls and all(calls)
+    assert calls and all(ok for _, ok in calls)
     assert _rel(ref0, ref1) <= 1e-14  # the softmax itself: the exponentials' last bits
     assert _rel(b0.sigma, b1.sigma) <= 1e-7 and _rel(b0.worst, b1.worst) <= 1e-7
 
