@@ -55,12 +55,6 @@ def numba_kernels():
     return pytest.importorskip("mhaspec.conformance.engine.kernels", reason="numba (the fast extra) is not installed")
 
 
-def _needs(kernels, *loops):
-    """Skips where the implementation lacks one of ``loops`` (a library built before it was ported)."""
-    missing = [name for name in loops if getattr(kernels, name) is None]
-    if missing:
-        pytest.skip(f"{kernels.__name__} has no {', '.join(missing)}")
-
 @pytest.fixture(autouse=True)
 def _compiled_from_smaller_cases(request, monkeypatch):
     """The cases here are smaller than the compiled loops' thresholds (cases that pay back numba's
@@ -286,7 +280,6 @@ def test_the_others_sum_of_the_exact_bound_needs_no_cancellation(row, kernels):
 def test_the_compiled_local_weights_check_is_the_numpy_ones(goldens, name, dtype, kernels, monkeypatch):
     """The local attention-weights check from an adapter's own scores (rounded to the dtype; masked
     ones -inf, as many kernels return them): the same reference and bound."""
-    _needs(kernels, "local_weights_chunk")
     golden = goldens[name]
     s = golden.stages["scores"].astype(np.float32).astype(np.float64)
     s[~golden.visible] = -np.inf
@@ -338,41 +331,8 @@ def test_a_loop_that_cannot_run_warns_once_and_leaves_the_numpy_loops(goldens, k
     assert compiled.kernels_for_shape(8, 2048, 2048) is not kernels  # not tried again in this process
 
 
-def test_a_loop_the_library_lacks_runs_on_numba_or_numpy_alone(goldens, monkeypatch):
-    """A library of an older build without some loop: that loop alone falls back (numba's where the case
-    is large enough for numba, else NumPy's), with one warning; the library's other loops go on."""
-    if "native" not in IMPLEMENTATIONS:
-        pytest.skip("the library is not built")
-    from mhaspec.conformance.engine import native
-
-    golden = goldens["self_causal"]
-    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", compiled.COMPILED_CHUNK_ELEMENTS)
-    monkeypatch.setenv(compiled.LOOPS_ENV, "numpy")
-    expected = tol.stage_tolerances(golden, "float16", reference_error=True)
-    monkeypatch.setenv(compiled.LOOPS_ENV, "auto")
-    monkeypatch.setattr(compiled, "_MISSING", set())
-    monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 30)  # numba: not for this case
-    monkeypatch.setattr(native, "attention_chunk", None)
-    with pytest.warns(RuntimeWarning, match=r"library \(.*_loops\) has no loop attention_chunk") as caught:
-        got = tol.stage_tolerances(golden, "float16", reference_error=True)
-        tol.stage_tolerances(golden, "float16", reference_error=True)
-    assert len([w for w in caught if "has no loop" in str(w.message)]) == 1
-    for stage, t in expected.items():
-        assert np.array_equal(t, got[stage]), stage  # the NumPy loops' tolerances, bit for bit
-    assert compiled.kernels_for_shape(8, 2048, 2048) is native  # the library's other loops: still on
-    if "numba" in IMPLEMENTATIONS:  # large enough for numba: that loop runs there
-        kernels = importlib.import_module("mhaspec.conformance.engine.kernels")
-        monkeypatch.setattr(compiled, "COMPILED_MIN_ELEMENTS", 1 << 19)
-        calls = []
-        real = kernels.attention_chunk
-        monkeypatch.setattr(kernels, "attention_chunk", lambda *a: calls.append(1) or real(*a))
-        tol.stage_tolerances(golden, "float16", reference_error=True)
-        assert calls
-
-
 def _local_calls(kernels, monkeypatch) -> list[tuple[str, bool]]:
     """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
-    _needs(kernels, "local_scores_chunk", "local_outputs_operands")
     calls = []
     for fn in ("local_scores_chunk", "local_outputs_operands"):
         real = getattr(kernels, fn)
@@ -494,7 +454,6 @@ def test_the_compiled_comparison_gives_the_numpy_figures(shape, kernels, monkeyp
     result field for field (the root mean square to rounding: its sum is in another order), on a
     strided block, masked like scores (visible) and like attention weights (tolerance 0, exactly 0),
     and where a stage fails (NaN, above its tolerance, not a float32 value, systematic)."""
-    _needs(kernels, "ordinary_stage")
     assert compiled.loaded_kernels() is kernels
     rng = np.random.default_rng(7)
     whole = rng.standard_normal((shape[0], shape[1], 2 * shape[2], *shape[3:]))

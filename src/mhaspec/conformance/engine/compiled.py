@@ -8,9 +8,9 @@ install time (:mod:`.native`, C, ``csrc/``; no cost in the process but its load)
 than :data:`COMPILED_MIN_ELEMENTS` takes numba where it is installed; else the NumPy loops
 (:func:`kernels_for_shape`; :data:`LOOPS_ENV` chooses otherwise).  Each function here returns False
 where a value is not finite, or where the loop cannot run (:func:`run`: numba cannot compile it, the
-library refuses its arguments: it warns once, and the process goes on without that implementation);
-a loop the library lacks (an older build) runs on numba where the case is large enough for it, else on
-NumPy.  The products stay in BLAS.
+library refuses its arguments: it warns once, and the process goes on without that implementation); a
+library that lacks a loop (built from another mhaspec) is not loaded at all (:mod:`.native`).  The products
+stay in BLAS.
 """
 
 from __future__ import annotations
@@ -78,11 +78,6 @@ _OFF = {"0", "off", "no", "false", "none"}
 #: The implementations that failed in this process (their name: the first error); not tried again.
 _BROKEN: dict[str, str] = {}
 _COMPILE_LOCK = threading.Lock()
-#: The loops the library lacks that were called (each warned once).
-_MISSING: set[str] = set()
-#: The numba loops (or None) for a loop the library lacks, as the case last sized by
-#: :func:`kernels_for_shape` would take them without the library.
-_FALLBACK: list[Any] = [None]
 
 
 def loops_mode() -> str:
@@ -114,13 +109,11 @@ def kernels_for_shape(N: int, T: int, S: int) -> Any:
     :data:`COMPILED_MIN_ELEMENTS` where it is installed; None (the NumPy loops): a small case, neither
     there, switched off (:data:`LOOPS_ENV`, :data:`NUMBA_ENV`), or failed."""
     mode = loops_mode()
-    numba = _numba(mode, N * T * S)
     if mode in ("auto", "native") and (mode == "native" or N * T * S > NATIVE_MIN_ELEMENTS):
         native = _native()
         if native is not None:
-            _FALLBACK[0] = numba  # for a loop the library lacks
             return native
-    return numba
+    return _numba(mode, N * T * S)
 
 
 def _native() -> Any:
@@ -162,37 +155,21 @@ _FAILED = object()
 def call(kernels: Any, name: str, *args: Any) -> Any:
     """``kernels.name(*args)``, or :data:`_FAILED` where it cannot run: numba cannot compile it or the
     library refuses its arguments (warned once; that implementation is then left for the rest of the
-    process).  A loop the library lacks (an older build; warned once per loop) runs on numba where the
-    case is large enough for numba (:func:`kernels_for_shape`), else :data:`_FAILED` (the NumPy loop)."""
+    process)."""
     impl = _name(kernels)
     if impl in _BROKEN:  # an earlier chunk's failure: numba would try (and fail) to compile it again
         return _FAILED
-    if impl == "native" and getattr(kernels, name) is None:
-        _missing(kernels, name)
-        fallback = _FALLBACK[0]
-        return _FAILED if fallback is None else call(fallback, name, *args)
     try:
         return kernels.call(name, *args)
     except kernels.ERRORS as exc:
         with _COMPILE_LOCK:
             if impl not in _BROKEN:
                 _BROKEN[impl] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-                what = (f"numba could not compile the tolerance loop" if impl == "numba" else
+                what = ("numba could not compile the tolerance loop" if impl == "numba" else
                         f"the compiled loops' library ({kernels.LIBRARY}) could not run {name}")
                 warnings.warn(f"mhaspec: {what} ({_BROKEN[impl]}); the NumPy loops are used instead (the same "
                               f"verdicts, slower)", RuntimeWarning, stacklevel=3)
         return _FAILED
-
-
-def _missing(native: Any, name: str) -> None:
-    """Warns once that the library has no loop ``name`` (built from an older mhaspec)."""
-    with _COMPILE_LOCK:
-        if name in _MISSING:
-            return
-        _MISSING.add(name)
-    warnings.warn(f"mhaspec: the compiled loops' library ({native.LIBRARY}) has no loop {name} (an older build: "
-                  f"reinstall mhaspec); that loop runs on numba or NumPy (the same verdicts, slower)",
-                  RuntimeWarning, stacklevel=4)
 
 
 def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.ndarray, KK: Pair,

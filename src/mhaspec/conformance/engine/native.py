@@ -147,23 +147,28 @@ def _kernel(name: str) -> Callable[..., Any]:
     return loop
 
 
-attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
-local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
-local_weights_lse_chunk = (_kernel("local_weights_lse_chunk") if hasattr(_LIB, "mh_local_weights_lse_chunk")
-                           else None)
-local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
-local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
-ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None
-sum_squares = _kernel("sum_squares") if hasattr(_LIB, "mh_sum_squares") else None
-sum_squares_f4 = _kernel("sum_squares_f4") if hasattr(_LIB, "mh_sum_squares_f4") else None
+def lacking(lib: Any, names: Any) -> list[str]:
+    """The loops of ``names`` that the library ``lib`` has no ``mh_<name>`` for."""
+    return [name for name in names if not hasattr(lib, f"mh_{name}")]
+
+
+if lacking(_LIB, SIGNATURES):  # a library built from another mhaspec: refused whole, as one with other constants
+    raise ImportError(f"{LIBRARY} has no loop {', '.join(lacking(_LIB, SIGNATURES))}: a stale build; "
+                      f"reinstall mhaspec")
+
+attention_chunk = _kernel("attention_chunk")
+local_weights_chunk = _kernel("local_weights_chunk")
+local_weights_lse_chunk = _kernel("local_weights_lse_chunk")
+local_scores_chunk = _kernel("local_scores_chunk")
+local_outputs_operands = _kernel("local_outputs_operands")
+ordinary_stage = _kernel("ordinary_stage")
+sum_squares = _kernel("sum_squares")
+sum_squares_f4 = _kernel("sum_squares_f4")
 
 
 def call(name: str, *args: Any) -> Any:
     """The loop ``name`` with :mod:`.kernels`' arguments (looked up here, so that a test can replace it)."""
-    fn = globals()[name]
-    if fn is None:
-        raise NativeError(f"the library has no loop {name}")
-    return fn(*args)
+    return globals()[name](*args)
 
 
 def _exp(x: float) -> float:
