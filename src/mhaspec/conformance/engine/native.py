@@ -78,6 +78,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "sum_squares_f4": ("f4/3a", "f8/3a", "u1/3a", "b1", "b1"),
 }
 
+# attention_chunk, and each row's golden lse operands into a last (heads, rows, 5) array (no numba counterpart:
+# csrc/attention_rows.h, compiled.attention_chunk)
+SIGNATURES["attention_lse_chunk"] = (*SIGNATURES["attention_chunk"], "f8/3w")
+
 #: The loops that return a tuple: (float64s written, how each is returned).
 RESULTS: dict[str, tuple[type, ...]] = {
     "ordinary_stage": (bool, int, float, float, float, int, float, int, bool),
@@ -148,6 +152,7 @@ def _kernel(name: str) -> Callable[..., Any]:
 
 
 attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
+attention_lse_chunk = _kernel("attention_lse_chunk") if hasattr(_LIB, "mh_attention_lse_chunk") else None
 local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
 local_weights_lse_chunk = (_kernel("local_weights_lse_chunk") if hasattr(_LIB, "mh_local_weights_lse_chunk")
                            else None)
