@@ -64,7 +64,7 @@ MH_INLINE double mh_max(double a, double b) { return b > a ? b : a; }
 #define MH_LN2_LO 1.90821492927058770002e-10
 
 /* (e^r − 1 − r)/r² by its Taylor series to r^11, Horner's order (kernels._exp's polynomial but for its two
- * last steps): the part of mh_exp's polynomial that local.c's mh_expm1 shares (|r| <= ln2/2: the
+ * last steps): the part of mh_exp's polynomial that mh_expm1 (below) shares (|r| <= ln2/2: the
  * series' remainder is below 2^-57 of e^r and of (e^r − 1)/r). */
 MH_INLINE double mh_exp_tail(double r) {
     double p = 1.0 / 6227020800.0;
