@@ -1,8 +1,9 @@
 """Benchmark: the compiled library's loops (engine/native.py) against numba's and the NumPy loops.
 
 Prints (1) the golden bounds' attention loop alone on one chunk of 2^18 elements (8 heads, 32 rows,
-S = 1024; a causal visibility broadcast over the heads, as in a run, then contiguous), numba's loop and
-the library's, thread CPU per element, alternating; (2) the thread CPU inside the golden bounds' chunk
+S = 1024; a causal visibility broadcast over the heads, as in a run, then contiguous), numba's loop,
+the library's and the library's that also forms the golden lse's row operands (mh_attention_lse_chunk),
+thread CPU per element, alternating; (2) the thread CPU inside the golden bounds' chunk
 functions (the library's path with its float32 products, chunks of 2^18, against the NumPy loops,
 chunks of 2^16; one thread; best of 3 alternating rounds) of a causal d_model 512, H = 8 case by size,
 from which ``compiled.NATIVE_MIN_ELEMENTS`` is judged (benchmarks/results/2026-12-07-s5-attn.md).
@@ -35,15 +36,27 @@ def loop_alone() -> None:
     rng = np.random.default_rng(1)
     s, p, _, m1, m2, c = _chunk(rng, heads=8, rows=32, S=1024, masked=0.0)
     causal = np.broadcast_to(np.tril(np.ones((32, 1024), bool), 900)[None], s.shape)
+    with_lse = _WithLse(native, s.shape[:-1]) if native.attention_lse_chunk is not None else None
+    names = {id(kernels): "numba", id(native): "library", id(with_lse): "library with the lse"}
     for label, vis in (("broadcast visibility", causal), ("contiguous visibility", np.ascontiguousarray(causal))):
-        for impl in [x for x in (kernels, native) if x is not None] * 2:
+        for impl in [x for x in (kernels, native, with_lse) if x is not None] * 2:
             out = _outputs(s.shape, 1024)
             _call(impl, s, p, vis, m1, m2, c, out, ext=(1e-12, 1e-12))  # numba: compiled here, not timed
             start = time.thread_time()
             for _ in range(20):
                 _call(impl, s, p, vis, m1, m2, c, out, ext=(1e-12, 1e-12))
             spent = (time.thread_time() - start) / 20 / s.size
-            print(f"attention loop, {label}, {'numba' if impl is kernels else 'library'}: {spent * 1e9:.2f} ns/element")
+            print(f"attention loop, {label}, {names[id(impl)]}: {spent * 1e9:.2f} ns/element")
+
+
+class _WithLse:
+    """``native`` with its attention loop called as the one that also forms the golden lse's row operands."""
+
+    def __init__(self, native, rows_shape):
+        self.native, self.rows = native, np.zeros((*rows_shape, 5))
+
+    def call(self, name, *args):
+        return self.native.call("attention_lse_chunk", *args, self.rows)
 
 
 def chunk_functions(sizes: list[int]) -> None:

@@ -30,3 +30,24 @@ def counted_calls(monkeypatch, module, names):
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def lse_worst_allowance(golden, scores_bound, dtype):
+    """(B, H, T) the absolute difference two correct float64 evaluations of the golden lse's worst part may
+    show beyond a relative 1e-7: its exact bound −log1p(down), down = Σ p (e^{−τ} − 1) (model.variants.lse_move),
+    where 1 + down is tiny (a row whose weight sits on one key with a large τ: bfloat16 scores of hundreds) —
+    the sum's own rounding, S·eps of Σ p |e^{−τ} − 1| <= 1, divided by 1 + down (log1p's condition there),
+    twice (each evaluation's); inf where 1 + down <= 0 (the bound is then inf in both)."""
+    import numpy as np
+
+    from mhaspec.conformance import tolerance as tol
+
+    r = tol.rounding(dtype, "standard", tol.DEFAULT_TOLERANCES)
+    B, H, T, S = golden.visible.shape
+    vis = np.broadcast_to(golden.visible, (B, H, T, S))
+    sig, worst = (np.broadcast_to(x, (B, H, T, S)) for x in (scores_bound.sigma, scores_bound.worst))
+    acc = np.maximum(worst - r.floor, 0.0)
+    tau = np.where(vis, tol.LAMBDA * np.sqrt(sig * sig + acc * acc), 0.0)
+    down = np.sum(golden.stages["attn_weights"] * np.expm1(-np.minimum(tau, 350.0)), axis=-1)
+    with np.errstate(divide="ignore"):
+        return np.where(1 + down > 0, 2 * S * np.finfo(float).eps / (1 + down), np.inf)

@@ -176,6 +176,8 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
     if lse_in:  # (N, T, 1): the lse's error, each chunk's rows from that chunk's score bounds
         lse_g, a_s = g[STAGE.lse].reshape(N, T, 1), r.accumulation(S)
         lse_var, lse_acc = np.empty((N, T, 1)), np.empty((N, T, 1))
+    # the library's attention loop forms the lse's row operands from its own work (no pass of NumPy's)
+    fold_lse = lse_in and kernels is not None and compiled.folds_golden_lse(kernels)
 
     def chunk(n: slice, rows: slice, buf: Scratch) -> None:
         args = (cst, Q[n, rows], tQ2[n, rows], keys.KK[n], keys.aK[n], keys.V[n], keys.V2[n], keys.aV[n],
@@ -185,11 +187,13 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
         # the bounds: into the whole stage's arrays where kept, else into work arrays (the lse reads the scores')
         b = [buf(f"g_out{i}", shape) if a is None else a[n, rows] for i, a in enumerate((sig_s, wor_s, sig_p, wor_p))]
         out = forward_rules.ChunkOut(Bound(b[0], b[1]), Bound(b[2], b[3]), e_o)
-        if not (kernels is not None and compiled.attention_chunk(
-                kernels, *args, bounds=(out.scores, out.attn_weights) if keep_bounds or lse_in else None,
+        lse_rows = buf("g_lse", (*shape[:-1], compiled.GOLDEN_LSE_PARTS)) if fold_lse else None
+        ok = kernels is not None and compiled.attention_chunk(
+                kernels, *args, bounds=(out.scores, out.attn_weights) if keep_bounds or (lse_in and not fold_lse) else None,
                 tolerances=None if tol_s is None else (tol_s[n, rows], tol_p[n, rows]),
                 extras=tuple(e if isinstance(e, float) else e[n, rows] for e in (extra_s, extra_p)),
-                out=e_o, buf=buf)):
+                out=e_o, buf=buf, lse_rows=lse_rows)
+        if not ok:
             if not inplace.attention_chunk(*args, out=out, buf=buf, seen_only=seen_only):
                 forward_rules.attention_chunk(*args, out=out)
             if tol_s is not None and tol_p is not None:
@@ -197,7 +201,10 @@ def _standard(golden: GoldenCase, dtype: str, table: ToleranceTable, *, keep_bou
                                       (out.attn_weights, extra_p, tol_p[n, rows])):
                     inplace.tolerance_into(bound.sigma, bound.worst, e if isinstance(e, float) else e[n, rows], dst,
                                            buf)
-        if lse_in:  # over the keys the chunk's rows see where later ones are masked (no term; a_s keeps S)
+        if ok and lse_rows is not None:  # the library's loop formed the rows' operands (compiled.lse_of_rows)
+            e_l = compiled.lse_of_rows(lse_rows, lse_g[n, rows], a_s, r)
+            lse_var[n, rows], lse_acc[n, rows] = e_l.var, e_l.acc
+        elif lse_in:  # over the keys the chunk's rows see where later ones are masked (no term; a_s keeps S)
             k = seen_keys(visN[n, rows]) if seen_only else S
             e_l = variant_rules.scores_lse(b[0][..., :k], b[1][..., :k], sN[n, rows, :k], pN[n, rows, :k],
                                            visN[n, rows, :k], lse_g[n, rows], a_s, r)

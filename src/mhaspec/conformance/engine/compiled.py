@@ -176,11 +176,13 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
                     aK: Pair, V: np.ndarray, V2: np.ndarray, aV: Pair, tV2: Pair, s: np.ndarray,
                     p: np.ndarray, o: np.ndarray, vis: np.ndarray, *,
                     bounds: tuple[Bound, Bound] | None, tolerances: tuple[np.ndarray, ...] | None,
-                    extras: tuple[Any, Any], out: Error, buf: Scratch) -> bool:
+                    extras: tuple[Any, Any], out: Error, buf: Scratch, lse_rows: np.ndarray | None = None) -> bool:
     """:func:`.inplace.attention_chunk` by the compiled loop (:func:`.kernels.attention_chunk`): the bounds
     of the scores and the attention weights into ``bounds`` (sigma and worst of each) and/or their
     tolerances with the reference error ``extras`` into ``tolerances`` (as :func:`.inplace.tolerance_into`),
-    the error (var, acc) of the head outputs into ``out``; False (nothing to trust) where a value is not finite."""
+    the error (var, acc) of the head outputs into ``out``; False (nothing to trust) where a value is not finite.
+    ``lse_rows`` ((heads, rows, :data:`GOLDEN_LSE_PARTS`), where :func:`folds_golden_lse`): each row's golden
+    lse operands too, from the same work (:func:`golden_lse`)."""
     u2 = c.u**2
     shape = s.shape
     S = shape[-1]
@@ -202,11 +204,11 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
         ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
     with np.errstate(over="ignore", invalid="ignore"):
         ok = run(
-            kernels, "attention_chunk", s, p, vis, m1, m2, c1, c2, c.a_d.worst, c.a_d.sigma, u2, c.ua,
+            kernels, "attention_chunk" if lse_rows is None else "attention_lse_chunk", s, p, vis, m1, m2, c1, c2, c.a_d.worst, c.a_d.sigma, u2, c.ua,
             c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
             bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
-            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)), k)
+            lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)), k, *(() if lse_rows is None else (lse_rows,)))
         if not ok:
             return False
         # 4. head outputs, as inplace.attention_chunk, over the keys seen (the weights beyond: 0); the
@@ -268,12 +270,34 @@ def folds_lse(kernels: Any) -> bool:
 
 def local_lse(rows: np.ndarray, a_s: Acc, r: Rounding) -> tuple[np.ndarray, Error]:
     """(lse (…, 1), its error) from the compiled weights loop's ``rows`` (…, :data:`LSE_PARTS`), by
-    :func:`~mhaspec.conformance.model.variants.lse`'s own formulas (:func:`~.variants.lse_exact`,
-    :func:`~.variants.lse_error`): lse = peak + log Σ e^{s−peak}, −inf where the row sees no key."""
-    peak, total, first, up, down, pk, row_max = (rows[..., k:k + 1] for k in range(LSE_PARTS))
+    :func:`~mhaspec.conformance.model.variants.lse`'s own formulas (:func:`lse_of_rows`): lse = peak +
+    log Σ e^{s−peak}, −inf where the row sees no key."""
+    peak, total = rows[..., 0:1], rows[..., 1:2]
     with np.errstate(divide="ignore"):
         lse_ = np.where(total > 0, peak + np.log(total), -np.inf)
-    return lse_, variants.lse_error(lse_, first, variants.lse_exact(up, down), pk, row_max, a_s, r)
+    return lse_, lse_of_rows(rows[..., 2:], lse_, a_s, r)
+
+
+#: What the compiled attention loop writes per row for the golden lse (csrc/attention_rows.h): Σ p·τ,
+#: Σ p·(e^τ − 1), Σ p·(e^{−τ} − 1), Σ p²·T_s², max|s| over the visible keys (the last five of
+#: :data:`LSE_PARTS`: the golden's lse is its own).
+GOLDEN_LSE_PARTS = 5
+
+
+def folds_golden_lse(kernels: Any) -> bool:
+    """Whether ``kernels``' attention loop also forms the golden lse's operands (the C library's does: the
+    lse's bound then costs no second pass over the rows; numba's does not, and its path computes it by NumPy,
+    :func:`~.variants.scores_lse`)."""
+    return getattr(kernels, "attention_lse_chunk", None) is not None
+
+
+def lse_of_rows(rows: np.ndarray, lse_: np.ndarray, a_s: Acc, r: Rounding) -> Error:
+    """The error of ``lse_`` (…, 1) from a compiled loop's ``rows`` (…, :data:`GOLDEN_LSE_PARTS`) by
+    :func:`~mhaspec.conformance.model.variants.lse`'s own formulas (:func:`~.variants.lse_exact`,
+    :func:`~.variants.lse_error`): the golden lse's (:func:`attention_chunk`'s ``lse_rows``), the local one's
+    (:func:`local_lse`)."""
+    first, up, down, pk, row_max = (rows[..., k:k + 1] for k in range(GOLDEN_LSE_PARTS))
+    return variants.lse_error(lse_, first, variants.lse_exact(up, down), pk, row_max, a_s, r)
 
 
 def local_outputs(kernels: Any, pc: np.ndarray, V: np.ndarray, V2: Pair, aV: Pair, u: float, a_s: Acc,

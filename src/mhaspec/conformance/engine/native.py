@@ -78,6 +78,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "sum_squares_f4": ("f4/3a", "f8/3a", "u1/3a", "b1", "b1"),
 }
 
+# attention_chunk, and each row's golden lse operands into a last (heads, rows, 5) array (no numba counterpart:
+# csrc/attention_rows.h, compiled.attention_chunk)
+SIGNATURES["attention_lse_chunk"] = (*SIGNATURES["attention_chunk"], "f8/3w")
+
 #: The loops that return a tuple: (float64s written, how each is returned).
 RESULTS: dict[str, tuple[type, ...]] = {
     "ordinary_stage": (bool, int, float, float, float, int, float, int, bool),
@@ -157,6 +161,7 @@ if lacking(_LIB, SIGNATURES):  # a library built from another mhaspec: refused w
                       f"reinstall mhaspec")
 
 attention_chunk = _kernel("attention_chunk")
+attention_lse_chunk = _kernel("attention_lse_chunk")
 local_weights_chunk = _kernel("local_weights_chunk")
 local_weights_lse_chunk = _kernel("local_weights_lse_chunk")
 local_scores_chunk = _kernel("local_scores_chunk")

@@ -4,11 +4,13 @@
 #include "common.h"
 
 #define MH_ATTENTION_NAME mh_attention_chunk_any
+#define MH_ATTENTION_LSE_NAME mh_attention_lse_chunk_any
 #define MH_ATTENTION_TARGET MH_CLONES
 #include "attention_rows.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 int64_t mh_attention_chunk_v4(MH_ATTENTION_PARAMS);
+int64_t mh_attention_lse_chunk_v4(MH_ATTENTION_PARAMS, ARR3(double, lse));
 
 /* Whether the processor runs x86-64-v4 code (the AVX-512 subsets that -march=x86-64-v4 assumes). */
 static int mh_has_v4(void) {
@@ -26,4 +28,13 @@ MH_EXPORT int64_t mh_attention_chunk(MH_ATTENTION_PARAMS) {
     if (mh_has_v4()) return mh_attention_chunk_v4(MH_ATTENTION_ARGS);
 #endif
     return mh_attention_chunk_any(MH_ATTENTION_ARGS);
+}
+
+/* mh_attention_chunk and each row's golden lse operands into the (heads, rows, 5) `lse` (no numba
+ * counterpart: attention_rows.h, compiled.golden_lse). */
+MH_EXPORT int64_t mh_attention_lse_chunk(MH_ATTENTION_PARAMS, ARR3(double, lse)) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (mh_has_v4()) return mh_attention_lse_chunk_v4(MH_ATTENTION_ARGS, ARG3(lse));
+#endif
+    return mh_attention_lse_chunk_any(MH_ATTENTION_ARGS, ARG3(lse));
 }

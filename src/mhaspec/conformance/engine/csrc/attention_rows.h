@@ -1,7 +1,8 @@
 /* mhaspec's compiled chunk loops: the golden bounds' attention chunk (kernels.attention_chunk and
  * kernels._emit, term by term; see common.h), included by attention.c (the baseline and AVX2 build) and
  * attention_v4.c (the AVX-512 one, a translation unit of its own: see there), each defining
- * MH_ATTENTION_NAME, the name of the function it gets, and MH_ATTENTION_TARGET, its attributes. */
+ * MH_ATTENTION_NAME, the name of the function it gets, MH_ATTENTION_LSE_NAME, that of the one that also forms
+ * the golden lse's row operands, and MH_ATTENTION_TARGET, their attributes. */
 
 /* The parameters of mh_attention_chunk (kernels.SIGNATURES["attention_chunk"]'s order), and its arguments
  * passed on as they came. */
@@ -46,7 +47,11 @@ MH_INLINE void mh_emit(int64_t h, int64_t i, int64_t S, const double *sig, const
 }
 
 /* mh_attention_chunk's loops (kernels.attention_chunk: the arguments, their meaning and the formulas are its
- * own).  Each row is
+ * own).  Where `lse` is not NULL (mh_attention_lse_chunk: no numba counterpart), each row's golden lse
+ * operands too, from the work the scores' sweep has done (model.variants.scores_lse's: its T_s² = sigma² +
+ * (worst − floor)² is this loop's t² up to roundings): lse[0] Σ p τ (lse_move's first order), lse[1],
+ * lse[2] lse_move's exact sums (mh_lse_move_sums), lse[3] Σ p²·t² (pk), lse[4] max |s| over the visible
+ * keys; lse itself is the golden's, and Python finishes the error (compiled.golden_lse).  Each row is
  * swept three times in the L1 cache: the scores' bounds and the weights' score variance t², then the
  * weights' sigma and ℓ, then (after the second-order term) the weights' worst part and the head outputs'
  * operands.  Returns nonzero where every value written is finite (the numba loop's math.isfinite(chk)).
@@ -58,7 +63,7 @@ MH_INLINE int64_t mh_attention_rows(
     ARR3(double, sig_p), ARR3(double, wor_p), int64_t want_tol, int64_t ext_arrays, ARR3(const double, ext_s),
     double ext_s_val, ARR3(const double, ext_p), double ext_p_val, ARR3(double, tol_s), ARR3(double, tol_p),
     ARR3(double, lhs), ARR3(double, q), ARR3(float, pp32), ARR3(float, lhs32), ARR2(double, pk_out),
-    ARR2(double, work), int64_t S_seen, int64_t vs) {
+    ARR2(double, work), int64_t S_seen, int64_t vs, ARR3(double, lse)) {
     const int64_t n_heads = s_n0, R = s_n1, S = s_n2;
     double *ts2 = ROW2(work, 0), *tau = ROW2(work, 1), *ptau = ROW2(work, 2), *ell = ROW2(work, 3);
     double *eel = ROW2(work, 4), *sigp = ROW2(work, 5), *ups = ROW2(work, 6), *dns = ROW2(work, 7);
@@ -108,6 +113,13 @@ MH_INLINE int64_t mh_attention_rows(
                     ARG3(ext_s), ext_s_val, ARG3(tol_s));
             const double rmax = mh_as_double(top);
             AT2(pk_out, h, i) = pk;
+            if (lse) { /* before the second-order term: ptau is still p·τ there, tau is read only */
+                double *lr = ROW3(lse, h, i);
+                lr[0] = row;
+                mh_lse_move_sums(pr_, tau, S_seen, &lr[1], &lr[2]);
+                lr[3] = pk;
+                lr[4] = rmax;
+            }
 #pragma omp simd
             for (int64_t j = 0; j < S_seen; j++) { /* 3. the weights' sigma; ℓ of the second-order term */
                 double pj = pr_[j];
@@ -144,6 +156,13 @@ MH_INLINE int64_t mh_attention_rows(
  * the visibility is broadcast over the heads or rows): the loops then load it as a row of vectors instead
  * of gathering bytes (the C loop took ~1.4 times numba's time with the gather alone; results/2026-12-07-s5-attn.md). */
 MH_ATTENTION_TARGET int64_t MH_ATTENTION_NAME(MH_ATTENTION_PARAMS) {
-    if (vis_s2 == 1) return mh_attention_rows(MH_ATTENTION_ARGS, 1);
-    return mh_attention_rows(MH_ATTENTION_ARGS, vis_s2);
+    if (vis_s2 == 1) return mh_attention_rows(MH_ATTENTION_ARGS, 1, NULL, 0, 0, 0, 0, 0, 0);
+    return mh_attention_rows(MH_ATTENTION_ARGS, vis_s2, NULL, 0, 0, 0, 0, 0, 0);
+}
+
+/* The same loops, each row's golden lse operands into the (heads, rows, 5) `lse` too: a function of its own,
+ * so that the plain one keeps its code (lse a constant NULL there). */
+MH_ATTENTION_TARGET int64_t MH_ATTENTION_LSE_NAME(MH_ATTENTION_PARAMS, ARR3(double, lse)) {
+    if (vis_s2 == 1) return mh_attention_rows(MH_ATTENTION_ARGS, 1, ARG3(lse));
+    return mh_attention_rows(MH_ATTENTION_ARGS, vis_s2, ARG3(lse));
 }

@@ -8,6 +8,7 @@
 #include "common.h"
 
 #define MH_ATTENTION_NAME mh_attention_chunk_v4
+#define MH_ATTENTION_LSE_NAME mh_attention_lse_chunk_v4
 #define MH_ATTENTION_TARGET
 #include "attention_rows.h"
 #endif

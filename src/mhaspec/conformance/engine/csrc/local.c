@@ -7,62 +7,6 @@
 /* A 2-D argument passed on to a helper that takes it as ARR2. */
 #define ARG2(a) a, a##_n0, a##_n1, a##_s0, a##_s1
 
-/* Where the lse sums' keys all have |τ| <= MH_EXPM1_SMALL, mh_expm1_small's short polynomial serves. */
-#define MH_EXPM1_SMALL (1.0 / 128.0)
-
-/* expm1(x) for |x| <= MH_EXPM1_SMALL (no numba counterpart; model.variants.lse_move's np.expm1):
- * x + x²·q(x), q the Taylor series of (e^x − 1 − x)/x² to x^5 (truncation < 2^-64 relative).  The
- * correction x²·q is at most x/250 of the result, so its roundings move the result by < 0.01 ulp and
- * the final addition rounds once: within one ulp, as libm's expm1. */
-MH_INLINE double mh_expm1_small(double x) {
-    double q = 1.0 / 5040.0;
-    q = 1.0 / 720.0 + x * q;
-    q = 1.0 / 120.0 + x * q;
-    q = 1.0 / 24.0 + x * q;
-    q = 1.0 / 6.0 + x * q;
-    q = 0.5 + x * q;
-    return x + x * (x * q);
-}
-
-/* expm1(x) for any x in [-350, 350] (no numba counterpart; np.expm1's numbers within two ulps), vectorisable:
- * x = n·ln2 + r, |r| <= ln2/2 (mh_exp's Cody-Waite reduction: r = x exactly where n = 0), expm1(r) =
- * r + r²·q(r), q = mh_exp_tail (mh_exp's series to r^13: truncation below 2^-56 of the result; the
- * correction is at most 0.18·r, so its roundings add < 0.3 ulp to the final addition's half), then
- * expm1(x) = 2^n·expm1(r) + (2^n − 1): for n != 0 |expm1(x)| > 0.29, and both terms are exact or one
- * rounding each.  The callers clamp x to ±350 (2^n within 2^±505: no overflow, no subnormal). */
-MH_INLINE double mh_expm1(double x) {
-    double n = floor(x * MH_LOG2E + 0.5);
-    double r = (x - n * MH_LN2_HI) - n * MH_LN2_LO;
-    double q = mh_exp_tail(r);
-    double em = r + r * (r * q);
-    /* x is finite here (the loop's finite check has found a NaN score already; its sums are then unused) */
-    double two_n = mh_as_double(((int64_t)(x == x ? n : 0.0) + 1023) << 52);
-    return n == 0.0 ? em : two_n * em + (two_n - 1.0);
-}
-
-/* The lse check's sums of one row (model.variants.lse_move's): out[0] = Σ p_j (e^{τ_j} − 1),
- * out[1] = Σ p_j (e^{−τ_j} − 1), τ clamped to 350 as there.  τ >= 0 (0 where masked). */
-MH_INLINE void mh_lse_move_sums(const double *p, const double *tau, int64_t S, double *up_out, double *dn_out) {
-    double up = 0.0, dn = 0.0;
-    if (mh_largest(tau, S) <= MH_EXPM1_SMALL) { /* the usual row (float32's τ < 2^-7 for |s| < 2^14) */
-#pragma omp simd reduction(+ : up, dn)
-        for (int64_t j = 0; j < S; j++) {
-            double t = tau[j];
-            up += p[j] * mh_expm1_small(t);
-            dn += p[j] * mh_expm1_small(-t);
-        }
-    } else {
-#pragma omp simd reduction(+ : up, dn)
-        for (int64_t j = 0; j < S; j++) {
-            double t = mh_min(tau[j], 350.0);
-            up += p[j] * mh_expm1(t);
-            dn += p[j] * mh_expm1(-t);
-        }
-    }
-    *up_out = up;
-    *dn_out = dn;
-}
-
 /* The weights loop's constants (kernels.local_weights_chunk's arguments) and its work rows. */
 typedef struct {
     double u2, ua, w_s, s_s, floor_, stored;
