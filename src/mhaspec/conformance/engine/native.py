@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +56,45 @@ def _load() -> ctypes.CDLL:
 
 
 _LIB = _load()
+
+#: The x86-64 levels of the loops' builds (csrc/common.h, MH_LEVEL), lowest first, with mh_cpu_level's number.
+LEVELS: dict[str, int] = {"base": 0, "v3": 3, "v4": 4}
+
+
+def _cpu_level() -> int:
+    _LIB.mh_cpu_level.restype = ctypes.c_int64
+    return int(_LIB.mh_cpu_level())
+
+
+def supported_levels() -> tuple[str, ...]:
+    """The levels this processor runs, lowest first (a test runs every loop at each)."""
+    top = _cpu_level()
+    return tuple(name for name, number in LEVELS.items() if number <= top)
+
+
+def chosen_level(environ: Any = os.environ) -> str:
+    """The level this process's loops run at: the processor's highest, or the lower one that
+    ``MHASPEC_LOOPS_LEVEL`` names (``base``, ``v3``; a testing aid: the AVX2 or baseline build on an AVX-512
+    machine, with the verdicts unchanged).  A level above the processor's is refused (its code would fault)."""
+    wanted = environ.get("MHASPEC_LOOPS_LEVEL", "")
+    levels = supported_levels()
+    if not wanted:
+        return levels[-1]
+    if wanted not in LEVELS:
+        raise ImportError(f"MHASPEC_LOOPS_LEVEL={wanted!r}: not one of {', '.join(LEVELS)}")
+    if wanted not in levels:
+        raise ImportError(f"MHASPEC_LOOPS_LEVEL={wanted!r}: this processor runs only {', '.join(levels)}")
+    return wanted
+
+
+#: The level bound below, once per process.
+LEVEL = chosen_level()
+
+
+def _symbol(name: str, level: str) -> Any:
+    """The C function of loop ``name`` at ``level`` (``mh_<name>_<level>``; a loop built once, as the
+    attention loop, which chooses its build itself: ``mh_<name>``), or None where the library has neither."""
+    return getattr(_LIB, f"mh_{name}_{level}", None) or getattr(_LIB, f"mh_{name}", None)
 
 #: Each loop's arguments, in :mod:`.kernels`' order: an array as ``dtype/ndim`` and ``r`` (read row by row:
 #: unit last stride, copied where it has not), ``w`` (written: unit last stride and the dtype, or
@@ -118,10 +158,13 @@ def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
     return [a, a.ctypes.data, *a.shape, *strides]
 
 
-def _kernel(name: str) -> Callable[..., Any]:
+def _kernel(name: str, level: str = LEVEL) -> Callable[..., Any] | None:
+    """The loop ``name`` at ``level`` with :mod:`.kernels`' arguments, or None where the library lacks it."""
     kinds = SIGNATURES[name]
     results = RESULTS.get(name, ())
-    fn = getattr(_LIB, f"mh_{name}")
+    fn = _symbol(name, level)
+    if fn is None:
+        return None
     fn.argtypes = _argtypes(kinds, len(results))
     fn.restype = ctypes.c_int64
 
@@ -147,16 +190,14 @@ def _kernel(name: str) -> Callable[..., Any]:
     return loop
 
 
-attention_chunk = _kernel("attention_chunk") if hasattr(_LIB, "mh_attention_chunk") else None
-local_weights_chunk = _kernel("local_weights_chunk") if hasattr(_LIB, "mh_local_weights_chunk") else None
-local_weights_lse_chunk = (_kernel("local_weights_lse_chunk") if hasattr(_LIB, "mh_local_weights_lse_chunk")
-                           else None)
-local_scores_chunk = _kernel("local_scores_chunk") if hasattr(_LIB, "mh_local_scores_chunk") else None
-local_outputs_operands = _kernel("local_outputs_operands") if hasattr(_LIB, "mh_local_outputs_operands") else None
-ordinary_stage = _kernel("ordinary_stage") if hasattr(_LIB, "mh_ordinary_stage") else None
-sum_squares = _kernel("sum_squares") if hasattr(_LIB, "mh_sum_squares") else None
-sum_squares_f4 = _kernel("sum_squares_f4") if hasattr(_LIB, "mh_sum_squares_f4") else None
-
+attention_chunk = _kernel("attention_chunk")
+local_weights_chunk = _kernel("local_weights_chunk")
+local_weights_lse_chunk = _kernel("local_weights_lse_chunk")
+local_scores_chunk = _kernel("local_scores_chunk")
+local_outputs_operands = _kernel("local_outputs_operands")
+ordinary_stage = _kernel("ordinary_stage")
+sum_squares = _kernel("sum_squares")
+sum_squares_f4 = _kernel("sum_squares_f4")
 
 def call(name: str, *args: Any) -> Any:
     """The loop ``name`` with :mod:`.kernels`' arguments (looked up here, so that a test can replace it)."""
@@ -166,12 +207,18 @@ def call(name: str, *args: Any) -> Any:
     return fn(*args)
 
 
-def _exp(x: float) -> float:
+def _exp_array(x: np.ndarray, level: str = LEVEL) -> np.ndarray:
+    """The library's exponential (csrc/common.h mh_exp) of each float64 of ``x``, at ``level``: for the tests."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    _symbol("exp_array", level)(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                                ctypes.c_int64(x.size))
+    return out
+
+
+def _exp(x: float, level: str = LEVEL) -> float:
     """The library's exponential (csrc/common.h mh_exp) of one float64: for the tests."""
-    out = np.empty(1)
-    _LIB.mh_exp_array(np.array([x], dtype=np.float64).ctypes.data_as(ctypes.c_void_p),
-                      out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(1))
-    return float(out[0])
+    return float(_exp_array(np.array([x]), level)[0])
 
 
 def _others_sum(a: np.ndarray, S: int) -> tuple[float, float]:

@@ -177,7 +177,7 @@ MH_INLINE int64_t local_weights_rows(ARR3(const double, s), ARR3(const uint8_t, 
 }
 
 /* kernels.local_weights_chunk: the local attention-weights check of a (heads, rows, S) chunk. */
-MH_EXPORT MH_CLONES int64_t mh_local_weights_chunk(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
+MH_EXPORT int64_t MH_LEVELED(mh_local_weights_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
                                                    double ua, double w_s, double s_s, double floor_,
                                                    ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
                                                    ARR2(double, work), int64_t S_seen) {
@@ -187,7 +187,7 @@ MH_EXPORT MH_CLONES int64_t mh_local_weights_chunk(ARR3(const double, s), ARR3(c
 
 /* mh_local_weights_chunk and, into the (heads, rows, 7) `lse`, each row's local lse operands (no numba
  * counterpart: see local_weights_rows). */
-MH_EXPORT MH_CLONES int64_t mh_local_weights_lse_chunk(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
+MH_EXPORT int64_t MH_LEVELED(mh_local_weights_lse_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
                                                        double ua, double w_s, double s_s, double floor_,
                                                        ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
                                                        ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
@@ -198,7 +198,7 @@ MH_EXPORT MH_CLONES int64_t mh_local_weights_lse_chunk(ARR3(const double, s), AR
 /* kernels.local_scores_chunk: the local scores check of a (heads, rows, S) chunk once its products are
  * formed; `ref` (q·Kᵀ) scaled in place, sig and wor from the float32 products m_sig, m_wor, over the
  * S_seen keys the rows see (later keys 0).  Nonzero where every value is finite. */
-MH_EXPORT MH_CLONES int64_t mh_local_scores_chunk(ARR3(double, ref), ARR3(const float, m_sig), ARR3(const float, m_wor),
+MH_EXPORT int64_t MH_LEVELED(mh_local_scores_chunk)(ARR3(double, ref), ARR3(const float, m_sig), ARR3(const float, m_wor),
                                                   double scale, double c_sig, double stored, double c_wor,
                                                   double c_acc, double floor_, ARR3(double, sig), ARR3(double, wor),
                                                   int64_t S_seen) {
@@ -231,7 +231,7 @@ MH_EXPORT MH_CLONES int64_t mh_local_scores_chunk(ARR3(double, ref), ARR3(const 
 
 /* kernels.local_outputs_operands: the float32 operands p² and |p| of the local head-outputs check's
  * bound products, from the adapter's own weights `pc`.  Nonzero where every weight is finite. */
-MH_EXPORT MH_CLONES int64_t mh_local_outputs_operands(ARR3(const double, pc), ARR3(float, pp32), ARR3(float, apc32)) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_outputs_operands)(ARR3(const double, pc), ARR3(float, pp32), ARR3(float, apc32)) {
     const int64_t n_heads = pc_n0, R = pc_n1, S = pc_n2;
     double chk = 0.0;
     for (int64_t h = 0; h < n_heads; h++) {
@@ -248,4 +248,11 @@ MH_EXPORT MH_CLONES int64_t mh_local_outputs_operands(ARR3(const double, pc), AR
         }
     }
     return isfinite(chk);
+}
+
+/* mh_exp of each of x[0 … n-1] into out, at this build's level (the tests measure its ulps and hold every
+ * level's to the baseline's). */
+MH_EXPORT void MH_LEVELED(mh_exp_array)(const double *x, double *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = mh_exp(x[i]);
 }
