@@ -62,8 +62,12 @@ LEVELS: dict[str, int] = {"base": 0, "v3": 3, "v4": 4}
 
 
 def _cpu_level() -> int:
-    _LIB.mh_cpu_level.restype = ctypes.c_int64
-    return int(_LIB.mh_cpu_level())
+    """mh_cpu_level's number; 0 for an older build, which has no per-level loops (its ``mh_<name>`` serve)."""
+    fn = getattr(_LIB, "mh_cpu_level", None)
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def supported_levels() -> tuple[str, ...]:

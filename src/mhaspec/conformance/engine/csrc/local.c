@@ -178,9 +178,9 @@ MH_INLINE int64_t local_weights_rows(ARR3(const double, s), ARR3(const uint8_t, 
 
 /* kernels.local_weights_chunk: the local attention-weights check of a (heads, rows, S) chunk. */
 MH_EXPORT int64_t MH_LEVELED(mh_local_weights_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
-                                                   double ua, double w_s, double s_s, double floor_,
-                                                   ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
-                                                   ARR2(double, work), int64_t S_seen) {
+                                                     double ua, double w_s, double s_s, double floor_,
+                                                     ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
+                                                     ARR2(double, work), int64_t S_seen) {
     return local_weights_rows(ARG3(s), ARG3(vis), u2, ua, w_s, s_s, floor_, ARG3(ref), ARG3(sig), ARG3(wor),
                               ARG2(work), S_seen, NULL, 0, 0, 0, 0, 0, 0);
 }
@@ -188,9 +188,9 @@ MH_EXPORT int64_t MH_LEVELED(mh_local_weights_chunk)(ARR3(const double, s), ARR3
 /* mh_local_weights_chunk and, into the (heads, rows, 7) `lse`, each row's local lse operands (no numba
  * counterpart: see local_weights_rows). */
 MH_EXPORT int64_t MH_LEVELED(mh_local_weights_lse_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
-                                                       double ua, double w_s, double s_s, double floor_,
-                                                       ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
-                                                       ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
+                                                         double ua, double w_s, double s_s, double floor_,
+                                                         ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
+                                                         ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
     return local_weights_rows(ARG3(s), ARG3(vis), u2, ua, w_s, s_s, floor_, ARG3(ref), ARG3(sig), ARG3(wor),
                               ARG2(work), S_seen, ARG3(lse));
 }
@@ -198,10 +198,11 @@ MH_EXPORT int64_t MH_LEVELED(mh_local_weights_lse_chunk)(ARR3(const double, s), 
 /* kernels.local_scores_chunk: the local scores check of a (heads, rows, S) chunk once its products are
  * formed; `ref` (q·Kᵀ) scaled in place, sig and wor from the float32 products m_sig, m_wor, over the
  * S_seen keys the rows see (later keys 0).  Nonzero where every value is finite. */
-MH_EXPORT int64_t MH_LEVELED(mh_local_scores_chunk)(ARR3(double, ref), ARR3(const float, m_sig), ARR3(const float, m_wor),
-                                                  double scale, double c_sig, double stored, double c_wor,
-                                                  double c_acc, double floor_, ARR3(double, sig), ARR3(double, wor),
-                                                  int64_t S_seen) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_scores_chunk)(ARR3(double, ref), ARR3(const float, m_sig),
+                                                    ARR3(const float, m_wor),
+                                                    double scale, double c_sig, double stored, double c_wor,
+                                                    double c_acc, double floor_, ARR3(double, sig), ARR3(double, wor),
+                                                    int64_t S_seen) {
     const int64_t n_heads = ref_n0, R = ref_n1, S = ref_n2;
     double chk = 0.0;
     for (int64_t h = 0; h < n_heads; h++) {

@@ -1,6 +1,6 @@
 /* The extension module mhaspec.conformance.engine._loops: an empty Python module whose library holds the
- * compiled chunk loops (attention.c, local.c, stage.c and their per-level builds), which engine/native.py calls through ctypes,
- * and the few entry points below that native.py and the tests use to check the library. */
+ * compiled chunk loops (attention.c, local.c, stage.c and their per-level builds), which engine/native.py
+ * calls through ctypes, and the few entry points below that native.py and the tests use to check the library. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
