@@ -190,8 +190,138 @@ def test_a_call_with_other_arguments_is_refused(native):
         native.call("attention_chunk", np.zeros((1, 1, 1)))
 
 
-
 def test_a_library_without_every_loop_is_a_stale_build(native):
-    """Loaded, the library has every loop of SIGNATURES (else the import refuses it: numba or NumPy judge)."""
-    assert native.lacking(native._LIB, native.SIGNATURES) == []
-    assert native.lacking(native._LIB, ["attention_chunk", "no_such_loop"]) == ["no_such_loop"]
+    """Loaded, the library has every loop of SIGNATURES at its level (else the import refuses it: numba or
+    NumPy judge)."""
+    assert native.lacking(native.SIGNATURES) == []
+    assert native.lacking(["attention_chunk", "no_such_loop"]) == ["no_such_loop"]
+
+
+# --- every loop at every level the processor runs (csrc/common.h, MH_LEVEL) ---------------------------
+
+def _levels(native) -> tuple[str, ...]:
+    levels = native.supported_levels()
+    if len(levels) < 2:
+        pytest.skip(f"this processor runs one build only ({levels})")
+    return levels
+
+
+def test_the_level_is_the_processors_unless_a_lower_one_is_named(native):
+    levels = native.supported_levels()
+    assert levels[0] == "base" and native.chosen_level({}) == levels[-1]
+    assert native.LEVEL == native.chosen_level()  # bound once, as the environment names it (or not)
+    for level in levels:
+        assert native.chosen_level({"MHASPEC_LOOPS_LEVEL": level}) == level
+    for wrong in ["avx2", *(level for level in native.LEVELS if level not in levels)]:
+        with pytest.raises(ImportError, match="MHASPEC_LOOPS_LEVEL"):
+            native.chosen_level({"MHASPEC_LOOPS_LEVEL": wrong})
+
+
+def test_an_older_build_without_levels_serves_its_own_loops(monkeypatch, native):
+    """A library built before the per-level builds (no mh_cpu_level, loops as mh_<name>): loaded at "base",
+    each loop its unsuffixed function, not an AttributeError at import."""
+    old = type("OldBuild", (), {"mh_local_weights_chunk": native._LIB.mh_local_weights_chunk_base})()
+    monkeypatch.setattr(native, "_LIB", old)
+    assert native.supported_levels() == ("base",) and native.chosen_level({}) == "base"
+    assert native._symbol("local_weights_chunk", "v4") is old.mh_local_weights_chunk
+    assert native._kernel("ordinary_stage", "base") is None
+
+
+def test_the_level_named_is_the_one_bound():
+    code = "from mhaspec.conformance.engine import native; print(native.LEVEL)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "MHASPEC_LOOPS_LEVEL": "base"})
+    if "not built" in out.stderr:
+        pytest.skip("the compiled library is not built")
+    assert out.stdout.strip() == "base", out.stderr
+
+
+def test_the_exponential_is_the_same_at_every_level(native):
+    """mh_exp's edge cases at every level, and every level within one ulp of the baseline's (the AVX2 and AVX-512
+    builds fuse the polynomial's multiply-adds, the baseline has no FMA), the AVX2 one bit for bit the AVX-512 one
+    (the same contracted code: the 2^k scale without int64 conversions changes no bit)."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-800, 800, 200_000), rng.standard_normal(100_000) * 1e-3,
+                        np.arange(-1076, 1025) * np.log(2), np.nextafter(np.arange(-1076, 1025) * np.log(2), 0)])
+    base = native._exp_array(x, "base")
+    for level in _levels(native):
+        got = native._exp_array(x, level)
+        assert np.array_equal(np.isfinite(got), np.isfinite(base))
+        assert np.abs(got.view(np.int64) - base.view(np.int64)).max() <= 1
+        edges = native._exp_array(np.array([np.nan, np.inf, -np.inf, 709.8, 710.0, -746.0, -800.0, 0.0, -0.0]), level)
+        assert np.isnan(edges[0]) and list(edges[1:]) == [np.inf, 0.0, np.inf, np.inf, 0.0, 0.0, 1.0, 1.0]
+        tiny = native._exp_array(np.array([-745.0, -740.0, -709.0]), level)  # subnormal results
+        assert np.array_equal(tiny, np.exp(np.array([-745.0, -740.0, -709.0]))) or \
+            np.abs(tiny.view(np.int64) - np.exp(np.array([-745.0, -740.0, -709.0])).view(np.int64)).max() <= 1
+    if "v3" in native.supported_levels() and "v4" in native.supported_levels():
+        assert np.array_equal(native._exp_array(x, "v3"), native._exp_array(x, "v4"))
+
+
+def test_the_stage_loops_are_bit_for_bit_the_same_at_every_level(native):
+    """stage.c's sums are in a fixed order with no fused multiply-add: the same figures at every level."""
+    from . import test_native_stage as stage
+
+    cases = [("ordinary", stage._stage())] + stage._views() + [(w, a) for w, a, _ in stage._ties()] + \
+        [(w, a) for w, a, _ in stage._odd_stages()]
+    levels = _levels(native)
+    for what, a in cases:
+        for flags in [(True, True, True), (False, True, True), (True, False, False)]:
+            args = stage._args(a, *flags)
+            got = [native._kernel("ordinary_stage", level)(*args) for level in levels]
+            assert all(g == got[0] for g in got), what
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((3, 5, 1037))
+    m = (rng.random(g.shape) < 0.5).astype(np.uint8)
+    for name, v in [("sum_squares", g + rng.standard_normal(g.shape) * 1e-3),
+                    ("sum_squares_f4", (g + 1e-3).astype(np.float32))]:
+        got = [native._kernel(name, level)(v, g, m, True, True) for level in levels]
+        assert all(x == got[0] for x in got) and np.isfinite(got[0][0])
+
+
+def test_the_local_loops_agree_at_every_level(native):
+    """local.c at every level against its baseline build: the closeness the C loops keep with numba's
+    (tests/test_native_local.py: the softmax to 1e-14, the bounds to 1e-10, the scores' sigma 1e-15), the lse
+    operands to 1e-10, what is formed without a multiply-add bit for bit."""
+    from mhaspec.reference.onthefly import golden_case
+    from mhaspec.spec.masks import seen_keys
+
+    from . import test_native_local as local
+    from .kernel_cases import CASES
+
+    levels = _levels(native)
+    for name in sorted(CASES):
+        golden = golden_case(CASES[name])
+        s, vis = local._chunk(golden, rows=slice(0, 130))
+        runs = []
+        for level in levels:
+            a = local._weights_args(s, vis, seen_keys(vis))
+            lse = np.zeros(s.shape[:2] + (7,))
+            assert native._kernel("local_weights_lse_chunk", level)(*a, lse)
+            b = local._weights_args(s, vis, seen_keys(vis))
+            assert native._kernel("local_weights_chunk", level)(*b)
+            assert all(np.array_equal(x, y) for x, y in zip(a[7:10], b[7:10]))
+            runs.append((a, lse))
+        for a, lse in runs[1:]:
+            assert local._rel(runs[0][0][7], a[7]) <= 1e-14
+            assert local._rel(runs[0][0][8], a[8]) <= 1e-10 and local._rel(runs[0][0][9], a[9]) <= 1e-10
+            assert local._rel(runs[0][1], lse) <= 1e-10
+        pc = golden.stages["attn_weights"][0]
+        outs = []
+        for level in levels:
+            out = [np.empty(pc.shape, np.float32) for _ in range(2)]
+            assert native._kernel("local_outputs_operands", level)(pc, *out)
+            outs.append(out)
+        assert all(np.array_equal(x, y) for out in outs[1:] for x, y in zip(outs[0], out))
+    rng = np.random.default_rng(7)
+    n, R, S, k = 3, 17, 90, 71
+    ref = rng.standard_normal((n, R, S))
+    m_sig, m_wor = (np.abs(rng.standard_normal((n, R, k))).astype(np.float32) for _ in range(2))
+    runs = []
+    for level in levels:
+        args = [ref.copy(), m_sig, m_wor, 0.125, 3e-15, 2**-47, 2e-7, 1e-8, 1e-30, np.ones((n, R, S)),
+                np.ones((n, R, S)), k]
+        assert native._kernel("local_scores_chunk", level)(*args)
+        runs.append(args)
+    for args in runs[1:]:
+        assert np.array_equal(args[0], runs[0][0]) and np.array_equal(args[10], runs[0][10])
+        assert local._rel(runs[0][9], args[9]) <= 1e-15

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +56,49 @@ def _load() -> ctypes.CDLL:
 
 
 _LIB = _load()
+
+#: The x86-64 levels of the loops' builds (csrc/common.h, MH_LEVEL), lowest first, with mh_cpu_level's number.
+LEVELS: dict[str, int] = {"base": 0, "v3": 3, "v4": 4}
+
+
+def _cpu_level() -> int:
+    """mh_cpu_level's number; 0 for an older build, which has no per-level loops (its ``mh_<name>`` serve)."""
+    fn = getattr(_LIB, "mh_cpu_level", None)
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
+def supported_levels() -> tuple[str, ...]:
+    """The levels this processor runs, lowest first (a test runs every loop at each)."""
+    top = _cpu_level()
+    return tuple(name for name, number in LEVELS.items() if number <= top)
+
+
+def chosen_level(environ: Any = os.environ) -> str:
+    """The level this process's loops run at: the processor's highest, or the lower one that
+    ``MHASPEC_LOOPS_LEVEL`` names (``base``, ``v3``; a testing aid: the AVX2 or baseline build on an AVX-512
+    machine, with the verdicts unchanged).  A level above the processor's is refused (its code would fault)."""
+    wanted = environ.get("MHASPEC_LOOPS_LEVEL", "")
+    levels = supported_levels()
+    if not wanted:
+        return levels[-1]
+    if wanted not in LEVELS:
+        raise ImportError(f"MHASPEC_LOOPS_LEVEL={wanted!r}: not one of {', '.join(LEVELS)}")
+    if wanted not in levels:
+        raise ImportError(f"MHASPEC_LOOPS_LEVEL={wanted!r}: this processor runs only {', '.join(levels)}")
+    return wanted
+
+
+#: The level bound below, once per process.
+LEVEL = chosen_level()
+
+
+def _symbol(name: str, level: str) -> Any:
+    """The C function of loop ``name`` at ``level`` (``mh_<name>_<level>``; a loop built once, as the
+    attention loop, which chooses its build itself: ``mh_<name>``), or None where the library has neither."""
+    return getattr(_LIB, f"mh_{name}_{level}", None) or getattr(_LIB, f"mh_{name}", None)
 
 #: Each loop's arguments, in :mod:`.kernels`' order: an array as ``dtype/ndim`` and ``r`` (read row by row:
 #: unit last stride, copied where it has not), ``w`` (written: unit last stride and the dtype, or
@@ -122,10 +166,13 @@ def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
     return [a, a.ctypes.data, *a.shape, *strides]
 
 
-def _kernel(name: str) -> Callable[..., Any]:
+def _kernel(name: str, level: str = LEVEL) -> Callable[..., Any] | None:
+    """The loop ``name`` at ``level`` with :mod:`.kernels`' arguments, or None where the library lacks it."""
     kinds = SIGNATURES[name]
     results = RESULTS.get(name, ())
-    fn = getattr(_LIB, f"mh_{name}")
+    fn = _symbol(name, level)
+    if fn is None:
+        return None
     fn.argtypes = _argtypes(kinds, len(results))
     fn.restype = ctypes.c_int64
 
@@ -151,13 +198,13 @@ def _kernel(name: str) -> Callable[..., Any]:
     return loop
 
 
-def lacking(lib: Any, names: Any) -> list[str]:
-    """The loops of ``names`` that the library ``lib`` has no ``mh_<name>`` for."""
-    return [name for name in names if not hasattr(lib, f"mh_{name}")]
+def lacking(names: Any, level: str = LEVEL) -> list[str]:
+    """The loops of ``names`` that the library has no C function for at ``level`` (:func:`_symbol`)."""
+    return [name for name in names if _symbol(name, level) is None]
 
 
-if lacking(_LIB, SIGNATURES):  # a library built from another mhaspec: refused whole, as one with other constants
-    raise ImportError(f"{LIBRARY} has no loop {', '.join(lacking(_LIB, SIGNATURES))}: a stale build; "
+if lacking(SIGNATURES):  # a library built from another mhaspec: refused whole, as one with other constants
+    raise ImportError(f"{LIBRARY} has no loop {', '.join(lacking(SIGNATURES))}: a stale build; "
                       f"reinstall mhaspec")
 
 attention_chunk = _kernel("attention_chunk")
@@ -176,12 +223,18 @@ def call(name: str, *args: Any) -> Any:
     return globals()[name](*args)
 
 
-def _exp(x: float) -> float:
+def _exp_array(x: np.ndarray, level: str = LEVEL) -> np.ndarray:
+    """The library's exponential (csrc/common.h mh_exp) of each float64 of ``x``, at ``level``: for the tests."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    _symbol("exp_array", level)(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                                ctypes.c_int64(x.size))
+    return out
+
+
+def _exp(x: float, level: str = LEVEL) -> float:
     """The library's exponential (csrc/common.h mh_exp) of one float64: for the tests."""
-    out = np.empty(1)
-    _LIB.mh_exp_array(np.array([x], dtype=np.float64).ctypes.data_as(ctypes.c_void_p),
-                      out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(1))
-    return float(out[0])
+    return float(_exp_array(np.array([x]), level)[0])
 
 
 def _others_sum(a: np.ndarray, S: int) -> tuple[float, float]:

@@ -48,6 +48,18 @@
 #define MH_CLONES
 #endif
 #define MH_EXPORT __attribute__((visibility("default")))
+
+/* local.c and stage.c are compiled once per x86-64 level, each build a translation unit compiled for that
+ * level as a whole (local_v3.c, local_v4.c, …: `#pragma GCC target`, then MH_LEVEL, then the file itself),
+ * because gcc lowers each `omp simd` loop before target_clones clones it, so a clone keeps the baseline's
+ * vector length (results/2026-12-07-s5-attn.md).  Each exported loop is mh_<name>_<level>; native.py binds
+ * the processor's level once per process (mh_cpu_level, module.c; MHASPEC_LOOPS_LEVEL lowers it). */
+#ifndef MH_LEVEL
+#define MH_LEVEL base
+#endif
+#define MH_JOIN_(a, b) a##_##b
+#define MH_JOIN(a, b) MH_JOIN_(a, b)
+#define MH_LEVELED(name) MH_JOIN(name, MH_LEVEL)
 #define MH_INLINE static inline __attribute__((always_inline))
 
 /* The float64 whose bit pattern is `bits`, and the reverse (bit casts, vectorisable). */
@@ -81,6 +93,16 @@ MH_INLINE double mh_exp_tail(double r) {
     return 0.5 + r * p;
 }
 
+/* 2^k for an integer k, |k| <= 1022, held in a double, with no conversion to an integer: k + 1023 lands
+ * in the low bits of k + (2^52 + 1023) (exact: an integer below 2^53), and a left shift moves them into
+ * the exponent (the 0x433 exponent bits above fall out).  mh_exp's 2^k1·2^(k−k1) as it was formed by
+ * (int64_t)n and k >> 1, bit for bit, but vectorisable in AVX2, which has neither a double↔int64
+ * conversion nor a 64-bit arithmetic shift (AVX-512 has both); floor(k/2) is k >> 1. */
+MH_INLINE double mh_scale(double k) {
+    uint64_t b = (uint64_t)mh_bits(k + (0x1p52 + 1023.0));
+    return mh_as_double((int64_t)(b << 52));
+}
+
 /* exp(x), vectorisable (kernels._exp, term by term): within one ulp of libm's and two of the correctly
  * rounded value, subnormal results included; NaN for NaN, inf above 709.79, 0 below -745.2. */
 MH_INLINE double mh_exp(double x) {
@@ -90,9 +112,9 @@ MH_INLINE double mh_exp(double x) {
     double p = mh_exp_tail(r);
     p = 1.0 + r * p;
     p = 1.0 + r * p;
-    int64_t k = (int64_t)(x != x ? 0.0 : n);
-    int64_t k1 = k >> 1;
-    return p * mh_as_double((k1 + 1023) << 52) * mh_as_double((k - k1 + 1023) << 52);
+    double k = x != x ? 0.0 : n;
+    double k1 = floor(k * 0.5);
+    return p * mh_scale(k1) * mh_scale(k - k1);
 }
 
 /* max(0, a_0 … a_{S-1}) of non-negative terms as an integer reduction (kernels._largest). */

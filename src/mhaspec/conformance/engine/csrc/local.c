@@ -121,20 +121,20 @@ MH_INLINE int64_t local_weights_rows(ARR3(const double, s), ARR3(const uint8_t, 
 }
 
 /* kernels.local_weights_chunk: the local attention-weights check of a (heads, rows, S) chunk. */
-MH_EXPORT MH_CLONES int64_t mh_local_weights_chunk(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
-                                                   double ua, double w_s, double s_s, double floor_,
-                                                   ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
-                                                   ARR2(double, work), int64_t S_seen) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_weights_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
+                                                     double ua, double w_s, double s_s, double floor_,
+                                                     ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
+                                                     ARR2(double, work), int64_t S_seen) {
     return local_weights_rows(ARG3(s), ARG3(vis), u2, ua, w_s, s_s, floor_, ARG3(ref), ARG3(sig), ARG3(wor),
                               ARG2(work), S_seen, NULL, 0, 0, 0, 0, 0, 0);
 }
 
 /* mh_local_weights_chunk and, into the (heads, rows, 7) `lse`, each row's local lse operands (no numba
  * counterpart: see local_weights_rows). */
-MH_EXPORT MH_CLONES int64_t mh_local_weights_lse_chunk(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
-                                                       double ua, double w_s, double s_s, double floor_,
-                                                       ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
-                                                       ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_weights_lse_chunk)(ARR3(const double, s), ARR3(const uint8_t, vis), double u2,
+                                                         double ua, double w_s, double s_s, double floor_,
+                                                         ARR3(double, ref), ARR3(double, sig), ARR3(double, wor),
+                                                         ARR2(double, work), int64_t S_seen, ARR3(double, lse)) {
     return local_weights_rows(ARG3(s), ARG3(vis), u2, ua, w_s, s_s, floor_, ARG3(ref), ARG3(sig), ARG3(wor),
                               ARG2(work), S_seen, ARG3(lse));
 }
@@ -142,10 +142,11 @@ MH_EXPORT MH_CLONES int64_t mh_local_weights_lse_chunk(ARR3(const double, s), AR
 /* kernels.local_scores_chunk: the local scores check of a (heads, rows, S) chunk once its products are
  * formed; `ref` (q·Kᵀ) scaled in place, sig and wor from the float32 products m_sig, m_wor, over the
  * S_seen keys the rows see (later keys 0).  Nonzero where every value is finite. */
-MH_EXPORT MH_CLONES int64_t mh_local_scores_chunk(ARR3(double, ref), ARR3(const float, m_sig), ARR3(const float, m_wor),
-                                                  double scale, double c_sig, double stored, double c_wor,
-                                                  double c_acc, double floor_, ARR3(double, sig), ARR3(double, wor),
-                                                  int64_t S_seen) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_scores_chunk)(ARR3(double, ref), ARR3(const float, m_sig),
+                                                    ARR3(const float, m_wor),
+                                                    double scale, double c_sig, double stored, double c_wor,
+                                                    double c_acc, double floor_, ARR3(double, sig), ARR3(double, wor),
+                                                    int64_t S_seen) {
     const int64_t n_heads = ref_n0, R = ref_n1, S = ref_n2;
     double chk = 0.0;
     for (int64_t h = 0; h < n_heads; h++) {
@@ -175,7 +176,7 @@ MH_EXPORT MH_CLONES int64_t mh_local_scores_chunk(ARR3(double, ref), ARR3(const 
 
 /* kernels.local_outputs_operands: the float32 operands p² and |p| of the local head-outputs check's
  * bound products, from the adapter's own weights `pc`.  Nonzero where every weight is finite. */
-MH_EXPORT MH_CLONES int64_t mh_local_outputs_operands(ARR3(const double, pc), ARR3(float, pp32), ARR3(float, apc32)) {
+MH_EXPORT int64_t MH_LEVELED(mh_local_outputs_operands)(ARR3(const double, pc), ARR3(float, pp32), ARR3(float, apc32)) {
     const int64_t n_heads = pc_n0, R = pc_n1, S = pc_n2;
     double chk = 0.0;
     for (int64_t h = 0; h < n_heads; h++) {
@@ -192,4 +193,11 @@ MH_EXPORT MH_CLONES int64_t mh_local_outputs_operands(ARR3(const double, pc), AR
         }
     }
     return isfinite(chk);
+}
+
+/* mh_exp of each of x[0 … n-1] into out, at this build's level (the tests measure its ulps and hold every
+ * level's to the baseline's). */
+MH_EXPORT void MH_LEVELED(mh_exp_array)(const double *x, double *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = mh_exp(x[i]);
 }

@@ -1,6 +1,6 @@
 /* The extension module mhaspec.conformance.engine._loops: an empty Python module whose library holds the
- * compiled chunk loops (attention.c, local.c, stage.c), which engine/native.py calls through ctypes,
- * and the few entry points below that native.py and the tests use to check the library. */
+ * compiled chunk loops (attention.c, local.c, stage.c and their per-level builds), which engine/native.py
+ * calls through ctypes, and the few entry points below that native.py and the tests use to check the library. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -15,9 +15,15 @@ MH_EXPORT int64_t mh_constants(double *out, int64_t n) {
     return m;
 }
 
-/* mh_exp of each of x[0 … n-1] into out (the tests measure its ulps). */
-MH_EXPORT void mh_exp_array(const double *x, double *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = mh_exp(x[i]);
+/* The x86-64 level whose builds of local.c and stage.c this processor runs (common.h, MH_LEVEL): 4
+ * (x86-64-v4, AVX-512), 3 (x86-64-v3, AVX2) or 0 (the baseline; every other processor). */
+MH_EXPORT int64_t mh_cpu_level(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 4;
+    if (__builtin_cpu_supports("x86-64-v3")) return 3;
+#endif
+    return 0;
 }
 
 /* mh_others_sum of a[0 … S-1]: out[0] the sum, out[1] the top term. */

@@ -8,10 +8,10 @@
  *
  * Neither loop takes a liberty that changes a maximum or an index: the maxima of a set of numbers are
  * the same in any order (no NaN reaches them: a NaN anywhere makes the stage out of the ordinary).  Their
- * sums are in a fixed order, the same on every processor and in every clone (MH_CLONES): each row's
+ * sums are in a fixed order, the same on every processor and in every level's build (common.h, MH_LEVEL): each row's
  * terms in MH_LANES lanes (lane k sums the terms j ≡ k mod MH_LANES in order), the lanes added
  * pairwise, then the rows in order; and every product is rounded before it is added (fp-contract off
- * below: a fused multiply-add exists in the AVX2 and AVX-512 clones only, so a contracted sum would
+ * below: a fused multiply-add exists in the AVX2 and AVX-512 builds only, so a contracted sum would
  * differ between processors).
  */
 #include <float.h>
@@ -138,10 +138,10 @@ static inline int64_t mh_first_ratio(const double *v, const double *g, const dou
  * first index of the largest ratio are numba's and NumPy's exactly (a ratio's first index: the first
  * segment whose largest ratio exceeds every earlier one's, strictly, and its first element holding it);
  * Σ z² is summed in this file's fixed order (numba's: one running sum). */
-MH_CLONES MH_EXPORT int64_t mh_ordinary_stage(ARR3(const double, v), ARR3(const double, g), ARR3(const double, tol),
-                                             ARR3(const double, sig), ARR3(const double, wor),
-                                             ARR3(const uint8_t, vis), int64_t use_vis, int64_t want_z,
-                                             int64_t check_float32, double *result) {
+MH_EXPORT int64_t MH_LEVELED(mh_ordinary_stage)(ARR3(const double, v), ARR3(const double, g), ARR3(const double, tol),
+                                                ARR3(const double, sig), ARR3(const double, wor),
+                                                ARR3(const uint8_t, vis), int64_t use_vis, int64_t want_z,
+                                                int64_t check_float32, double *result) {
     double bv[MH_SEGMENT], bg[MH_SEGMENT], bt[MH_SEGMENT], bs[MH_SEGMENT], bw[MH_SEGMENT], zz[MH_SEGMENT];
     int64_t bvis[MH_SEGMENT], every[MH_SEGMENT];
     for (int64_t j = 0; j < MH_SEGMENT; j++) every[j] = 1;
@@ -224,13 +224,13 @@ MH_INLINE int64_t mh_sum_squares_of(const double *v8, const float *v4, int64_t N
  * in this file's fixed order, into result[0] (second_opinion._sum_squares sums the gathered elements in
  * steps instead: the same terms, added in another order).  A NaN or infinity selected propagates (the
  * caller narrows the selection to the finite elements then).  Returns whether the sum is finite. */
-MH_CLONES MH_EXPORT int64_t mh_sum_squares(ARR3(const double, v), ARR3(const double, g), ARR3(const uint8_t, m),
-                                          int64_t use_g, int64_t use_m, double *result) {
+MH_EXPORT int64_t MH_LEVELED(mh_sum_squares)(ARR3(const double, v), ARR3(const double, g), ARR3(const uint8_t, m),
+                                             int64_t use_g, int64_t use_m, double *result) {
     return mh_sum_squares_of(v, NULL, v_n0, v_n1, v_n2, v_s0, v_s1, v_s2, ARG3(g), ARG3(m), use_g, use_m, result);
 }
 
 /* mh_sum_squares of float32 values (a plain implementation's stage in float32), each converted exactly. */
-MH_CLONES MH_EXPORT int64_t mh_sum_squares_f4(ARR3(const float, v), ARR3(const double, g), ARR3(const uint8_t, m),
-                                             int64_t use_g, int64_t use_m, double *result) {
+MH_EXPORT int64_t MH_LEVELED(mh_sum_squares_f4)(ARR3(const float, v), ARR3(const double, g), ARR3(const uint8_t, m),
+                                                int64_t use_g, int64_t use_m, double *result) {
     return mh_sum_squares_of(NULL, v, v_n0, v_n1, v_n2, v_s0, v_s1, v_s2, ARG3(g), ARG3(m), use_g, use_m, result);
 }
