@@ -32,12 +32,23 @@ def counted_calls(monkeypatch, module, names):
     return calls
 
 
+def move_allowance(p, tau):
+    """(…) the absolute difference two correct float64 evaluations of an lse bound's worst part may show beyond
+    a relative 1e-7, for rows of weights ``p`` (…, S) whose scores move by at most ``tau``: its exact bound
+    −log1p(down), down = Σ p (e^{−τ} − 1) (model.variants.lse_move), where 1 + down is tiny (a row whose weight
+    sits on one key with a large τ: bfloat16 scores of hundreds) — the sum's own rounding, S·eps of
+    Σ p |e^{−τ} − 1| <= 1, divided by 1 + down (log1p's condition there), twice (each evaluation's); inf where
+    1 + down <= 0 (the bound is then inf in both)."""
+    import numpy as np
+
+    S = p.shape[-1]
+    down = np.sum(p * np.expm1(-np.minimum(tau, 350.0)), axis=-1)
+    with np.errstate(divide="ignore"):
+        return np.where(1 + down > 0, 2 * S * np.finfo(float).eps / (1 + down), np.inf)
+
+
 def lse_worst_allowance(golden, scores_bound, dtype):
-    """(B, H, T) the absolute difference two correct float64 evaluations of the golden lse's worst part may
-    show beyond a relative 1e-7: its exact bound −log1p(down), down = Σ p (e^{−τ} − 1) (model.variants.lse_move),
-    where 1 + down is tiny (a row whose weight sits on one key with a large τ: bfloat16 scores of hundreds) —
-    the sum's own rounding, S·eps of Σ p |e^{−τ} − 1| <= 1, divided by 1 + down (log1p's condition there),
-    twice (each evaluation's); inf where 1 + down <= 0 (the bound is then inf in both)."""
+    """(B, H, T) :func:`move_allowance` of the golden lse: τ = LAMBDA·T_s from the golden scores' bound."""
     import numpy as np
 
     from mhaspec.conformance import tolerance as tol
@@ -48,6 +59,18 @@ def lse_worst_allowance(golden, scores_bound, dtype):
     sig, worst = (np.broadcast_to(x, (B, H, T, S)) for x in (scores_bound.sigma, scores_bound.worst))
     acc = np.maximum(worst - r.floor, 0.0)
     tau = np.where(vis, tol.LAMBDA * np.sqrt(sig * sig + acc * acc), 0.0)
-    down = np.sum(golden.stages["attn_weights"] * np.expm1(-np.minimum(tau, 350.0)), axis=-1)
-    with np.errstate(divide="ignore"):
-        return np.where(1 + down > 0, 2 * S * np.finfo(float).eps / (1 + down), np.inf)
+    return move_allowance(golden.stages["attn_weights"], tau)
+
+
+def local_lse_worst_allowance(golden, scores, weights, dtype):
+    """(B, H, T) :func:`move_allowance` of the local lse: τ = LAMBDA·T_s from the storage rounding of the
+    adapter's own ``scores`` (model.variants.local_lse), the rows' weights ``weights`` (its local softmax)."""
+    import numpy as np
+
+    from mhaspec.conformance import tolerance as tol
+    from mhaspec.conformance.model.vocabulary import stored
+
+    r = tol.rounding(dtype, "standard", tol.DEFAULT_TOLERANCES)
+    vis = np.broadcast_to(golden.visible, scores.shape)
+    tau = np.where(vis, tol.LAMBDA * np.sqrt(stored(r.u, np.where(vis, scores, 0.0))), 0.0)
+    return move_allowance(weights, tau)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -325,3 +326,25 @@ def test_the_local_loops_agree_at_every_level(native):
     for args in runs[1:]:
         assert np.array_equal(args[0], runs[0][0]) and np.array_equal(args[10], runs[0][10])
         assert local._rel(runs[0][9], args[9]) <= 1e-15
+
+
+def test_the_attention_loop_agrees_at_every_level(native):
+    """attention.c at every level against its baseline build, every output: the closeness the C loop keeps
+    with numba's (relative 1e-7, test_the_attention_loop_is_numbas_on_the_same_inputs), the same finite flag."""
+    levels = _levels(native)
+    rng = np.random.default_rng(7)
+    s, p, vis, m1, m2, c = _chunk(rng)
+    seen = 37
+    vis[..., seen:] = False
+    p[..., seen:] = 0.0
+    runs = []
+    for level in levels:
+        out = _outputs(s.shape, seen)
+        loop = SimpleNamespace(call=lambda name, *args, level=level: native._kernel(name, level)(*args))
+        assert _call(loop, s, p, vis, m1[..., :seen], m2[..., :seen], c, out, seen=seen) is True
+        runs.append(out)
+    for out in runs[1:]:
+        for x, y in zip(runs[0]["bounds"] + runs[0]["tol"], out["bounds"] + out["tol"]):
+            assert _rel(x, y) <= 1e-7
+        for key in ("lhs", "q", "pp32", "lhs32", "pk"):
+            assert _rel(runs[0][key].astype(np.float64), out[key].astype(np.float64)) <= 1e-7, key

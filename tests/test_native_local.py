@@ -21,7 +21,7 @@ from mhaspec.conformance.model import local, variants
 from mhaspec.reference.onthefly import golden_case
 from mhaspec.spec import CaseSpec, MHAConfig
 
-from .kernel_cases import CASES, counted_calls
+from .kernel_cases import CASES, counted_calls, local_lse_worst_allowance
 
 native = pytest.importorskip("mhaspec.conformance.engine.native", reason="the C library is not built",
                              exc_type=ImportError)
@@ -153,8 +153,18 @@ def test_the_c_local_checks_are_the_numpy_ones(goldens, name, dtype, monkeypatch
         assert _rel(r0, r1) <= 1e-14, stage
         # scores: the same formula in one sweep; the others 1e-7, as tests/test_kernels.py: the lse's worst part
         # holds exact − first order of its move (model.variants.lse_move), a cancellation of sums that the C
-        # loop adds in another order with its own expm1 (2.9e-8 seen, bfloat16)
+        # loop adds in another order with its own expm1 (2.9e-8 seen, bfloat16, AVX-512), and where 1 + down is
+        # tiny, log1p's condition on top (kernel_cases.move_allowance: 3.65e-7 relative seen in one bfloat16 row
+        # of random_mask_blind_rows with the AVX2 build)
         limit = 1e-12 if stage == "scores" else 1e-7
+        if stage == "lse":
+            assert _rel(b0[0], b1[0]) <= limit, stage
+            allowed = limit * np.abs(b0[1]) + local_lse_worst_allowance(golden, own["scores"], by_numpy["attn_weights"][0],
+                                                                      dtype)
+            assert np.array_equal(np.isfinite(b0[1]), np.isfinite(b1[1]))
+            fin = np.isfinite(b0[1])
+            assert np.all(np.abs(b0[1] - b1[1])[fin] <= allowed[fin]), stage
+            continue
         assert _rel(b0[0], b1[0]) <= limit and _rel(b0[1], b1[1]) <= limit, stage
 
 

@@ -1,8 +1,7 @@
 /* mhaspec's compiled chunk loops: the golden bounds' attention chunk (kernels.attention_chunk and
- * kernels._emit, term by term; see common.h), included by attention.c (the baseline and AVX2 build) and
- * attention_v4.c (the AVX-512 one, a translation unit of its own: see there), each defining
- * MH_ATTENTION_NAME, the name of the function it gets, MH_ATTENTION_LSE_NAME, that of the one that also forms
- * the golden lse's row operands, and MH_ATTENTION_TARGET, their attributes. */
+ * kernels._emit, term by term; see common.h), included by attention.c (once per x86-64 level: common.h,
+ * MH_LEVEL), which defines MH_ATTENTION_NAME, the name of the function it gets, MH_ATTENTION_LSE_NAME, that
+ * of the one that also forms the golden lse's row operands, and MH_ATTENTION_TARGET, their attributes. */
 
 /* The parameters of mh_attention_chunk (kernels.SIGNATURES["attention_chunk"]'s order), and its arguments
  * passed on as they came. */

@@ -1,14 +1,8 @@
-/* mhaspec's compiled chunk loops: the golden bounds' attention chunk (attention_rows.h) for x86-64-v4
- * (AVX-512), a translation unit compiled for it as a whole.  gcc lowers each `omp simd` loop before it
- * makes target_clones' clones, so the clones' reductions keep the baseline's vector length: the x86-64-v4
- * clone of this loop took ~1.4 times numba's time, this build ~1.0 (results/2026-12-07-s5-attn.md).
- * mh_attention_chunk (attention.c) calls it only where the processor has AVX-512. */
+/* mhaspec's compiled chunk loops: attention.c (the golden bounds' attention chunk) for x86-64-v4 (AVX-512),
+ * a translation unit compiled for it as a whole (common.h, MH_LEVEL: why not target_clones).  native.py
+ * binds these mh_<name>_v4 only where the processor has that level (mh_cpu_level). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("arch=x86-64-v4")
-#include "common.h"
-
-#define MH_ATTENTION_NAME mh_attention_chunk_v4
-#define MH_ATTENTION_LSE_NAME mh_attention_lse_chunk_v4
-#define MH_ATTENTION_TARGET
-#include "attention_rows.h"
+#define MH_LEVEL v4
+#include "attention.c"
 #endif

@@ -40,17 +40,11 @@
 #define ROW3(a, h, i) (a + (h) * a##_s0 + (i) * a##_s1)
 #define ROW2(a, r) (a + (r) * a##_s0)
 
-/* Each exported loop is compiled for AVX-512, AVX2 and the baseline, the processor's chosen at load
- * time (gcc's function multiversioning): the library is built at install time, wheels run anywhere. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MH_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MH_CLONES
-#endif
 #define MH_EXPORT __attribute__((visibility("default")))
 
-/* local.c and stage.c are compiled once per x86-64 level, each build a translation unit compiled for that
- * level as a whole (local_v3.c, local_v4.c, …: `#pragma GCC target`, then MH_LEVEL, then the file itself),
+/* Each loop's file (attention.c, local.c, stage.c) is compiled once per x86-64 level, each build a
+ * translation unit compiled for that level as a whole (attention_v3.c, local_v4.c, …: `#pragma GCC target`,
+ * then MH_LEVEL, then the file itself),
  * because gcc lowers each `omp simd` loop before target_clones clones it, so a clone keeps the baseline's
  * vector length (results/2026-12-07-s5-attn.md).  Each exported loop is mh_<name>_<level>; native.py binds
  * the processor's level once per process (mh_cpu_level, module.c; MHASPEC_LOOPS_LEVEL lowers it). */
