@@ -345,16 +345,7 @@ def test_a_loop_that_cannot_run_warns_once_and_leaves_the_numpy_loops(goldens, k
 
 def _local_calls(kernels, monkeypatch) -> list[tuple[str, bool]]:
     """(kernel, what it returned) of every call of the local scores and head-outputs loops, from now on."""
-    calls = []
-    for fn in ("local_scores_chunk", "local_outputs_operands"):
-        real = getattr(kernels, fn)
-
-        def counted(*args, real=real, fn=fn):
-            calls.append((fn, real(*args)))
-            return calls[-1][1]
-
-        monkeypatch.setattr(kernels, fn, counted)
-    return calls
+    return counted_calls(monkeypatch, kernels, ("local_scores_chunk", "local_outputs_operands"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
