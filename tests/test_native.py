@@ -218,16 +218,6 @@ def test_the_level_is_the_processors_unless_a_lower_one_is_named(native):
             native.chosen_level({"MHASPEC_LOOPS_LEVEL": wrong})
 
 
-def test_an_older_build_without_levels_serves_its_own_loops(monkeypatch, native):
-    """A library built before the per-level builds (no mh_cpu_level, loops as mh_<name>): loaded at "base",
-    each loop its unsuffixed function, not an AttributeError at import."""
-    old = type("OldBuild", (), {"mh_local_weights_chunk": native._LIB.mh_local_weights_chunk_base})()
-    monkeypatch.setattr(native, "_LIB", old)
-    assert native.supported_levels() == ("base",) and native.chosen_level({}) == "base"
-    assert native._symbol("local_weights_chunk", "v4") is old.mh_local_weights_chunk
-    assert native._kernel("ordinary_stage", "base") is None
-
-
 def test_the_level_named_is_the_one_bound():
     code = "from mhaspec.conformance.engine import native; print(native.LEVEL)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

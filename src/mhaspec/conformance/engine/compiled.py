@@ -204,8 +204,8 @@ def attention_chunk(kernels: Any, c: AttentionConstants, Q: np.ndarray, tQ2: np.
         ext += ([np.broadcast_to(e, shape), 0.0] if arrays else [_DUMMY, float(e)])
     with np.errstate(over="ignore", invalid="ignore"):
         ok = run(
-            kernels, "attention_chunk" if lse_rows is None else "attention_lse_chunk", s, p, vis, m1, m2, c1, c2, c.a_d.worst, c.a_d.sigma, u2, c.ua,
-            c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
+            kernels, "attention_chunk" if lse_rows is None else "attention_lse_chunk", s, p, vis, m1, m2, c1, c2,
+            c.a_d.worst, c.a_d.sigma, u2, c.ua, c.a_s.worst, c.a_s.sigma, c.floor, 1.0,
             bounds is not None, *((*bounds[0], *bounds[1]) if bounds else (_DUMMY,) * 4), tolerances is not None,
             *(ext if tolerances is not None else (False,) + (_DUMMY, 0.0) * 2), *(tolerances or (_DUMMY,) * 2),
             lhs, q, pp32, lhs32, pk, buf("k_rows", (10, S)), k, *(() if lse_rows is None else (lse_rows,)))

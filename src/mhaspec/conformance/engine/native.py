@@ -4,9 +4,9 @@ the loops of :mod:`.kernels` without numba's compilation in every process.
 The library (``csrc/*.c``, built by ``pip install`` where a C compiler is found; optional: without one the
 install goes on, and the numba loops or the NumPy ones judge, with the same verdicts) is loaded here with
 ctypes, and each loop is called by the name and with the arguments of :mod:`.kernels`'s (:func:`call`), so
-that :mod:`.compiled` takes either.  Each array travels as its pointer and its strides in elements
-(``csrc/common.h``, ARR3/ARR2: pointer, lengths, strides); an array a loop reads row by row must have a unit last stride (a read-only
-one is copied where it has not; a written one raises :class:`NativeError`).  Nothing is pickled: only
+that :mod:`.compiled` takes either.  Each array travels as its pointer, its lengths and its strides in
+elements (``csrc/common.h``, ARR3/ARR2); an array a loop reads row by row must have a unit last stride (a
+read-only one is copied where it has not; a written one raises :class:`NativeError`).  Nothing is pickled: only
 pointers and numbers cross.
 
 ``import mhaspec`` never loads the library: :func:`mhaspec.conformance.engine.compiled.kernels_for_shape` imports
@@ -45,6 +45,8 @@ def _load() -> ctypes.CDLL:
     if spec is None or spec.origin is None:
         raise ImportError(f"{LIBRARY} is not built (no C compiler at install time)")
     lib = ctypes.CDLL(spec.origin)
+    if not hasattr(lib, "mh_constants") or not hasattr(lib, "mh_cpu_level"):
+        raise ImportError(f"{spec.origin} is a build from another mhaspec (no per-level loops); reinstall mhaspec")
     expected = (LAMBDA, U64, SECOND_ORDER_CLOSED_FORM, EXP_PRODUCT)
     got = (ctypes.c_double * len(expected))()
     lib.mh_constants.restype = ctypes.c_int64
@@ -62,12 +64,9 @@ LEVELS: dict[str, int] = {"base": 0, "v3": 3, "v4": 4}
 
 
 def _cpu_level() -> int:
-    """mh_cpu_level's number; 0 for an older build, which has no per-level loops (its ``mh_<name>`` serve)."""
-    fn = getattr(_LIB, "mh_cpu_level", None)
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int64
-    return int(fn())
+    """mh_cpu_level's number (csrc/module.c): the highest of :data:`LEVELS` this processor runs."""
+    _LIB.mh_cpu_level.restype = ctypes.c_int64
+    return int(_LIB.mh_cpu_level())
 
 
 def supported_levels() -> tuple[str, ...]:
@@ -96,15 +95,15 @@ LEVEL = chosen_level()
 
 
 def _symbol(name: str, level: str) -> Any:
-    """The C function of loop ``name`` at ``level`` (``mh_<name>_<level>``; a loop built once, as the
-    attention loop, which chooses its build itself: ``mh_<name>``), or None where the library has neither."""
-    return getattr(_LIB, f"mh_{name}_{level}", None) or getattr(_LIB, f"mh_{name}", None)
+    """The C function of loop ``name`` at ``level`` (``mh_<name>_<level>``), or None where the library lacks it."""
+    return getattr(_LIB, f"mh_{name}_{level}", None)
+
 
 #: Each loop's arguments, in :mod:`.kernels`' order: an array as ``dtype/ndim`` and ``r`` (read row by row:
 #: unit last stride, copied where it has not), ``w`` (written: unit last stride and the dtype, or
 #: :class:`NativeError`) or ``a`` (read with any strides, a broadcast view too); ``f8`` a float, ``b1`` a
-#: flag, ``i8`` an integer.  The C function is ``mh_<name>``, each array as pointer, lengths and strides (ARR3/ARR2),
-#: returning an int64 (nonzero: every value finite), or, for those in :data:`RESULTS`, writing that many
+#: flag, ``i8`` an integer.  The C function is ``mh_<name>_<level>``, each array as pointer, lengths and strides
+#: (ARR3/ARR2), returning an int64 (nonzero: every value finite), or, for those in :data:`RESULTS`, writing that many
 #: float64s into a last pointer argument.
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "attention_chunk": ("f8/3w", "f8/3w", "b1/3a", "f4/3r", "f4/3r", *("f8",) * 10,
@@ -166,13 +165,11 @@ def _array(a: Any, kind: str, name: str, position: int) -> list[Any]:
     return [a, a.ctypes.data, *a.shape, *strides]
 
 
-def _kernel(name: str, level: str = LEVEL) -> Callable[..., Any] | None:
-    """The loop ``name`` at ``level`` with :mod:`.kernels`' arguments, or None where the library lacks it."""
+def _kernel(name: str, level: str = LEVEL) -> Callable[..., Any]:
+    """The loop ``name`` at ``level`` with :mod:`.kernels`' arguments (the library has it: :func:`lacking`)."""
     kinds = SIGNATURES[name]
     results = RESULTS.get(name, ())
     fn = _symbol(name, level)
-    if fn is None:
-        return None
     fn.argtypes = _argtypes(kinds, len(results))
     fn.restype = ctypes.c_int64
 
@@ -194,7 +191,7 @@ def _kernel(name: str, level: str = LEVEL) -> Callable[..., Any] | None:
         return tuple(kind(x) for kind, x in zip(results, out))
 
     loop.__name__ = loop.__qualname__ = name
-    loop.__doc__ = f"The compiled ``{name}`` of :mod:`.kernels` (csrc: ``mh_{name}``)."
+    loop.__doc__ = f"The compiled ``{name}`` of :mod:`.kernels` (csrc: ``mh_{name}_{level}``)."
     return loop
 
 

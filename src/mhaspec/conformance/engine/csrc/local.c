@@ -4,9 +4,6 @@
  * operands, finished in Python by its own formulas, tolerance.local_references). */
 #include "common.h"
 
-/* A 2-D argument passed on to a helper that takes it as ARR2. */
-#define ARG2(a) a, a##_n0, a##_n1, a##_s0, a##_s1
-
 /* The weights loop's constants (kernels.local_weights_chunk's arguments) and its work rows. */
 typedef struct {
     double u2, ua, w_s, s_s, floor_, stored;

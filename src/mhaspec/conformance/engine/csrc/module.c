@@ -15,8 +15,8 @@ MH_EXPORT int64_t mh_constants(double *out, int64_t n) {
     return m;
 }
 
-/* The x86-64 level whose builds of local.c and stage.c this processor runs (common.h, MH_LEVEL): 4
- * (x86-64-v4, AVX-512), 3 (x86-64-v3, AVX2) or 0 (the baseline; every other processor). */
+/* The x86-64 level whose builds of attention.c, local.c and stage.c this processor runs (common.h,
+ * MH_LEVEL): 4 (x86-64-v4, AVX-512), 3 (x86-64-v3, AVX2) or 0 (the baseline; every other processor). */
 MH_EXPORT int64_t mh_cpu_level(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     __builtin_cpu_init();
